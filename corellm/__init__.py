@@ -1,0 +1,28 @@
+"""corellm: a pluggable LLM inference engine.
+
+    from corellm import LLM, SamplingParams
+    llm = LLM({"model": {"path": "./my-checkpoint"}})
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
+"""
+
+from corellm.hookspecs import hookimpl
+from corellm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "hookimpl", "load_config", "__version__"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch; plugin modules import `corellm.hookimpl` and must stay light.
+    if name == "LLM":
+        from corellm.engine.llm import LLM
+        return LLM
+    if name in ("EngineConfig", "load_config"):
+        from corellm import config
+        return getattr(config, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from corellm import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'corellm' has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""Typed objects that registration hooks yield, and the option models of each section.
+
+A plugin registers a component by yielding a spec, e.g.::
+
+    SchedulerSpec(name="fcfs", factory=make_fcfs, options=FCFSOptions, summary="...")
+
+The factory is called only if the config selects the component, so heavy imports belong inside it.
+Each options model is pydantic with ``extra="forbid"``: its fields are the section's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from corellm.config import EngineConfig
+    from corellm.interfaces import AttentionBackend, KVCacheManager
+    from corellm.model_config import ModelArchConfig
+    from corellm.plugins import Registry
+
+
+# --------------------------------------------------------------------------- option models
+class ComponentOptions(BaseModel):
+    """Base of every section's options: ``name`` selects the plugin, the rest is the plugin's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+
+
+class SchedulerOptions(ComponentOptions):
+    """Options every scheduler understands (the shared batching mechanism's knobs)."""
+
+    name: str = "fcfs"
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step, prefill and decode together.")
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps to fit the token budget.")
+
+
+class KVCacheOptions(ComponentOptions):
+    name: str = "paged"
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; when absent, sized from memory_gib.")
+    memory_gib: float = Field(
+        1.0, gt=0, description="KV-cache memory budget (GiB) used when num_blocks is absent.")
+
+
+class AttentionOptions(ComponentOptions):
+    name: str = "torch_sdpa"
+
+
+class ExecutorOptions(ComponentOptions):
+    name: str = "uniproc"
+    tensor_parallel_size: int = Field(1, ge=1, description="Workers the model is sharded across.")
+
+
+class SamplerOptions(ComponentOptions):
+    name: str = "default"
+
+
+class FrontendOptions(ComponentOptions):
+    name: str = "openai"
+
+
+class NoOptions(ComponentOptions):
+    """For components with nothing to configure beyond their name."""
+
+
+# --------------------------------------------------------------------------- build context
+@dataclass
+class BuildContext:
+    """Handed to every factory. Fields a component kind cannot use yet are None."""
+
+    config: EngineConfig
+    registry: Registry
+    arch: ModelArchConfig | None = None
+    device: Any = None                 # torch.device, for worker-side components
+    dtype: Any = None                  # torch.dtype
+    kv_cache_manager: KVCacheManager | None = None
+    num_kv_blocks: int | None = None
+    attention_backend: AttentionBackend | None = None
+    max_model_len: int | None = None
+
+
+# --------------------------------------------------------------------------- specs
+@dataclass(frozen=True, kw_only=True)
+class ComponentSpec:
+    """A component a plugin offers. ``name`` is unique per kind, lower-case."""
+
+    kind: ClassVar[str] = ""
+    section: ClassVar[str] = ""
+    name: str
+    factory: Callable[..., Any]
+    options: type[ComponentOptions] = NoOptions
+    summary: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSpec(ComponentSpec):
+    """``factory(options, ctx) -> Scheduler``; ``ctx.kv_cache_manager`` is set."""
+
+    kind: ClassVar[str] = "scheduler"
+    section: ClassVar[str] = "scheduler"
+    options: type[ComponentOptions] = SchedulerOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheManagerSpec(ComponentSpec):
+    """``factory(options, ctx) -> KVCacheManager``; ``ctx.num_kv_blocks`` is set."""
+
+    kind: ClassVar[str] = "kv_cache_manager"
+    section: ClassVar[str] = "kv_cache"
+    options: type[ComponentOptions] = KVCacheOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBackendSpec(ComponentSpec):
+    """``factory(options, ctx) -> AttentionBackend``; called in each worker."""
+
+    kind: ClassVar[str] = "attention_backend"
+    section: ClassVar[str] = "attention"
+    options: type[ComponentOptions] = AttentionOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorSpec(ComponentSpec):
+    """``factory(options, ctx) -> Executor``."""
+
+    kind: ClassVar[str] = "executor"
+    section: ClassVar[str] = "executor"
+    options: type[ComponentOptions] = ExecutorOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerSpec(ComponentSpec):
+    """``factory(options, ctx) -> Sampler``; called in each worker."""
+
+    kind: ClassVar[str] = "sampler"
+    section: ClassVar[str] = "sampler"
+    options: type[ComponentOptions] = SamplerOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendSpec(ComponentSpec):
+    """``factory(options, ctx) -> Frontend``."""
+
+    kind: ClassVar[str] = "frontend"
+    section: ClassVar[str] = "frontend"
+    options: type[ComponentOptions] = FrontendOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(ComponentSpec):
+    """A model implementation, chosen by the checkpoint's ``architectures`` (config.json).
+
+    ``factory(arch, ctx) -> CausalLM`` where ``arch`` is the normalized ``ModelArchConfig``;
+    ``ctx.device`` and ``ctx.dtype`` are set and the factory builds the module on them.
+    """
+
+    kind: ClassVar[str] = "model"
+    section: ClassVar[str] = "model"
+    architectures: Sequence[str] = field(default=())
+
+
+SECTION_SPECS: dict[str, type[ComponentSpec]] = {
+    spec.section: spec
+    for spec in (SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec, ExecutorSpec,
+                 SamplerSpec, FrontendSpec)
+}
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]

@@ -1,0 +1,217 @@
+"""One pydantic configuration, composed from the core's sections and the selected plugins' options.
+
+Every section but ``model`` and ``plugins`` is ``{name: <plugin>, ...that plugin's options}``,
+flat; the options are validated by the selected plugin's options model (``extra="forbid"``), so
+``config.scheduler`` *is* the plugin's typed options object. Errors name the key path and, for a
+misspelling, the likely intended key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+
+from corellm.components import (SECTION_SPECS, AttentionOptions, ComponentOptions, DType,
+                                ExecutorOptions, FrontendOptions, KVCacheOptions, SamplerOptions,
+                                SchedulerOptions)
+from corellm.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from corellm.plugins import Registry
+
+
+class ModelConfig(BaseModel):
+    """The ``model`` section (owned by the core: the model plugin is chosen by the checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(
+        None, description="Hugging Face checkpoint directory (config.json + safetensors). "
+                          "Absent: the built-in demo model.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: model.path.")
+    dtype: DType = Field("auto", description="Weights and activations dtype; auto = the "
+                                             "checkpoint's, float32 for float16 on CPU.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; default: the checkpoint's "
+                                "max_position_embeddings.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available.")
+    seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+
+
+class PluginsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    disable: list[str] = Field(default_factory=list,
+                               description="Entry-point names of plugins not to load.")
+
+
+class EngineConfig(BaseModel):
+    """The whole engine configuration. Build it with ``load_config``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    scheduler: SerializeAsAny[SchedulerOptions] = Field(default_factory=SchedulerOptions)
+    kv_cache: SerializeAsAny[KVCacheOptions] = Field(default_factory=KVCacheOptions)
+    attention: SerializeAsAny[AttentionOptions] = Field(default_factory=AttentionOptions)
+    executor: SerializeAsAny[ExecutorOptions] = Field(default_factory=ExecutorOptions)
+    sampler: SerializeAsAny[SamplerOptions] = Field(default_factory=SamplerOptions)
+    frontend: SerializeAsAny[FrontendOptions] | None = None
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
+    "scheduler": SchedulerOptions, "kv_cache": KVCacheOptions, "attention": AttentionOptions,
+    "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
+}
+SECTIONS = ["model", *PLUGIN_SECTIONS, "plugins"]
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file into a dict, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("", f"config file {str(path)!r} does not exist")])
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError([("", f"cannot parse: {exc}")], source=str(path)) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"top level must be a mapping, got {type(data).__name__}")],
+                          source=str(path))
+    return data
+
+
+def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = None,
+                registry: Registry | None = None) -> EngineConfig:
+    """Validate a config given as an ``EngineConfig``, a mapping, or a YAML/TOML/JSON file path.
+
+    Without a ``registry`` one is built from the installed plugins (honouring
+    ``plugins.disable``). All problems are reported together in one ``ConfigError``.
+    """
+    if isinstance(source, EngineConfig):
+        return source
+    origin = None
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, (str, Path)):
+        origin = str(source)
+        data = read_config_file(source)
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        raise TypeError(f"config must be an EngineConfig, a mapping or a path, not {type(source)}")
+
+    problems: list[tuple[str, str]] = []
+    for key in data:
+        if key not in SECTIONS:
+            problems.append((str(key), "unknown section" + _suggest(str(key), SECTIONS)))
+
+    values: dict[str, Any] = {}
+    values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
+    values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
+    if values["plugins"] is None:
+        raise ConfigError(problems, source=origin)
+    if registry is None:
+        from corellm.plugins import load_registry
+        registry = load_registry(disable=values["plugins"].disable)
+
+    for section, base in PLUGIN_SECTIONS.items():
+        raw = data.get(section)
+        if raw is None and section == "frontend":
+            continue
+        raw = {} if raw is None else raw
+        if not isinstance(raw, Mapping):
+            problems.append((section, f"expected a mapping, got {type(raw).__name__}"))
+            continue
+        raw = dict(raw)
+        name = raw.get("name", base.model_fields["name"].default)
+        if not isinstance(name, str):
+            problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
+            continue
+        try:
+            entry = registry.get(section, name)
+        except PluginError as exc:
+            problems.append((f"{section}.name", str(exc)))
+            continue
+        raw["name"] = name
+        values[section] = _validate_model(entry.spec.options, raw, section, problems,
+                                          owner=entry.plugin.describe())
+    if problems:
+        raise ConfigError(problems, source=origin)
+    return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def _validate_model(model: type[BaseModel], raw: Any, section: str,
+                    problems: list[tuple[str, str]], owner: str | None = None) -> Any:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        problems.append((section, f"expected a mapping, got {type(raw).__name__}"))
+        return None
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as exc:
+        fields = list(model.model_fields)
+        for err in exc.errors():
+            path = ".".join([section, *(str(p) for p in err["loc"])])
+            if err["type"] == "extra_forbidden":
+                key = str(err["loc"][-1])
+                msg = "unknown option" + _suggest(key, fields)
+                if owner:
+                    msg += f" (options of {owner}: {', '.join(f for f in fields if f != 'name')})"
+            else:
+                msg = f"{err['msg']} (got {err.get('input')!r})"
+            problems.append((path, msg))
+        return None
+
+
+def _suggest(key: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def config_schema(registry: Registry) -> dict[str, Any]:
+    """JSON schema of the config for the installed plugin set: each plugin section is a ``oneOf``
+    over the installed plugins of that kind, discriminated by ``name``."""
+    properties: dict[str, Any] = {
+        "model": ModelConfig.model_json_schema(),
+        "plugins": PluginsConfig.model_json_schema(),
+    }
+    for section in PLUGIN_SECTIONS:
+        variants = []
+        for name in registry.choices(section):
+            entry = registry.get(section, name)
+            schema = entry.spec.options.model_json_schema()
+            schema["properties"]["name"] = {"const": name, "default": name}
+            schema["title"] = f"{section}: {name}"
+            schema["description"] = f"{entry.spec.summary} [{entry.plugin.describe()}]".strip()
+            variants.append(schema)
+        properties[section] = {"oneOf": variants} if variants else {"type": "object"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "corellm engine config",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
+assert set(PLUGIN_SECTIONS) == set(SECTION_SPECS)

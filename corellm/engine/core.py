@@ -1,0 +1,112 @@
+"""The engine core: components composed from the config, and the step loop."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from corellm.components import BuildContext
+from corellm.config import EngineConfig
+from corellm.errors import ConfigError
+from corellm.interfaces import Executor, KVCacheManager, ModelInfo, Scheduler
+from corellm.outputs import EngineCoreOutput, EngineStats, StepStats
+from corellm.plugins import Registry
+from corellm.request import EngineCoreRequest, Request, RequestStatus
+
+
+class EngineCore:
+    """Owns the scheduler, the KV-cache manager and the executor; ``step()`` is the whole loop."""
+
+    def __init__(self, config: EngineConfig, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        ctx = BuildContext(config=config, registry=registry)
+        self.executor: Executor = registry.get("executor", config.executor.name).spec.factory(
+            config.executor, ctx)
+        try:
+            self.model_info: ModelInfo = self.executor.model_info
+            num_blocks = self.executor.determine_num_kv_blocks()
+            self._check_capacity(num_blocks)
+            self.executor.initialize_kv_cache(num_blocks)
+            ctx.num_kv_blocks = num_blocks
+            self.kv_cache_manager: KVCacheManager = registry.get(
+                "kv_cache", config.kv_cache.name).spec.factory(config.kv_cache, ctx)
+            ctx.kv_cache_manager = self.kv_cache_manager
+            self.scheduler: Scheduler = registry.get(
+                "scheduler", config.scheduler.name).spec.factory(config.scheduler, ctx)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_steps = 0
+        self.timings: dict[str, float] = defaultdict(float)
+        self._observe_steps = registry.implements("corellm_step_finished")
+        registry.hook.corellm_engine_started(config=config)
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        block_size = self.config.kv_cache.block_size
+        max_len = self.model_info.max_model_len
+        if num_blocks * block_size < max_len:
+            raise ConfigError([("kv_cache.num_blocks",
+                                f"{num_blocks} blocks x {block_size} tokens cannot hold one "
+                                f"request of model.max_model_len={max_len} tokens; raise "
+                                "kv_cache.num_blocks / kv_cache.memory_gib or lower "
+                                "model.max_model_len")])
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            raise ConfigError([("scheduler.max_num_batched_tokens",
+                                f"{sched.max_num_batched_tokens} < model.max_model_len={max_len} "
+                                "with chunked prefill disabled: long prompts could never run")])
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(request, self.model_info.max_model_len))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[EngineCoreOutput]:
+        """schedule -> execute model -> sample -> update."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        try:
+            self.executor.execute_model(plan)
+            sampled = self.executor.sample_tokens(plan)
+        except BaseException:
+            # Nothing is lost: the requests of a failed step end with reason "error" and their
+            # blocks return to the pool; the caller sees the exception.
+            self.scheduler.abort_requests(plan.num_scheduled_tokens,
+                                          RequestStatus.FINISHED_ERROR)
+            raise
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(plan, sampled)
+        t3 = time.perf_counter()
+
+        self.num_steps += 1
+        tm = self.timings
+        tm["schedule"] += t1 - t0
+        for phase, seconds in sampled.timings.items():
+            tm[phase] += seconds
+        tm["execute"] += t2 - t1
+        tm["update"] += t3 - t2
+        tm["step"] += t3 - t0
+        if self._observe_steps and not plan.is_empty:
+            self.registry.hook.corellm_step_finished(stats=StepStats(
+                step=self.num_steps, num_scheduled_reqs=len(plan.num_scheduled_tokens),
+                num_scheduled_tokens=plan.total_num_scheduled_tokens,
+                num_finished_reqs=sum(o.finished for o in outputs),
+                timings={"schedule": t1 - t0, **sampled.timings, "update": t3 - t2},
+                scheduler=self.scheduler.get_stats()))
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(**vars(s), num_steps=self.num_steps, timings=dict(self.timings))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,41 @@
+"""Exceptions corellm raises at its boundaries. Each names what is wrong and where."""
+
+from __future__ import annotations
+
+
+class CorellmError(Exception):
+    """Base class of every error corellm raises on purpose."""
+
+
+class ConfigError(CorellmError, ValueError):
+    """The engine configuration is invalid.
+
+    ``problems`` holds one ``(key_path, message)`` pair per problem, e.g.
+    ``("scheduler.max_num_seq", "unknown option; did you mean max_num_seqs?")``.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        head = f"invalid corellm config{f' ({source})' if source else ''}"
+        lines = [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in self.problems]
+        super().__init__(head + ":\n" + "\n".join(lines))
+
+
+class PluginError(CorellmError):
+    """A plugin could not be loaded, is ambiguous, or does not satisfy its hook specification."""
+
+
+class InvalidRequestError(CorellmError, ValueError):
+    """A request (prompt or sampling parameters) was rejected before anything was scheduled.
+
+    ``field`` names the offending field, e.g. ``"sampling_params.top_p"`` or ``"prompt"``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class CheckpointError(CorellmError):
+    """A model checkpoint directory is missing, incomplete or malformed."""

@@ -1,0 +1,138 @@
+"""Hook specifications: the contract between corellm and its plugins.
+
+A plugin is a module (or object) with functions named after these hooks and decorated with
+``corellm.hookimpl``. It is found through the ``corellm`` entry-point group::
+
+    # pyproject.toml of a plugin package
+    [project.entry-points.corellm]
+    my_policy = "my_package.plugin"
+
+Registration hooks (``corellm_schedulers`` ... ``corellm_frontends``) are called once, when the
+plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
+Every implementation is called and all results are collected (none is "first wins"). Two specs of
+one kind with the same name is an error naming both distributions.
+
+Observer hooks (``corellm_step_finished``) are called by the engine while it runs; they must be
+cheap, and their return value is ignored. pluggy stays off the per-token path: no hook is ever
+called per request or per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendSpec,
+                                    KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
+    from corellm.config import EngineConfig
+    from corellm.outputs import StepStats
+
+PROJECT_NAME = "corellm"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --------------------------------------------------------------------------- registration hooks
+@hookspec
+def corellm_schedulers() -> Iterable[SchedulerSpec]:
+    """Register schedulers, selected by ``scheduler.name`` in the config.
+
+    Called once when the registry is built. Return an iterable of ``SchedulerSpec``. The factory
+    receives the validated options (a subclass of ``SchedulerOptions``) and a ``BuildContext``
+    whose ``kv_cache_manager`` is set; it returns a ``corellm.interfaces.Scheduler``. Most
+    policies compose the core's ``BatchScheduler`` with a ``SchedulingPolicy``::
+
+        @hookimpl
+        def corellm_schedulers():
+            yield SchedulerSpec(
+                name="shortest_prompt_first",
+                factory=lambda opts, ctx: BatchScheduler(opts, ctx.kv_cache_manager, SPF()),
+                summary="Admit the shortest waiting prompt first.",
+            )
+    """
+
+
+@hookspec
+def corellm_kv_cache_managers() -> Iterable[KVCacheManagerSpec]:
+    """Register KV-cache managers, selected by ``kv_cache.name``.
+
+    Called once when the registry is built. Return an iterable of ``KVCacheManagerSpec``. The
+    factory receives options (a subclass of ``KVCacheOptions``) and a ``BuildContext`` whose
+    ``num_kv_blocks`` is the size of the pool the workers allocated; it returns a
+    ``corellm.interfaces.KVCacheManager``.
+    """
+
+
+@hookspec
+def corellm_attention_backends() -> Iterable[AttentionBackendSpec]:
+    """Register attention backends, selected by ``attention.name``.
+
+    Called once when the registry is built (and once in every worker process). Return an
+    iterable of ``AttentionBackendSpec``. The factory runs inside each worker with
+    ``ctx.device`` and ``ctx.dtype`` set and returns a ``corellm.interfaces.AttentionBackend``.
+    """
+
+
+@hookspec
+def corellm_executors() -> Iterable[ExecutorSpec]:
+    """Register executors, selected by ``executor.name``.
+
+    Called once when the registry is built. Return an iterable of ``ExecutorSpec``. The factory
+    receives options (a subclass of ``ExecutorOptions``) and a ``BuildContext``; it returns a
+    ``corellm.interfaces.Executor`` that creates and drives the workers.
+    """
+
+
+@hookspec
+def corellm_samplers() -> Iterable[SamplerSpec]:
+    """Register samplers, selected by ``sampler.name``.
+
+    Called once when the registry is built. Return an iterable of ``SamplerSpec``. The factory
+    runs inside each worker and returns a ``corellm.interfaces.Sampler``.
+    """
+
+
+@hookspec
+def corellm_models() -> Iterable[ModelSpec]:
+    """Register model implementations for checkpoint architectures.
+
+    Called once when the registry is built. Return an iterable of ``ModelSpec``; each lists the
+    ``architectures`` strings (as in a Hugging Face ``config.json``) it implements. The model for
+    a checkpoint is the unique spec listing its architecture; two specs claiming one
+    architecture is an error naming both distributions. The factory receives the normalized
+    ``ModelArchConfig`` and a ``BuildContext`` with ``device`` and ``dtype`` set, and returns a
+    module implementing ``corellm.interfaces.CausalLM``.
+    """
+
+
+@hookspec
+def corellm_frontends() -> Iterable[FrontendSpec]:
+    """Register front ends (servers), selected by ``frontend.name``.
+
+    Called once when the registry is built. Return an iterable of ``FrontendSpec``. The factory
+    receives options (a subclass of ``FrontendOptions``) and a ``BuildContext``; it returns a
+    ``corellm.interfaces.Frontend``.
+    """
+
+
+# --------------------------------------------------------------------------- observer hooks
+@hookspec
+def corellm_engine_started(config: EngineConfig) -> None:
+    """Called once when an engine core has built its components and allocated its KV cache,
+    before the first step. ``config`` is the fully validated configuration. Return value ignored.
+    """
+
+
+@hookspec
+def corellm_step_finished(stats: StepStats) -> None:
+    """Called after every engine step that scheduled work, with that step's ``StepStats``
+    (tokens scheduled, phase timings, a scheduler snapshot). Metrics sinks implement this.
+
+    Runs on the engine's hot loop: keep it to microseconds (hand work to a thread if it is
+    slower). Return value ignored. The engine does not call it at all when no plugin implements
+    it.
+    """

@@ -1,0 +1,216 @@
+"""The interfaces every plugin kind implements.
+
+The engine core talks to components only through these. Shared mechanism that several
+implementations need (the batching scheduler, the block pool) lives in the core as a library
+(``corellm.scheduling``, ``corellm.block_pool``) that plugins compose.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from corellm.request import RequestStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from corellm.attention import AttentionMetadata
+    from corellm.outputs import (EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
+                                 SchedulerStats)
+    from corellm.request import Request
+    from corellm.sampling import SamplerOutput, SamplingMetadata
+
+
+class Scheduler(ABC):
+    """Decides, each step, which requests run and how many tokens each computes."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       ) -> list[EngineCoreOutput]:
+        """Finish the named unfinished requests with ``status`` (aborted, or error when a step
+        failed), free their KV blocks, and return their final outputs. Unknown ids are ignored."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput: ...
+
+    @abstractmethod
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def get_stats(self) -> SchedulerStats: ...
+
+
+class SchedulingPolicy(ABC):
+    """The decisions a scheduling policy makes; the core's ``BatchScheduler`` does the rest.
+
+    A policy cannot leak a KV block or lose a request: it only orders and chooses, and the
+    mechanism owns every state transition.
+    """
+
+    @abstractmethod
+    def waiting_key(self, request: Request) -> Any:
+        """Sort key of the waiting queue: the smallest key is admitted first.
+
+        Keys must be comparable among themselves; ties are broken by arrival order.
+        Preempted requests rejoin the queue under the same key.
+        """
+
+    @abstractmethod
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        """Pick the request to preempt when KV blocks run out. ``running`` is in admission order."""
+
+    def can_admit(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether the head of the waiting queue may start now. Default: whenever it fits."""
+        return True
+
+
+class KVCacheManager(ABC):
+    """Owns the mapping from requests to KV-cache blocks (bookkeeping only: the tensors live in
+    the workers). Every block a request holds returns to the pool on ``free``."""
+
+    block_size: int
+    num_blocks: int
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Make room for ``request.num_computed_tokens + num_new_tokens`` tokens.
+
+        Returns the newly allocated block ids (possibly empty), or ``None`` when the pool cannot
+        satisfy the request, in which case nothing was allocated.
+        """
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release every block the request holds. Idempotent."""
+
+    @abstractmethod
+    def get_block_ids(self, request: Request) -> list[int]: ...
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request whose KV is already cached (prefix caching). Default: none."""
+        return 0
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static facts about one attention layer, given to the backend at every call."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention over it."""
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (K and V together)."""
+
+    def build_metadata(self, common: AttentionMetadata) -> Any:
+        """Precompute, once per step, whatever the backend needs beyond the common metadata."""
+        return common
+
+    @abstractmethod
+    def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] (T: tokens this step).
+
+        Writes key/value into ``kv_cache`` at ``metadata.slot_mapping`` first, then attends over
+        each request's cached context plus its new tokens, causally."""
+
+
+class Sampler(ABC):
+    """Turns the logits of the rows that sample into token ids (and logprobs when asked)."""
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput: ...
+
+
+class Executor(ABC):
+    """Runs the workers. The engine core calls it once or twice per step."""
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit the configured budget (or the configured ``num_blocks``)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the forward pass for the plan; logits stay with the workers."""
+
+    @abstractmethod
+    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Sample from the logits of the last ``execute_model`` call."""
+
+    @property
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    def shutdown(self) -> None:
+        """Release workers. Idempotent."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model."""
+
+    vocab_size: int
+    max_model_len: int
+    architecture: str
+
+
+class Frontend(ABC):
+    """Serves the engine to the outside world (e.g. an OpenAI-compatible HTTP server)."""
+
+    @abstractmethod
+    def run(self) -> None:
+        """Serve until asked to stop."""
+
+
+class CausalLM(ABC):
+    """What a model plugin's factory returns: a ``torch.nn.Module`` that also derives from this.
+
+    The model runner owns the KV-cache tensors and hands each attention layer its slice through
+    ``bind_kv_caches``; attention metadata travels as a forward argument, never as global state.
+    """
+
+    num_layers: int
+    num_kv_heads: int       # per worker (after tensor-parallel sharding)
+    head_size: int
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] (float32)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (checkpoint name, tensor) pairs; raise on anything missing or unexpected."""
+
+    @abstractmethod
+    def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None: ...

@@ -1,0 +1,71 @@
+"""Rotary position embeddings (the rotate-half form Llama-family checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from corellm.errors import CheckpointError
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    # Same arithmetic as the reference implementation, so cos/sin match bit for bit in float32.
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, Hkv, D] at the given positions, from a cos/sin
+    table precomputed for every position up to ``max_positions``."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(head_dim, theta)
+        attention_factor = 1.0
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type != "default":
+            raise CheckpointError(f"rope_type {rope_type!r} is not supported "
+                                  "(supported: default, linear, llama3)")
+        positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(positions, inv_freq)                  # [P, D/2]
+        # Plain attributes rather than buffers: models are built on the meta device and
+        # materialized with to_empty(), which would leave buffers uninitialized.
+        self.cos = (freqs.cos() * attention_factor).to(device)      # [P, D/2] float32
+        self.sin = (freqs.sin() * attention_factor).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def get_rope(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+             device: torch.device | str = "cpu") -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_positions, theta, scaling, device)

@@ -1,0 +1,171 @@
+"""Reading a Hugging Face checkpoint directory: its config (both transformers 4 and 5
+spellings) and its safetensors weights (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corellm.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The architecture facts model plugins need, normalized from ``config.json``."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None     # rope_type and its parameters, None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    sliding_window: int | None
+    eos_token_id: int | list[int] | None
+    checkpoint_dtype: str | None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArchConfig:
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise CheckpointError(f"{source}: missing required key {key!r}")
+            return cfg[key]
+
+        # Rope: transformers >= 5 nests theta and scaling in `rope_parameters`; 4.x spells them
+        # `rope_theta` and `rope_scaling` (whose type key was once `type`).
+        rope_params = cfg.get("rope_parameters")
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:
+            rope_params = rope_params["full_attention"]   # per-layer-type form
+        if isinstance(rope_params, dict):
+            rope = dict(rope_params)
+            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        else:
+            rope = dict(cfg.get("rope_scaling") or {})
+            theta = float(cfg.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default")) or "default"
+        partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise CheckpointError(f"{source}: partial_rotary_factor={partial} is not supported")
+        rope_scaling = None if rope_type == "default" and not rope else {"rope_type": rope_type, **rope}
+
+        model_type = str(cfg.get("model_type", ""))
+        sliding = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None:
+            if "sliding_attention" not in layer_types:
+                sliding = None
+        elif model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        return cls(
+            architectures=tuple(cfg.get("architectures") or ()),
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_id=cfg.get("eos_token_id"),
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            raw=cfg,
+        )
+
+
+def checkpoint_dir(path: str | Path, key: str = "model.path") -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"{key}: {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"{key}: {str(p)!r} is not a directory (expected a Hugging Face "
+                              "checkpoint directory with config.json and *.safetensors)")
+    return p
+
+
+def load_arch_config(path: str | Path) -> ModelArchConfig:
+    p = checkpoint_dir(path)
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"model.path: {str(p)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}: malformed JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object")
+    return ModelArchConfig.from_dict(cfg, source=str(cfg_file))
+
+
+def load_generation_eos_ids(path: str | Path) -> list[int]:
+    """Extra end-of-sequence ids from ``generation_config.json`` (e.g. chat models' end-of-turn)."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return []
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    p = checkpoint_dir(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: malformed index ({exc})") from exc
+        files = [p / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model.path: {str(p)!r} has no *.safetensors weights "
+                              "(PyTorch .bin checkpoints are not supported; re-save with "
+                              "safe_serialization=True)")
+    return files
+
+
+def iter_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, tensor) for every tensor of the checkpoint, one shard at a time."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc

@@ -1,0 +1,161 @@
+"""The data that flows through one engine step, and what callers receive.
+
+SchedulerOutput (the plan) -> ModelRunnerOutput (sampled ids, logprobs) -> EngineCoreOutput
+(per-request delta) -> RequestOutput / CompletionOutput.
+The step-plan types are plain data so an executor can ship them to worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from corellm.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------- the step plan
+@dataclass
+class NewRequestData:
+    """A request the workers have no state for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]          # prompt + output so far: everything that may need computing
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step: which requests run, with how many new tokens each."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]      # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests whose worker-side state must be dropped before this step runs: finished, aborted
+    # or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# --------------------------------------------------------------------------- worker results
+@dataclass
+class LogprobsLists:
+    """Per sampled row: ``token_ids[i][0]`` is the sampled token, the rest the top-N, best first."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]      # 1-based rank of the sampled token in the full distribution
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the workers return for one step: a sampled token for every request that reached the
+    end of its known tokens (a partial prefill chunk samples nothing)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: LogprobsLists | None = None
+    # Seconds spent in the worker's phases this step: "prepare_inputs", "forward", "sample".
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+# --------------------------------------------------------------------------- core -> client
+@dataclass
+class EngineCoreOutput:
+    """The per-step delta of one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# --------------------------------------------------------------------------- what callers get
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+
+
+# --------------------------------------------------------------------------- observability
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and its KV pool."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    num_prompt_tokens: int = 0          # prompt tokens computed so far (recomputation included)
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """What ``LLM.get_stats()`` returns: the scheduler snapshot plus engine counters."""
+
+    num_steps: int = 0
+    # Cumulative seconds per phase of the step loop: schedule, prepare_inputs, forward, sample,
+    # update; "step" is the whole of EngineCore.step().
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepStats:
+    """Passed to ``corellm_step_finished`` after every engine step."""
+
+    step: int
+    num_scheduled_reqs: int
+    num_scheduled_tokens: int
+    num_finished_reqs: int
+    timings: dict[str, float]
+    scheduler: SchedulerStats

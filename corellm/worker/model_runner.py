@@ -1,0 +1,254 @@
+"""Turns a SchedulerOutput into input tensors and attention metadata, runs the model, samples.
+
+Per-request state (token ids, block ids, progress) persists across steps and is updated from the
+deltas in each plan; only the flat per-step arrays are rebuilt, with vectorized numpy (one Python
+iteration per request, never per token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from corellm.attention import AttentionMetadata
+from corellm.components import BuildContext
+from corellm.config import EngineConfig
+from corellm.errors import CheckpointError
+from corellm.interfaces import CausalLM, ModelInfo
+from corellm.model_config import ModelArchConfig, iter_weights, load_arch_config
+from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from corellm.plugins import Registry
+from corellm.sampling import SamplingMetadata
+from corellm.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SEED_MIX = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+@dataclass
+class ResolvedModel:
+    path: str
+    arch: ModelArchConfig
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("model.device: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_model(config: EngineConfig, model_path: str) -> ResolvedModel:
+    """Checkpoint facts combined with the config: final max_model_len, dtype and device."""
+    arch = load_arch_config(model_path)
+    device = resolve_device(config.model.device)
+    max_len = config.model.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings and arch.rope_scaling is None:
+        raise CheckpointError(
+            f"model.max_model_len={max_len} exceeds the checkpoint's max_position_embeddings="
+            f"{arch.max_position_embeddings}")
+    if arch.sliding_window is not None and max_len > arch.sliding_window:
+        raise CheckpointError(
+            f"model.max_model_len={max_len} exceeds the checkpoint's sliding_window="
+            f"{arch.sliding_window}; corellm's attention backends compute full attention, so "
+            f"set model.max_model_len <= {arch.sliding_window}")
+    if config.model.dtype != "auto":
+        dtype = _DTYPES[config.model.dtype]
+    else:
+        dtype = _DTYPES.get(str(arch.checkpoint_dtype).replace("torch.", ""), torch.float32)
+        if device.type == "cpu" and dtype == torch.float16:
+            dtype = torch.float32           # fp16 matmuls are slow or missing on CPUs
+    return ResolvedModel(model_path, arch, max_len, dtype, device)
+
+
+class CachedRequestState:
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
+                 "params")
+
+    def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
+                 block_ids: list[int], num_computed_tokens: int, params: SamplingParams) -> None:
+        self.req_id = req_id
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.params = params
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, registry: Registry, resolved: ResolvedModel) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.device = resolved.device
+        self.dtype = resolved.dtype
+        self.block_size = config.kv_cache.block_size
+        ctx = BuildContext(config=config, registry=registry, arch=resolved.arch,
+                           device=self.device, dtype=self.dtype,
+                           max_model_len=resolved.max_model_len)
+        attn = registry.get("attention", config.attention.name)
+        ctx.attention_backend = self.attn_backend = attn.spec.factory(config.attention, ctx)
+        model_entry = registry.model_for(resolved.arch.architectures)
+        model = model_entry.spec.factory(resolved.arch, ctx)
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
+                            f"{type(model).__name__}, which does not implement CausalLM")
+        model.load_weights(iter_weights(resolved.path))
+        self.model: CausalLM = model.eval()
+        self.sampler = registry.get("sampler", config.sampler.name).spec.factory(config.sampler, ctx)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: tuple | None = None
+        self.model_info = ModelInfo(vocab_size=resolved.arch.vocab_size,
+                                    max_model_len=resolved.max_model_len,
+                                    architecture=(resolved.arch.architectures or ("?",))[0])
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_cache_bytes_per_block(self) -> int:
+        shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.model.num_kv_heads,
+                                                 self.model.head_size)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return int(np.prod(shape)) * elem * self.model.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
+                                                 self.model.num_kv_heads, self.model.head_size)
+        # Zeroed, not empty: padded attention reads unwritten slots (masked out, but 0 * NaN
+        # would still poison the output).
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.model.num_layers)]
+        self.model.bind_kv_caches(self.kv_caches)
+
+    # ------------------------------------------------------------------ one step
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                new.num_computed_tokens, new.sampling_params)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        t0 = time.perf_counter()
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            self._pending = None
+            return
+        # Decodes (one query token) first, then prefills: backends batch the former.
+        order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        states = [self.requests[rid] for rid, _ in order]
+        n_sched = np.fromiter((n for _, n in order), dtype=np.int64, count=len(order))
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                             count=len(states))
+        num_reqs = len(states)
+        num_decodes = int(np.count_nonzero(n_sched == 1))
+        total = int(n_sched.sum())
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(n_sched, out=cu[1:])
+
+        ids: list[int] = []
+        for s, start, n in zip(states, starts.tolist(), n_sched.tolist()):
+            ids.extend(s.token_ids[start:start + n])
+        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][req_of_token] + starts[req_of_token]
+        seq_lens = starts + n_sched
+        bs = self.block_size
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        for i, s in enumerate(states):
+            block_table[i, :len(s.block_ids)] = s.block_ids
+        slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
+
+        # Rows that reach the end of their known tokens sample; partial prefill chunks do not.
+        num_tokens = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
+        samples = seq_lens == num_tokens
+        sample_rows = np.flatnonzero(samples)
+        logits_indices = cu[1:][sample_rows] - 1
+
+        dev = self.device
+        md = AttentionMetadata(
+            num_reqs=num_reqs, num_decodes=num_decodes, num_actual_tokens=total,
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            context_lens=torch.from_numpy(starts).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_seq_len=int(seq_lens.max()), max_query_len=int(n_sched.max()),
+            block_size=bs, query_start_loc_list=cu.tolist(), seq_lens_list=seq_lens.tolist(),
+            context_lens_list=starts.tolist())
+        backend_md = self.attn_backend.build_metadata(md)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions_t = torch.from_numpy(positions).to(dev)
+        sample_states = [states[i] for i in sample_rows.tolist()]
+        t1 = time.perf_counter()
+
+        hidden = self.model(input_ids, positions_t, backend_md)          # [T, hidden]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
+        t2 = time.perf_counter()
+        self._pending = (logits, sample_states, {"prepare_inputs": t1 - t0, "forward": t2 - t1})
+
+    @torch.inference_mode()
+    def sample_tokens(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self._pending is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits, states, timings = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        if not states:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
+        out = self.sampler(logits, self._sampling_metadata(states))
+        sampled = out.sampled_token_ids.tolist()
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+        logprobs = None
+        if out.logprobs is not None:
+            lp = out.logprobs
+            logprobs = LogprobsLists(lp.token_ids.tolist(), lp.logprobs.tolist(),
+                                     lp.sampled_ranks.tolist())
+        timings["sample"] = time.perf_counter() - t0
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
+                                 logprobs=logprobs, timings=timings)
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.params for s in states]
+        n = len(params)
+        greedy = [p.greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        vocab = self.model_info.vocab_size
+        temperature = top_k = top_p = min_p = None
+        generators: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                       dtype=torch.float32, device=self.device)
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
+                                     dtype=torch.int64, device=self.device)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32,
+                                     device=self.device)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32,
+                                     device=self.device)
+            for i, (state, p, g) in enumerate(zip(states, params, greedy)):
+                if p.seed is not None and not g:
+                    step = len(state.token_ids) - state.num_prompt_tokens
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed((p.seed * _SEED_MIX + step) & _U64)
+                    generators[i] = gen
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(num_rows=n, all_greedy=all_greedy, all_random=all_random,
+                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                generators=generators,
+                                max_num_logprobs=max(wanted) if wanted else None)

@@ -1,0 +1,50 @@
+"""A worker: one device, one model replica (or shard), its KV cache and its model runner.
+
+Executors create workers: in-process (``executor_uniproc``) or one per process.
+"""
+
+from __future__ import annotations
+
+from corellm.config import EngineConfig
+from corellm.interfaces import ModelInfo
+from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+from corellm.plugins import Registry, load_registry
+from corellm.worker.model_runner import ModelRunner, resolve_model
+
+
+def model_path(config: EngineConfig) -> str:
+    """The checkpoint directory the config names, or the built-in demo model (built on first use)."""
+    if config.model.path is not None:
+        return config.model.path
+    from corellm.demo import ensure_demo_model
+    return str(ensure_demo_model())
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        self.config = config
+        registry = registry or load_registry(disable=config.plugins.disable)
+        self.runner = ModelRunner(config, registry, resolve_model(config, model_path(config)))
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.runner.model_info
+
+    def determine_num_kv_blocks(self) -> int:
+        if self.config.kv_cache.num_blocks is not None:
+            return self.config.kv_cache.num_blocks
+        per_block = self.runner.kv_cache_bytes_per_block()
+        num = int(self.config.kv_cache.memory_gib * (1 << 30)) // per_block
+        if num < 1:
+            raise ValueError(f"kv_cache.memory_gib={self.config.kv_cache.memory_gib} holds no "
+                             f"block of {per_block} bytes")
+        return num
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(scheduler_output)
