@@ -12,19 +12,20 @@ from corellm.config import EngineConfig, load_config, read_config_file
 from corellm.engine.core import EngineCore
 from corellm.engine.processor import Processor, PromptType, RequestCollector
 from corellm.errors import CheckpointError, InvalidRequestError
-from corellm.model_config import load_generation_eos_ids
+from corellm.model_config import checkpoint_dir, load_generation_eos_ids
 from corellm.outputs import EngineStats, RequestOutput
 from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
 from corellm.worker.worker import model_path
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
     from transformers import AutoTokenizer
+    checkpoint_dir(path, key=key)       # a local directory: nothing is fetched from a hub
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"model.tokenizer: cannot load a tokenizer from {path!r}: {exc}") from exc
+        raise CheckpointError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
 def build_config(config: EngineConfig | Mapping[str, Any] | str | Path | None,
@@ -60,8 +61,14 @@ class LLM:
                  model: str | None = None, plugins: Sequence[object] = ()) -> None:
         self.config, self.registry = build_config(config, model, plugins)
         path = model_path(self.config)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
-        self.engine = EngineCore(self.config, self.registry)
+        self.engine = EngineCore(self.config, self.registry)   # validates the checkpoint
+        try:
+            self.tokenizer = load_tokenizer(
+                self.config.model.tokenizer or path,
+                "model.tokenizer" if self.config.model.tokenizer else "model.path")
+        except BaseException:
+            self.engine.shutdown()
+            raise
         self.processor = Processor(self.tokenizer, self.engine.model_info,
                                    load_generation_eos_ids(path))
         self._ids = itertools.count()
@@ -74,7 +81,7 @@ class LLM:
         Every prompt is validated before any is scheduled: a bad one raises
         ``InvalidRequestError`` naming the field and leaves the engine untouched.
         """
-        if isinstance(prompts, (str, Mapping)):
+        if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

@@ -22,7 +22,7 @@ class DefaultSampler(Sampler):
         if md.max_num_logprobs is not None:
             k = md.max_num_logprobs
             sampled_lp = raw.gather(1, sampled[:, None])           # [N, 1]
-            top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], sampled[:, :0])
+            top_lp, top_ids = raw.topk(k, dim=-1)                  # k may be 0
             ranks = (raw > sampled_lp).sum(dim=-1) + 1
             logprobs = LogprobsTensors(token_ids=torch.cat([sampled[:, None], top_ids], dim=1),
                                        logprobs=torch.cat([sampled_lp, top_lp], dim=1),

@@ -1,0 +1,5 @@
+import sys
+
+from corellm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""Shared fixtures: small random-weight checkpoints saved with transformers and loaded back by
+corellm through the same code path a user's checkpoint takes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Architecture -> transformers config kwargs. Grouped-query attention everywhere (heads 4, KV 2).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _hf_config(arch: str, vocab_size: int, eos: int):
+    import transformers as tf
+
+    common = dict(TINY, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None,
+                  pad_token_id=eos, tie_word_embeddings=False)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from corellm.demo import train_tokenizer
+    return train_tokenizer(vocab_size=1024)
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory, tokenizer):
+    """make_checkpoint(arch, **config_overrides) -> path of a cached tiny checkpoint."""
+    from corellm.demo import write_random_checkpoint
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            cfg = _hf_config(arch, len(tokenizer), tokenizer.eos_token_id)
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            path = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            write_random_checkpoint(path, cfg, tokenizer, seed=1234, init_std=0.15)
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_path(make_checkpoint) -> Path:
+    return make_checkpoint("llama")
+
+
+def engine_config(path, **sections) -> dict:
+    """A config dict for a tiny checkpoint with a small KV pool (fast to allocate)."""
+    cfg = {"model": {"path": str(path), "dtype": "float32"},
+           "kv_cache": {"num_blocks": 256, "block_size": 16}}
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+def assert_pool_whole(llm) -> None:
+    stats = llm.get_stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
+    kv = llm.engine.kv_cache_manager
+    if hasattr(kv, "check_invariants"):
+        kv.check_invariants()

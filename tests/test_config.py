@@ -1,0 +1,146 @@
+"""Config composition and its errors: every problem names its key path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from corellm.cli import main
+from corellm.components import SchedulerOptions
+from corellm.config import EngineConfig, config_schema, load_config
+from corellm.errors import ConfigError
+from corellm.plugins import load_registry
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_registry()
+
+
+def problems(data, registry) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(data, registry=registry)
+    return dict(info.value.problems)
+
+
+def test_defaults(registry):
+    cfg = load_config({}, registry=registry)
+    assert cfg.scheduler.name == "fcfs" and cfg.kv_cache.name == "paged"
+    assert cfg.attention.name == "torch_sdpa" and cfg.executor.name == "uniproc"
+    assert cfg.sampler.name == "default" and cfg.frontend is None
+    assert cfg.executor.tensor_parallel_size == 1
+    assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib > 0
+
+
+def test_sections_are_the_plugins_typed_options(registry):
+    cfg = load_config({"scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}},
+                      registry=registry)
+    assert isinstance(cfg.scheduler, SchedulerOptions)
+    assert type(cfg.scheduler) is registry.get("scheduler", "fcfs").spec.options
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens) == (8, 256)
+    # round trip through a dict keeps everything
+    assert load_config(cfg.to_dict(), registry=registry) == cfg
+
+
+def test_yaml_toml_json_and_dict_agree(tmp_path, registry):
+    data = {"model": {"path": "/some/ckpt", "dtype": "float32", "max_model_len": 1024},
+            "scheduler": {"name": "fcfs", "max_num_seqs": 4},
+            "kv_cache": {"block_size": 32, "num_blocks": 100},
+            "executor": {"tensor_parallel_size": 1}}
+    (tmp_path / "c.yaml").write_text(
+        "model: {path: /some/ckpt, dtype: float32, max_model_len: 1024}\n"
+        "scheduler:\n  name: fcfs\n  max_num_seqs: 4\n"
+        "kv_cache: {block_size: 32, num_blocks: 100}\nexecutor: {tensor_parallel_size: 1}\n")
+    (tmp_path / "c.toml").write_text(
+        '[model]\npath = "/some/ckpt"\ndtype = "float32"\nmax_model_len = 1024\n'
+        '[scheduler]\nname = "fcfs"\nmax_num_seqs = 4\n'
+        '[kv_cache]\nblock_size = 32\nnum_blocks = 100\n[executor]\ntensor_parallel_size = 1\n')
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    expected = load_config(data, registry=registry)
+    for name in ("c.yaml", "c.toml", "c.json"):
+        assert load_config(tmp_path / name, registry=registry) == expected
+    assert expected.model.max_model_len == 1024 and expected.kv_cache.block_size == 32
+
+
+def test_misspelt_option_suggests_the_key(registry):
+    p = problems({"scheduler": {"max_num_seq": 8}}, registry)
+    assert p["scheduler.max_num_seq"].startswith("unknown option; did you mean max_num_seqs?")
+    assert "scheduler_fcfs" in p["scheduler.max_num_seq"]       # names the plugin
+    p = problems({"model": {"max_modle_len": 8}}, registry)
+    assert p["model.max_modle_len"] == "unknown option; did you mean max_model_len?"
+
+
+def test_misspelt_section(registry):
+    assert problems({"schedular": {}}, registry)["schedular"] == \
+        "unknown section; did you mean scheduler?"
+
+
+def test_wrong_type_and_out_of_range(registry):
+    p = problems({"scheduler": {"max_num_seqs": "many", "max_num_batched_tokens": 0},
+                  "kv_cache": {"block_size": 0, "memory_gib": -1},
+                  "model": {"dtype": "float64"}}, registry)
+    assert "valid integer" in p["scheduler.max_num_seqs"] and "'many'" in p["scheduler.max_num_seqs"]
+    assert "greater than or equal to 1" in p["scheduler.max_num_batched_tokens"]
+    assert "greater than or equal to 1" in p["kv_cache.block_size"]
+    assert "greater than 0" in p["kv_cache.memory_gib"]
+    assert "'float32'" in p["model.dtype"]
+
+
+def test_plugin_enforces_its_own_bounds(registry):
+    p = problems({"executor": {"tensor_parallel_size": 2}}, registry)
+    assert "less than or equal to 1" in p["executor.tensor_parallel_size"]
+
+
+def test_unknown_plugin_lists_choices(registry):
+    p = problems({"scheduler": {"name": "fcsf"}}, registry)
+    assert "unknown scheduler 'fcsf'; available: fcfs; did you mean 'fcfs'?" in p["scheduler.name"]
+
+
+def test_section_must_be_a_mapping(registry):
+    assert problems({"kv_cache": 5}, registry)["kv_cache"] == "expected a mapping, got int"
+
+
+def test_all_problems_reported_at_once(registry):
+    p = problems({"schedular": {}, "kv_cache": {"block_sise": 4}, "model": {"dtype": 1}}, registry)
+    assert set(p) == {"schedular", "kv_cache.block_sise", "model.dtype"}
+
+
+def test_file_errors(tmp_path, registry):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml", registry=registry)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(bad, registry=registry)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad, registry=registry)
+
+
+def test_engine_config_passthrough(registry):
+    cfg = EngineConfig()
+    assert load_config(cfg, registry=registry) is cfg
+
+
+def test_schema_covers_installed_plugins(registry):
+    schema = config_schema(registry)
+    sched = schema["properties"]["scheduler"]["oneOf"]
+    assert [v["properties"]["name"]["const"] for v in sched] == ["fcfs"]
+    assert "max_num_seqs" in sched[0]["properties"]
+    assert "corellm 0.1.0" in sched[0]["description"]
+    assert schema["properties"]["model"]["properties"]["max_model_len"]
+
+
+def test_cli_validate_and_schema(tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text("scheduler: {max_num_seqs: 2}\n")
+    assert main(["config", "validate", str(good), "--show"]) == 0
+    assert "max_num_seqs: 2" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: {max_num_seq: 2}\n")
+    assert main(["config", "validate", str(bad)]) == 2
+    assert "scheduler.max_num_seq: unknown option; did you mean max_num_seqs?" in \
+        capsys.readouterr().err
+    assert main(["config", "schema"]) == 0
+    assert json.loads(capsys.readouterr().out)["title"] == "corellm engine config"

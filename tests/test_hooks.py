@@ -1,0 +1,324 @@
+"""Every hook in corellm/hookspecs.py is documented and exercised here by an in-process plugin,
+through the same registry the entry points feed. A new hook without a docstring or without a
+`def <hook>` in this file fails test_every_hook_is_documented_and_tested."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from corellm import LLM, SamplingParams, hookspecs
+from corellm.block_pool import BlockPool
+from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendOptions, FrontendSpec,
+                                KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
+from corellm.config import load_config
+from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
+                                SchedulingPolicy)
+from corellm.plugins import load_registry
+from corellm.sampling import SamplerOutput
+from corellm.scheduling import BatchScheduler
+from tests.conftest import assert_pool_whole, engine_config
+
+HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("corellm_"))
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_every_hook_is_documented_and_tested():
+    this_file = Path(__file__).read_text()
+    for name in HOOKS:
+        doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+        assert len(doc) > 80, f"{name} needs a docstring saying when it is called and what it returns"
+        assert "Called" in doc or "called" in doc, f"{name}: say when it is called"
+        assert f"def {name}(" in this_file, f"{name} has no test in {__file__}"
+
+
+# --------------------------------------------------------------------------- schedulers
+class LIFOPolicy(SchedulingPolicy):
+    def waiting_key(self, request):
+        return -request.arrival_seq
+
+    def choose_victim(self, running):
+        return running[0]
+
+
+class LIFOPlugin:
+    def corellm_schedulers(self):
+        yield SchedulerSpec(name="lifo", summary="newest first",
+                            factory=lambda o, ctx: BatchScheduler(o, ctx.kv_cache_manager, LIFOPolicy()))
+
+
+def test_corellm_schedulers(llama_path):
+    llm = LLM(engine_config(llama_path, scheduler={"name": "lifo", "max_num_seqs": 1}),
+              plugins=[LIFOPlugin()])
+    assert isinstance(llm.engine.scheduler.policy, LIFOPolicy)
+    finished = []
+    for i in range(3):
+        llm.engine.add_request(_core_request(str(i)))
+    while llm.engine.has_unfinished_requests():
+        finished += [o.request_id for o in llm.engine.step() if o.finished]
+    assert finished == ["2", "1", "0"]
+    assert_pool_whole(llm)
+
+
+def _core_request(rid):
+    import time
+    from corellm.request import EngineCoreRequest
+    from corellm.sampling_params import SamplingParams as SP
+    return EngineCoreRequest(rid, [5, 6, 7], SP(max_tokens=2, ignore_eos=True), None, time.time())
+
+
+# --------------------------------------------------------------------------- KV managers
+class CountingKV(KVCacheManager):
+    """A minimal KV manager built on the core BlockPool, counting its calls."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[int]] = {}
+        self.allocations = 0
+
+    @property
+    def num_free_blocks(self):
+        return self.pool.num_free_blocks
+
+    def allocate_slots(self, request, n):
+        table = self.tables.setdefault(request.request_id, [])
+        need = math.ceil((request.num_computed_tokens + n) / self.block_size) - len(table)
+        if need > self.pool.num_free_blocks:
+            return None
+        new = self.pool.allocate(max(need, 0))
+        table += new
+        self.allocations += len(new)
+        return new
+
+    def free(self, request):
+        self.pool.free(self.tables.pop(request.request_id, []))
+
+    def get_block_ids(self, request):
+        return self.tables.get(request.request_id, [])
+
+
+class KVPlugin:
+    def corellm_kv_cache_managers(self):
+        yield KVCacheManagerSpec(name="counting",
+                                 factory=lambda o, ctx: CountingKV(ctx.num_kv_blocks, o.block_size))
+
+
+def test_corellm_kv_cache_managers(llama_path):
+    llm = LLM(engine_config(llama_path, kv_cache={"name": "counting"}), plugins=[KVPlugin()])
+    out = llm.generate("hello hooks", GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert llm.engine.kv_cache_manager.allocations > 0
+    assert_pool_whole(llm)
+
+
+# --------------------------------------------------------------------------- attention
+class NaiveAttention(AttentionBackend):
+    """Reference paged attention: explicit softmax(QK^T)V per request, per head, from the cache."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks * block_size, num_kv_heads, head_size)   # flat slots
+
+    def forward(self, layer, q, k, v, kv_cache, md):
+        self.calls += 1
+        kv_cache[0, md.slot_mapping] = k
+        kv_cache[1, md.slot_mapping] = v
+        out = torch.empty_like(q)
+        group = layer.num_heads // layer.num_kv_heads
+        bs = md.block_size
+        for i in range(md.num_reqs):
+            s, e = md.query_start_loc_list[i], md.query_start_loc_list[i + 1]
+            ctx, seq = md.context_lens_list[i], md.seq_lens_list[i]
+            pos = torch.arange(seq)
+            slots = md.block_table[i, pos // bs] * bs + pos % bs
+            keys = kv_cache[0, slots].repeat_interleave(group, dim=1)       # [seq, H, D]
+            vals = kv_cache[1, slots].repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[s:e], keys) * layer.scale
+            causal = pos[None, :] <= (ctx + torch.arange(e - s))[:, None]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+        return out
+
+
+class NaiveAttentionPlugin:
+    def __init__(self):
+        self.backend = NaiveAttention()
+
+    def corellm_attention_backends(self):
+        yield AttentionBackendSpec(name="naive", factory=lambda o, ctx: self.backend)
+
+
+def test_corellm_attention_backends(llama_path):
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 20, 45)]
+    plugin = NaiveAttentionPlugin()
+    naive = LLM(engine_config(llama_path, attention={"name": "naive"},
+                              scheduler={"max_num_batched_tokens": 24}), plugins=[plugin])
+    sdpa = LLM(engine_config(llama_path))
+    a = [o.outputs[0].token_ids for o in naive.generate(prompts, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in sdpa.generate(prompts, GREEDY, use_tqdm=False)]
+    assert a == b
+    assert plugin.backend.calls > 0
+
+
+# --------------------------------------------------------------------------- executors
+class RecordingExecutor(Executor):
+    def __init__(self, options, ctx):
+        from corellm.worker.worker import Worker
+        self.worker = Worker(ctx.config, ctx.registry)
+        self.plans = []
+
+    @property
+    def model_info(self):
+        return self.worker.model_info
+
+    def determine_num_kv_blocks(self):
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, n):
+        self.worker.initialize_kv_cache(n)
+
+    def execute_model(self, plan):
+        self.plans.append(plan.total_num_scheduled_tokens)
+        self.worker.execute_model(plan)
+
+    def sample_tokens(self, plan):
+        return self.worker.sample_tokens(plan)
+
+
+class ExecutorPlugin:
+    def corellm_executors(self):
+        yield ExecutorSpec(name="recording", factory=RecordingExecutor)
+
+
+def test_corellm_executors(llama_path):
+    llm = LLM(engine_config(llama_path, executor={"name": "recording"}), plugins=[ExecutorPlugin()])
+    llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
+    assert llm.engine.executor.plans == [3] + [1] * 7
+
+
+# --------------------------------------------------------------------------- samplers
+class ConstantSampler(Sampler):
+    def __call__(self, logits, metadata):
+        return SamplerOutput(torch.full((logits.shape[0],), 42, dtype=torch.int64))
+
+
+class SamplerPlugin:
+    def corellm_samplers(self):
+        yield SamplerSpec(name="constant", factory=lambda o, ctx: ConstantSampler())
+
+
+def test_corellm_samplers(llama_path):
+    llm = LLM(engine_config(llama_path, sampler={"name": "constant"}), plugins=[SamplerPlugin()])
+    out = llm.generate(["a", "b"], GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].token_ids == [42] * 8 for o in out)
+
+
+# --------------------------------------------------------------------------- models
+class ModelPlugin:
+    """Adds an architecture name, implemented by delegating to the registry's Llama model."""
+
+    def __init__(self):
+        self.built = 0
+
+    def corellm_models(self):
+        def build(arch, ctx):
+            self.built += 1
+            return ctx.registry.get("model", "llama").spec.factory(arch, ctx)
+        yield ModelSpec(name="my-arch", architectures=("MyLlamaForCausalLM",), factory=build)
+
+
+def test_corellm_models(llama_path, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(llama_path, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["architectures"] = ["MyLlamaForCausalLM"]
+    (copy / "config.json").write_text(json.dumps(cfg))
+    plugin = ModelPlugin()
+    ours = LLM(engine_config(copy), plugins=[plugin])
+    ref = LLM(engine_config(llama_path))
+    assert plugin.built == 1
+    p = {"prompt_token_ids": [9, 8, 7]}
+    assert ours.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        ref.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    from corellm.errors import PluginError
+    with pytest.raises(PluginError, match="no model plugin implements architecture MyLlamaForCausalLM"):
+        LLM(engine_config(copy))
+
+
+# --------------------------------------------------------------------------- front ends
+class EchoOptions(FrontendOptions):
+    name: str = "echo"
+    greeting: str = "hi"
+
+
+class EchoFrontend(Frontend):
+    def __init__(self, options, ctx):
+        self.options = options
+        self.ran = False
+
+    def run(self):
+        self.ran = True
+
+
+class FrontendPlugin:
+    def corellm_frontends(self):
+        yield FrontendSpec(name="echo", factory=EchoFrontend, options=EchoOptions)
+
+
+def test_corellm_frontends():
+    reg = load_registry(plugins=[FrontendPlugin()])
+    cfg = load_config({"frontend": {"name": "echo", "greeting": "hello"}}, registry=reg)
+    assert cfg.frontend.greeting == "hello"
+    frontend = reg.get("frontend", "echo").spec.factory(cfg.frontend, None)
+    frontend.run()
+    assert frontend.ran
+    from corellm.errors import ConfigError
+    with pytest.raises(ConfigError, match="frontend.greting: unknown option; did you mean greeting"):
+        load_config({"frontend": {"name": "echo", "greting": "x"}}, registry=reg)
+
+
+# --------------------------------------------------------------------------- observers
+class Observer:
+    def __init__(self):
+        self.started = []
+        self.steps = []
+
+    def corellm_engine_started(self, config):
+        self.started.append(config)
+
+    def corellm_step_finished(self, stats):
+        self.steps.append(stats)
+
+
+def test_corellm_engine_started(llama_path):
+    obs = Observer()
+    llm = LLM(engine_config(llama_path), plugins=[obs])
+    assert obs.started == [llm.config]
+
+
+def test_corellm_step_finished(llama_path):
+    obs = Observer()
+    llm = LLM(engine_config(llama_path), plugins=[obs])
+    llm.generate([{"prompt_token_ids": [3] * 5}, {"prompt_token_ids": [4] * 9}], GREEDY,
+                 use_tqdm=False)
+    assert len(obs.steps) == llm.get_stats().num_steps == 8
+    first = obs.steps[0]
+    assert first.num_scheduled_tokens == 14 and first.num_scheduled_reqs == 2
+    assert obs.steps[-1].num_finished_reqs == 2
+    assert {"schedule", "prepare_inputs", "forward", "sample", "update"} <= set(first.timings)
+    assert obs.steps[-1].scheduler.num_running_reqs == 0
+
+
+def test_no_observer_no_hook_call(llama_path, monkeypatch):
+    llm = LLM(engine_config(llama_path))
+    assert llm.engine._observe_steps is False
