@@ -209,6 +209,11 @@ def load_registry(disable: Iterable[str] = (), plugins: Sequence[object] = (),
         _register(pm, obj, info)
         infos[info.name] = info
 
+    for label, names in (("plugins.disable", disabled), (ALLOW_ENV, allowed or set())):
+        for name in sorted(names - set(seen_names)):
+            logger.warning("%s names %r, but no installed plugin has that entry-point name "
+                           "(installed: %s)", label, name, ", ".join(sorted(seen_names)))
+
     for obj in plugins:
         name = getattr(obj, "__name__", None) or f"{type(obj).__name__}-{id(obj):x}"
         info = PluginInfo(name=name)
@@ -239,6 +244,9 @@ def _collect(registry: Registry) -> None:
         table = registry.components.setdefault(section, {})
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             info = registry.plugins.get(impl.plugin_name, PluginInfo(name=impl.plugin_name))
+            if impl.wrapper or impl.hookwrapper:
+                raise PluginError(f"{info.describe()}: {hook_name} is a registration hook; "
+                                  "it takes plain implementations, not wrappers")
             try:
                 result = impl.function()
                 specs = list(result) if result is not None else []

@@ -173,3 +173,26 @@ def test_in_process_plugin_object():
     reg = load_registry(plugins=[Observer()])
     entry = reg.get("scheduler", "inproc")
     assert entry.plugin.distribution is None and "registered in-process" in entry.plugin.describe()
+
+
+def test_unknown_names_in_disable_and_allow_list_warn(caplog, monkeypatch):
+    with caplog.at_level(logging.WARNING):
+        load_registry(disable=["no_such_plugin"])
+    assert "plugins.disable names 'no_such_plugin'" in caplog.text
+    assert "scheduler_fcfs" in caplog.text                 # lists what is installed
+    caplog.clear()
+    monkeypatch.setenv("CORELLM_PLUGINS", "scheduler_fcfs,shedluer_typo")
+    with caplog.at_level(logging.WARNING):
+        load_registry()
+    assert "CORELLM_PLUGINS names 'shedluer_typo'" in caplog.text
+
+
+def test_registration_hook_wrappers_rejected():
+    import pluggy
+
+    class Wrapper:
+        @pluggy.HookimplMarker("corellm")(wrapper=True)
+        def corellm_schedulers(self):
+            return (yield)
+    with pytest.raises(PluginError, match="registration hook; it takes plain implementations"):
+        load_registry(plugins=[Wrapper()])
