@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from corellm.components import (SECTION_SPECS, AttentionOptions, ComponentOptions, DType,
                                 ExecutorOptions, FrontendOptions, KVCacheOptions, SamplerOptions,
@@ -43,6 +44,11 @@ class ModelConfig(BaseModel):
                                 "max_position_embeddings.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _expand_user(cls, value: str | None) -> str | None:
+        return None if value is None else os.path.expanduser(value)
 
 
 class PluginsConfig(BaseModel):
@@ -176,7 +182,9 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
                 key = str(err["loc"][-1])
                 msg = "unknown option" + _suggest(key, fields)
                 if owner:
-                    msg += f" (options of {owner}: {', '.join(f for f in fields if f != 'name')})"
+                    names = [f for f in fields if f != "name"]
+                    msg += (f" (options of {owner}: {', '.join(names)})" if names
+                            else f" ({owner} takes no options besides name)")
             else:
                 msg = f"{err['msg']} (got {err.get('input')!r})"
             problems.append((path, msg))

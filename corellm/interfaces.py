@@ -101,10 +101,6 @@ class KVCacheManager(ABC):
     @abstractmethod
     def get_block_ids(self, request: Request) -> list[int]: ...
 
-    def get_num_cached_tokens(self, request: Request) -> int:
-        """Tokens of the request whose KV is already cached (prefix caching). Default: none."""
-        return 0
-
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:

@@ -23,6 +23,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -145,7 +146,8 @@ class EngineStats(SchedulerStats):
 
     num_steps: int = 0
     # Cumulative seconds per phase of the step loop: schedule, prepare_inputs, forward, sample,
-    # update; "step" is the whole of EngineCore.step().
+    # update; "execute" is prepare_inputs + forward + sample as the engine sees them (executor
+    # overhead included) and "step" is the whole of EngineCore.step().
     timings: dict[str, float] = field(default_factory=dict)
 
 

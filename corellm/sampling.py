@@ -26,6 +26,10 @@ class SamplingMetadata:
     # or preemption.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None       # None: no row asked for logprobs
+    # The random stream of rows without a seed (seeded once from model.seed).
+    generator: torch.Generator | None = None
+    # row -> token ids that must not be sampled yet (stop tokens before min_tokens is reached).
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

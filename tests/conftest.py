@@ -80,3 +80,40 @@ def assert_pool_whole(llm) -> None:
     kv = llm.engine.kv_cache_manager
     if hasattr(kv, "check_invariants"):
         kv.check_invariants()
+
+
+_ENGINES: list = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    """Record every EngineCore the tests build (wrapping __init__ for the whole session)."""
+    import weakref
+
+    from corellm.engine.core import EngineCore
+    original = EngineCore.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _ENGINES.append(weakref.ref(self))
+    EngineCore.__init__ = init
+    yield
+    EngineCore.__init__ = original
+
+
+@pytest.fixture(autouse=True)
+def _every_kv_block_returns(request):
+    """After every test, every live engine is idle and its KV pool is whole: nothing is lost."""
+    yield
+    for ref in list(_ENGINES):
+        engine = ref()
+        if engine is None:
+            _ENGINES.remove(ref)
+            continue
+        stats = engine.get_stats()
+        assert not engine.has_unfinished_requests(), f"{request.node.nodeid} left requests behind"
+        assert stats.kv_blocks_free == stats.kv_blocks_total, \
+            f"{request.node.nodeid} leaked {stats.kv_blocks_total - stats.kv_blocks_free} KV blocks"
+        check = getattr(engine.kv_cache_manager, "check_invariants", None)
+        if check is not None:
+            check()

@@ -93,10 +93,6 @@ def test_stop_conditions(llm, tokenizer):
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop_tok
     assert c.token_ids == free.token_ids[:first + 1]
-    # min_tokens suppresses stopping until reached.
-    c2 = llm.generate(prompt, SamplingParams(max_tokens=12, min_tokens=first + 2, temperature=0,
-                                             stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
-    assert len(c2.token_ids) > first + 1
     assert eos is not None
     assert_pool_whole(llm)
 
@@ -307,3 +303,55 @@ def test_capacity_checked_at_startup(llama_path):
     cfg = engine_config(llama_path, kv_cache={"num_blocks": 4})
     with pytest.raises(ConfigError, match="kv_cache.num_blocks"):
         LLM(cfg)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    free = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop = free[0]                            # greedy would stop at once on this token
+    out = llm.generate(prompt, SamplingParams(max_tokens=6, min_tokens=4, temperature=0,
+                                              stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+
+
+def test_model_seed_makes_unseeded_sampling_reproducible(llama_path):
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [9, 9]}]
+
+    def run(seed):
+        llm = LLM(engine_config(llama_path, model={"seed": seed}))
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_n_samples_with_seed_are_distinct_and_reproducible(llm):
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=11, ignore_eos=True)
+    a = [c.token_ids for c in llm.generate("x y", params, use_tqdm=False)[0].outputs]
+    b = [c.token_ids for c in llm.generate("x y", params, use_tqdm=False)[0].outputs]
+    single = llm.generate("x y", SamplingParams(max_tokens=8, temperature=1.0, seed=11,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert a == b and len({tuple(t) for t in a}) == 3
+    assert a[0] == single.token_ids
+
+
+def test_tilde_paths_expand(llama_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(llama_path.parent))
+    llm = LLM(engine_config(f"~/{llama_path.name}"))
+    assert llm.config.model.path == str(llama_path)
+    assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_memory_budget_too_small(llama_path):
+    from corellm.errors import ConfigError
+    cfg = engine_config(llama_path)
+    del cfg["kv_cache"]["num_blocks"]
+    cfg["kv_cache"]["memory_gib"] = 1e-9
+    with pytest.raises(ConfigError, match="kv_cache.memory_gib: 1e-09 GiB holds no KV block"):
+        LLM(cfg)
+    cfg["kv_cache"]["memory_gib"] = 0.001            # sized from the budget
+    llm = LLM(cfg)
+    per_block = 2 * 2 * 16 * 2 * 16 * 4              # layers x K/V x block x kv heads x dim x fp32
+    assert llm.get_stats().kv_blocks_total == int(0.001 * 2**30) // per_block

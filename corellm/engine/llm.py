@@ -18,6 +18,8 @@ from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
 from corellm.worker.worker import model_path
 
+_U63 = (1 << 63) - 1
+
 
 def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
     from transformers import AutoTokenizer
@@ -111,8 +113,9 @@ class LLM:
             for j in range(sp.n):   # n samples: n engine requests, seeds offset per sample
                 child_params = first.sampling_params
                 if sp.n > 1:
-                    child_params = dataclasses.replace(
-                        child_params, n=1, seed=None if sp.seed is None else sp.seed + j)
+                    # Sample 0 keeps the seed (same as n=1); others derive distinct seeds.
+                    seed = sp.seed if sp.seed is None or j == 0 else hash((sp.seed, j)) & _U63
+                    child_params = dataclasses.replace(child_params, n=1, seed=seed)
                 core_requests.append((len(collectors) - 1, j, dataclasses.replace(
                     first, request_id=f"{rid}#{j}", sampling_params=child_params)))
         owner = {}

@@ -158,7 +158,7 @@ class BatchScheduler(Scheduler):
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_ids=list(self.kv.get_block_ids(request)),
                 num_computed_tokens=request.num_computed_tokens,
-                sampling_params=request.sampling_params))
+                sampling_params=request.sampling_params, eos_token_id=request.eos_token_id))
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(

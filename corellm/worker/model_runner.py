@@ -71,16 +71,26 @@ def resolve_model(config: EngineConfig, model_path: str) -> ResolvedModel:
 
 class CachedRequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "params")
+                 "params", "min_tokens_banned")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
-                 block_ids: list[int], num_computed_tokens: int, params: SamplingParams) -> None:
+                 block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
+                 eos_token_id: int | None) -> None:
         self.req_id = req_id
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.block_ids = block_ids
         self.num_computed_tokens = num_computed_tokens
         self.params = params
+        # Tokens that would stop the request, banned while fewer than min_tokens are generated.
+        banned = list(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            banned.append(eos_token_id)
+        self.min_tokens_banned = banned if params.min_tokens > 0 else []
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
@@ -106,6 +116,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple | None = None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
         self.model_info = ModelInfo(vocab_size=resolved.arch.vocab_size,
                                     max_model_len=resolved.max_model_len,
                                     architecture=(resolved.arch.architectures or ("?",))[0])
@@ -133,7 +145,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.sampling_params)
+                new.num_computed_tokens, new.sampling_params, new.eos_token_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -243,12 +255,14 @@ class ModelRunner:
                                      device=self.device)
             for i, (state, p, g) in enumerate(zip(states, params, greedy)):
                 if p.seed is not None and not g:
-                    step = len(state.token_ids) - state.num_prompt_tokens
                     gen = torch.Generator(device=self.device)
-                    gen.manual_seed((p.seed * _SEED_MIX + step) & _U64)
+                    gen.manual_seed((p.seed * _SEED_MIX + state.num_output_tokens) & _U64)
                     generators[i] = gen
+        banned = {i: s.min_tokens_banned for i, s in enumerate(states)
+                  if s.min_tokens_banned and s.num_output_tokens < s.params.min_tokens}
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(num_rows=n, all_greedy=all_greedy, all_random=all_random,
                                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                generators=generators,
+                                generators=generators, generator=self.generator,
+                                banned_token_ids=banned,
                                 max_num_logprobs=max(wanted) if wanted else None)

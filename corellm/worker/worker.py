@@ -6,6 +6,7 @@ Executors create workers: in-process (``executor_uniproc``) or one per process.
 from __future__ import annotations
 
 from corellm.config import EngineConfig
+from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import Registry, load_registry
@@ -36,8 +37,9 @@ class Worker:
         per_block = self.runner.kv_cache_bytes_per_block()
         num = int(self.config.kv_cache.memory_gib * (1 << 30)) // per_block
         if num < 1:
-            raise ValueError(f"kv_cache.memory_gib={self.config.kv_cache.memory_gib} holds no "
-                             f"block of {per_block} bytes")
+            raise ConfigError([("kv_cache.memory_gib",
+                                f"{self.config.kv_cache.memory_gib} GiB holds no KV block of "
+                                f"{per_block} bytes")])
         return num
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -13,6 +13,11 @@ class DefaultSampler(Sampler):
         if md.max_num_logprobs is not None:
             # Log-probabilities of the model's own distribution, before temperature/filters.
             raw = torch.log_softmax(logits, dim=-1)
+        if md.banned_token_ids:
+            rows = [r for r, ids in md.banned_token_ids.items() for _ in ids]
+            cols = [t for ids in md.banned_token_ids.values() for t in ids]
+            logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
+                                      torch.tensor(float("-inf")))
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -45,7 +50,7 @@ class DefaultSampler(Sampler):
 
         # Exponential race (Gumbel-max in another guise): argmax(p / E), E ~ Exp(1), samples
         # from p without a normalizing pass or a per-row multinomial call.
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=md.generator)
         for row, gen in md.generators.items():
             noise[row].exponential_(generator=gen)
         sampled = probs.div_(noise).argmax(dim=-1)
