@@ -1,7 +1,8 @@
 """Attention metadata the model runner builds once per step and passes down as an argument.
 
-The batch is ordered decodes first (one query token each), then prefills (whole prompts, chunks
-of prompts, or recomputation after preemption), so backends can treat the two parts separately.
+The batch is ordered decodes first (one query token each, by ascending sequence length), then
+prefills (whole prompts, chunks of prompts, or recomputation after preemption), so backends can
+treat the two parts separately and batch decodes of similar length together.
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ class ModelConfig(BaseModel):
                                 "max_position_embeddings.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+    cpu_weight_packing: bool = Field(
+        True, description="On CPU, also keep fp32 linear weights in MKL's packed GEMM layout: "
+                          "1.3-2x faster decode matmuls for about 2x the weights' memory again.")
 
     @field_validator("path", "tokenizer")
     @classmethod

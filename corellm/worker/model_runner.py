@@ -111,6 +111,9 @@ class ModelRunner:
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
                             f"{type(model).__name__}, which does not implement CausalLM")
         model.load_weights(iter_weights(resolved.path))
+        if self.device.type == "cpu" and config.model.cpu_weight_packing:
+            from corellm.worker.cpu import pack_linear_weights
+            pack_linear_weights(model)
         self.model: CausalLM = model.eval()
         self.sampler = registry.get("sampler", config.sampler.name).spec.factory(config.sampler, ctx)
         self.requests: dict[str, CachedRequestState] = {}
@@ -158,9 +161,12 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
             return
-        # Decodes (one query token) first, then prefills: backends batch the former.
-        order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
-        states = [self.requests[rid] for rid, _ in order]
+        # Decodes (one query token) first, shortest context first, then prefills: backends
+        # batch the decodes, and similar lengths batched together waste less padding.
+        reqs = self.requests
+        order = sorted(so.num_scheduled_tokens.items(),
+                       key=lambda kv: (kv[1] != 1, reqs[kv[0]].num_computed_tokens))
+        states = [reqs[rid] for rid, _ in order]
         n_sched = np.fromiter((n for _, n in order), dtype=np.int64, count=len(order))
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                              count=len(states))

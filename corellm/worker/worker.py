@@ -10,6 +10,7 @@ from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import Registry, load_registry
+from corellm.worker.cpu import tune_malloc
 from corellm.worker.model_runner import ModelRunner, resolve_model
 
 
@@ -25,7 +26,10 @@ class Worker:
     def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
         self.config = config
         registry = registry or load_registry(disable=config.plugins.disable)
-        self.runner = ModelRunner(config, registry, resolve_model(config, model_path(config)))
+        resolved = resolve_model(config, model_path(config))
+        if resolved.device.type == "cpu":
+            tune_malloc()
+        self.runner = ModelRunner(config, registry, resolved)
 
     @property
     def model_info(self) -> ModelInfo:

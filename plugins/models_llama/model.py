@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from corellm.components import BuildContext
@@ -123,7 +122,7 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_head.weight).float()   # [N, vocab]
+        return self.lm_head(hidden_states).float()                    # [N, vocab]
 
     def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         if len(kv_caches) != self.num_layers:
