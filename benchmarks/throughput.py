@@ -400,8 +400,9 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
             "warmup": warmup}))
         _log(f"vllm: running {args.vllm_python} (load, warm-up, timed run)...")
         t0 = time.perf_counter()
+        # vLLM logs to stdout; keep stdout for the tables and send its logs with our progress.
         proc = subprocess.run([args.vllm_python, str(script), str(spec_f), str(out_f)],
-                              cwd=tmp, timeout=args.vllm_timeout)
+                              cwd=tmp, timeout=args.vllm_timeout, stdout=sys.stderr)
         total = time.perf_counter() - t0
         if proc.returncode != 0 or not out_f.exists():
             raise RuntimeError(f"vllm subprocess failed with exit status {proc.returncode}")
@@ -545,7 +546,8 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     rows = results["engines"]
     w = results["workload"]
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    bars = ax.bar([r.get("label", r["engine"]) for r in rows], [r["output_tok_s"] for r in rows],
+    bars = ax.bar([r.get("label", r["engine"]).replace(" ", "\n") for r in rows],
+                  [r["output_tok_s"] for r in rows],
                   color=["#3b75af" if r["engine"] == "corellm" else "#999999" for r in rows])
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel("output tokens / s")
@@ -587,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: enough for the whole workload at once")
     h = p.add_argument_group("transformers")
     h.add_argument("--skip-hf", action="store_true", help="skip transformers")
-    h.add_argument("--hf-batch-size", type=_int_list, default=[16], metavar="N[,N...]",
+    h.add_argument("--hf-batch-size", type=_int_list, default=[16, 64], metavar="N[,N...]",
                    help="static batch size(s); with several, each runs and ratios use the "
                         "fastest")
     v = p.add_argument_group("vllm")

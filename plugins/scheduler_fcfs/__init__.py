@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from corellm import hookimpl
-from corellm.components import BuildContext, SchedulerOptions, SchedulerSpec
+from corellm.components import SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.request import Request
-from corellm.scheduling import BatchScheduler
+from corellm.scheduling import policy_scheduler
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -19,12 +19,7 @@ class FCFSPolicy(SchedulingPolicy):
         return running[-1]
 
 
-def _make(options: SchedulerOptions, ctx: BuildContext) -> BatchScheduler:
-    assert ctx.kv_cache_manager is not None
-    return BatchScheduler(options, ctx.kv_cache_manager, FCFSPolicy())
-
-
 @hookimpl
 def corellm_schedulers() -> Iterator[SchedulerSpec]:
-    yield SchedulerSpec(name="fcfs", factory=_make, options=SchedulerOptions,
-                        summary="First come, first served; preempts the most recently admitted.")
+    yield policy_scheduler("fcfs", lambda options: FCFSPolicy(),
+                           summary="First come, first served; preempts the most recently admitted.")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from corellm import hookimpl
-from corellm.components import BuildContext, SchedulerOptions, SchedulerSpec
+from corellm.components import SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.request import Request
-from corellm.scheduling import BatchScheduler
+from corellm.scheduling import policy_scheduler
 
 __version__ = "0.1.0"
 
@@ -47,12 +47,7 @@ class ShortestPromptFirstPolicy(SchedulingPolicy):
         return max(running, key=lambda r: (r.num_prompt_tokens, r.arrival_seq))
 
 
-def _make(options: SchedulerOptions, ctx: BuildContext) -> BatchScheduler:
-    assert ctx.kv_cache_manager is not None
-    return BatchScheduler(options, ctx.kv_cache_manager, ShortestPromptFirstPolicy())
-
-
 @hookimpl
 def corellm_schedulers() -> Iterator[SchedulerSpec]:
-    yield SchedulerSpec(name="shortest_prompt_first", factory=_make, options=SchedulerOptions,
-                        summary="Admit the shortest waiting prompt first; preempt the longest.")
+    yield policy_scheduler("shortest_prompt_first", lambda options: ShortestPromptFirstPolicy(),
+                           summary="Admit the shortest waiting prompt first; preempt the longest.")
