@@ -34,6 +34,7 @@ class InvalidRequestError(CorellmError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
 
 

@@ -355,3 +355,28 @@ def test_memory_budget_too_small(llama_path):
     llm = LLM(cfg)
     per_block = 2 * 2 * 16 * 2 * 16 * 4              # layers x K/V x block x kv heads x dim x fp32
     assert llm.get_stats().kv_blocks_total == int(0.001 * 2**30) // per_block
+
+
+def test_a_policy_cannot_lose_a_request(llama_path):
+    """A victim that is not running is refused with a clear error; nothing leaks."""
+    from corellm.interfaces import SchedulingPolicy
+    from corellm.scheduling import policy_scheduler
+
+    class Rogue(SchedulingPolicy):
+        def waiting_key(self, request):
+            return request.arrival_seq
+
+        def choose_victim(self, running):
+            return object()                      # not a running request
+
+    class Plugin:
+        def corellm_schedulers(self):
+            yield policy_scheduler("rogue", lambda options: Rogue())
+
+    cfg = engine_config(llama_path, scheduler={"name": "rogue"}, kv_cache={"num_blocks": 9})
+    cfg["model"]["max_model_len"] = 144
+    llm = LLM(cfg, plugins=[Plugin()])
+    with pytest.raises(RuntimeError, match="Rogue.choose_victim returned .* which is not running"):
+        llm.generate([{"prompt_token_ids": list(range(3, 63))}] * 3,
+                     SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert_pool_whole(llm)

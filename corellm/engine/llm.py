@@ -105,12 +105,11 @@ class LLM:
                 text, first = self.processor.process(rid, prompt, sp, prio)
             except InvalidRequestError as exc:
                 if len(prompts) > 1:
-                    raise InvalidRequestError(f"prompts[{i}].{exc.field}",
-                                              str(exc).split(": ", 1)[1]) from exc
+                    raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc
                 raise
             collectors.append(RequestCollector(rid, text, first.prompt_token_ids, first.sampling_params,
                                                self.tokenizer))
-            for j in range(sp.n):   # n samples: n engine requests, seeds offset per sample
+            for j in range(sp.n):   # n samples: n engine requests
                 child_params = first.sampling_params
                 if sp.n > 1:
                     # Sample 0 keeps the seed (same as n=1); others derive distinct seeds.
