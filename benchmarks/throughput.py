@@ -44,6 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The benchmark process is ours, as under the `corellm` command: corellm's CPU workers may tune
+# the allocator (corellm/worker/cpu.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
+os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
+
 # ----------------------------------------------------------------------------- the model
 
 # The benchmark model: a Llama of ~100M parameters (tied embeddings).
@@ -441,7 +445,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
     }
-    env["thread_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    env["thread_env"] = {k: os.environ[k] for k in ("CORELLM_MALLOC_TUNING", "OMP_NUM_THREADS",
+                                                     "MKL_NUM_THREADS",
                                                      "KMP_AFFINITY", "LD_PRELOAD")
                          if k in os.environ}
     try:

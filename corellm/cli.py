@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,7 +24,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["The meaning of life is"]
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 or args.progress)
+    show = not args.no_progress and (len(prompts) > 1 or sys.stderr.isatty())
+    outputs = llm.generate(prompts, params, use_tqdm=show)
     for out in outputs:
         completion = out.outputs[0]
         if len(outputs) > 1:
@@ -112,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
-    gen.add_argument("--progress", action="store_true", help="show a progress bar for one prompt")
+    gen.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (default: shown on a terminal or for several prompts)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr")
     gen.set_defaults(func=cmd_generate)
 
@@ -132,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # This process is ours: let CPU workers tune the allocator (see corellm/worker/cpu.py).
+    os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

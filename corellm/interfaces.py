@@ -48,6 +48,10 @@ class Scheduler(ABC):
     def has_unfinished_requests(self) -> bool: ...
 
     @abstractmethod
+    def get_request_ids(self) -> list[str]:
+        """Ids of every unfinished request (waiting, preempted or running)."""
+
+    @abstractmethod
     def get_stats(self) -> SchedulerStats: ...
 
 
@@ -68,10 +72,13 @@ class SchedulingPolicy(ABC):
 
     @abstractmethod
     def choose_victim(self, running: Sequence[Request]) -> Request:
-        """Pick the request to preempt when KV blocks run out. ``running`` is in admission order."""
+        """Pick the request to preempt when KV blocks run out. ``running`` is a read-only
+        snapshot (a tuple) in admission order; returning anything not in it is an error."""
 
     def can_admit(self, request: Request, running: Sequence[Request]) -> bool:
-        """Whether the head of the waiting queue may start now. Default: whenever it fits."""
+        """Whether the head of the waiting queue may start now, given the running requests.
+        Default: whenever it fits. Consulted only while something is running, so a policy can
+        delay a request but never stall the engine."""
         return True
 
 

@@ -136,7 +136,7 @@ class SchedulerStats:
     kv_blocks_total: int
     kv_blocks_free: int
     num_preemptions: int
-    num_prompt_tokens: int = 0          # prompt tokens computed so far (recomputation included)
+    num_prompt_tokens: int = 0          # prompt tokens computed, each once (not recomputation)
     num_generation_tokens: int = 0
 
 

@@ -16,9 +16,10 @@ from corellm.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request inside the engine core.
 
-    WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (back in the waiting queue, its KV blocks
-    freed, to be recomputed) -> RUNNING. PREEMPTED is a waiting state: a preempted request is queued
-    under the policy's ordering like any waiting request, and the status records why it is there.
+    WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> WAITING -> RUNNING. A preempted
+    request's KV blocks are freed and it rejoins the waiting queue under the policy's ordering, to
+    be recomputed; it reads PREEMPTED until the next ``schedule()``, which makes it WAITING again
+    before admitting anything.
     """
 
     WAITING = enum.auto()

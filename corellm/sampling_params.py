@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from corellm.errors import InvalidRequestError
@@ -36,6 +37,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"sampling_params.{name}", msg)
+
+        for name in ("n", "max_tokens", "min_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")

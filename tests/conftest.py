@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")   # the test process is ours to tune
 
 # Architecture -> transformers config kwargs. Grouped-query attention everywhere (heads 4, KV 2).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -82,7 +83,8 @@ def assert_pool_whole(llm) -> None:
         kv.check_invariants()
 
 
-_ENGINES: list = []
+_ENGINES: list = []      # weak references to every engine built in the session
+_NEW_ENGINES: list = []  # strong references to the engines built by the current test
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,6 +98,7 @@ def _track_engines():
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _ENGINES.append(weakref.ref(self))
+        _NEW_ENGINES.append(self)
     EngineCore.__init__ = init
     yield
     EngineCore.__init__ = original
@@ -105,11 +108,15 @@ def _track_engines():
 def _every_kv_block_returns(request):
     """After every test, every live engine is idle and its KV pool is whole: nothing is lost."""
     yield
-    for ref in list(_ENGINES):
+    engines = {id(e): e for e in _NEW_ENGINES}           # this test's, even if unreachable now
+    _NEW_ENGINES.clear()
+    for ref in list(_ENGINES):                           # and every older one still alive
         engine = ref()
         if engine is None:
             _ENGINES.remove(ref)
-            continue
+        else:
+            engines[id(engine)] = engine
+    for engine in engines.values():
         stats = engine.get_stats()
         assert not engine.has_unfinished_requests(), f"{request.node.nodeid} left requests behind"
         assert stats.kv_blocks_free == stats.kv_blocks_total, \

@@ -44,3 +44,14 @@ def test_decode_groups_partition_and_reduce_padding(seed):
 def test_uniform_lengths_stay_one_group():
     assert groups_of([100] * 64, 16) == [(0, 64)]
     assert groups_of([], 16) == []
+
+
+def test_malloc_tuning_is_opt_in(monkeypatch):
+    from corellm.worker.cpu import tune_malloc
+    monkeypatch.delenv("CORELLM_MALLOC_TUNING", raising=False)
+    assert tune_malloc() is False                  # a library leaves the host process alone
+    monkeypatch.setenv("CORELLM_MALLOC_TUNING", "0")
+    assert tune_malloc() is False
+    monkeypatch.setenv("CORELLM_MALLOC_TUNING", "1")
+    import sys
+    assert tune_malloc() is sys.platform.startswith("linux")

@@ -70,6 +70,15 @@ def test_lifecycle_with_preemption(llama_path):
     assert S.PREEMPTED not in old_states
     i = new_states.index(S.PREEMPTED)
     assert history[i - 1]["new"][0] == S.RUNNING and history[i]["new"][1] == 0
+    # Every observed transition is one of the state machine's. Between two steps a preempted
+    # request can go PREEMPTED -> WAITING -> RUNNING inside one schedule(), seen as P -> R.
+    allowed = {(S.WAITING, S.WAITING), (S.WAITING, S.RUNNING), (S.RUNNING, S.RUNNING),
+               (S.RUNNING, S.PREEMPTED), (S.PREEMPTED, S.WAITING), (S.PREEMPTED, S.RUNNING),
+               (S.RUNNING, S.FINISHED_LENGTH), (S.FINISHED_LENGTH, S.FINISHED_LENGTH)}
+    for states in (new_states, old_states):
+        assert set(zip(states, states[1:])) <= allowed, list(zip(states, states[1:]))
+    assert (S.PREEMPTED, S.WAITING) in set(zip(new_states, new_states[1:])), \
+        "the victim waits (PREEMPTED -> WAITING) while the other request holds the blocks"
     after = new_states[i:]
     assert after[-1] == S.FINISHED_LENGTH
     assert S.RUNNING in after                       # readmitted after the victim waits
@@ -380,3 +389,84 @@ def test_a_policy_cannot_lose_a_request(llama_path):
         llm.generate([{"prompt_token_ids": list(range(3, 63))}] * 3,
                      SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": float("nan")}, "sampling_params.temperature"),
+    ({"temperature": float("inf")}, "sampling_params.temperature"),
+    ({"top_p": float("nan")}, "sampling_params.top_p"),
+    ({"max_tokens": True}, "sampling_params.max_tokens"),
+    ({"max_tokens": 3.0}, "sampling_params.max_tokens"),
+    ({"seed": False}, "sampling_params.seed"),
+])
+def test_non_finite_and_bool_sampling_params(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+
+
+def test_a_policy_cannot_stall_the_engine(llama_path):
+    """can_admit is consulted only while something runs, so a refusing policy delays, not hangs."""
+    from corellm.interfaces import SchedulingPolicy
+    from corellm.scheduling import policy_scheduler
+
+    class Refuse(SchedulingPolicy):
+        def waiting_key(self, request):
+            return request.arrival_seq
+
+        def choose_victim(self, running):
+            return running[-1]
+
+        def can_admit(self, request, running):
+            return False
+
+    class Plugin:
+        def corellm_schedulers(self):
+            yield policy_scheduler("refuse", lambda options: Refuse())
+
+    llm = LLM(engine_config(llama_path, scheduler={"name": "refuse"}), plugins=[Plugin()])
+    outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert llm.get_stats().num_steps == 9            # one at a time, as the policy insists
+
+
+def test_a_policy_mutating_running_cannot_lose_requests(llama_path):
+    from corellm.interfaces import SchedulingPolicy
+    from corellm.scheduling import policy_scheduler
+
+    class Mutator(SchedulingPolicy):
+        def waiting_key(self, request):
+            return request.arrival_seq
+
+        def choose_victim(self, running):
+            return running.pop()                         # running is a tuple: this raises
+
+    class Plugin:
+        def corellm_schedulers(self):
+            yield policy_scheduler("mutator", lambda options: Mutator())
+
+    cfg = engine_config(llama_path, scheduler={"name": "mutator"}, kv_cache={"num_blocks": 9})
+    cfg["model"]["max_model_len"] = 144
+    llm = LLM(cfg, plugins=[Plugin()])
+    with pytest.raises(AttributeError, match="pop"):
+        llm.generate([{"prompt_token_ids": list(range(3, 63))}] * 3,
+                     SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_pool_whole(llm)
+
+
+def test_failed_schedule_ends_every_request(llama_path, monkeypatch):
+    llm = LLM(engine_config(llama_path))
+    engine = llm.engine
+    engine.add_request(core_request("p", 10, 5))
+    engine.add_request(core_request("q", 10, 5))
+    engine.step()
+    reqs = dict(engine.scheduler.requests)
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    monkeypatch.undo()
+    assert {r.status for r in reqs.values()} == {S.FINISHED_ERROR}
+    assert_pool_whole(llm)
+    assert llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

@@ -36,7 +36,8 @@ def test_every_hook_is_documented_and_tested():
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         assert len(doc) > 80, f"{name} needs a docstring saying when it is called and what it returns"
         assert "Called" in doc or "called" in doc, f"{name}: say when it is called"
-        assert f"def {name}(" in this_file, f"{name} has no test in {__file__}"
+        test_name = "test_" + name
+        assert f"def {test_name}(" in this_file, f"{name} has no {test_name} in {__file__}"
 
 
 # --------------------------------------------------------------------------- schedulers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -13,6 +14,8 @@ from corellm.interfaces import Executor, KVCacheManager, ModelInfo, Scheduler
 from corellm.outputs import EngineCoreOutput, EngineStats, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -72,19 +75,21 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute model -> sample -> update."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except BaseException:
+            # A half-built plan leaves no request in a known state: end them all.
+            self._fail(self.scheduler.get_request_ids())
+            raise
         t1 = time.perf_counter()
         try:
             self.executor.execute_model(plan)
             sampled = self.executor.sample_tokens(plan)
+            t2 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(plan, sampled)
         except BaseException:
-            # Nothing is lost: the requests of a failed step end with reason "error" and their
-            # blocks return to the pool; the caller sees the exception.
-            self.scheduler.abort_requests(plan.num_scheduled_tokens,
-                                          RequestStatus.FINISHED_ERROR)
+            self._fail(plan.num_scheduled_tokens)
             raise
-        t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(plan, sampled)
         t3 = time.perf_counter()
 
         self.num_steps += 1
@@ -103,6 +108,14 @@ class EngineCore:
                 timings={"schedule": t1 - t0, **sampled.timings, "update": t3 - t2},
                 scheduler=self.scheduler.get_stats()))
         return outputs
+
+    def _fail(self, request_ids: Iterable[str]) -> None:
+        """Nothing is lost when a step raises: the requests it touched end with reason "error"
+        and their blocks return to the pool; the caller sees the original exception."""
+        try:
+            self.scheduler.abort_requests(list(request_ids), RequestStatus.FINISHED_ERROR)
+        except Exception:  # never mask the step's own exception
+            logger.exception("could not finish the requests of a failed step")
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()

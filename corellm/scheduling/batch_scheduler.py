@@ -37,6 +37,7 @@ class BatchScheduler(Scheduler):
         self._waiting: list[tuple[Any, int, Request]] = []   # heap; aborted entries skipped lazily
         self._num_waiting = 0
         self._finished_ids: set[str] = set()        # to tell the workers at the next step
+        self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -71,7 +72,8 @@ class BatchScheduler(Scheduler):
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                if request in self.running:
+                    self.running.remove(request)
             else:
                 self._num_waiting -= 1
             self._finish(request, status)
@@ -87,6 +89,7 @@ class BatchScheduler(Scheduler):
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
+        self._preempted.append(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -94,6 +97,11 @@ class BatchScheduler(Scheduler):
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
+        # Requests preempted by the previous step rejoin the queue as WAITING.
+        for request in self._preempted:
+            if request.status == RequestStatus.PREEMPTED:
+                request.status = RequestStatus.WAITING
+        self._preempted.clear()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -108,7 +116,7 @@ class BatchScheduler(Scheduler):
                 blocks = self.kv.allocate_slots(request, n)
                 if blocks is not None:
                     break
-                victim = self.policy.choose_victim(self.running)
+                victim = self.policy.choose_victim(tuple(self.running))
                 try:
                     v = self.running.index(victim)
                 except ValueError:
@@ -138,7 +146,11 @@ class BatchScheduler(Scheduler):
         new: list[NewRequestData] = []
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._peek_waiting()
-            if request is None or not self.policy.can_admit(request, self.running):
+            if request is None:
+                break
+            # With nothing running, the head is admitted whatever the policy says: otherwise a
+            # policy could stall the engine forever.
+            if self.running and not self.policy.can_admit(request, tuple(self.running)):
                 break
             n = request.num_tokens - request.num_computed_tokens
             if n > budget:
@@ -179,9 +191,10 @@ class BatchScheduler(Scheduler):
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
             request.num_computed_tokens += n
-            prompt_len = request.num_prompt_tokens
-            self.num_prompt_tokens += max(0, min(request.num_computed_tokens, prompt_len)
-                                          - min(before, prompt_len))
+            if request.num_preemptions == 0:            # recomputation is not new prompt work
+                prompt_len = request.num_prompt_tokens
+                self.num_prompt_tokens += max(0, min(request.num_computed_tokens, prompt_len)
+                                              - min(before, prompt_len))
             row = row_of.get(rid)
             if row is None:
                 if request.num_computed_tokens >= request.num_tokens:
@@ -209,6 +222,9 @@ class BatchScheduler(Scheduler):
     # ------------------------------------------------------------------ introspection
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def get_request_ids(self) -> list[str]:
+        return list(self.requests)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

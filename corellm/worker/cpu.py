@@ -6,7 +6,10 @@ page-faulted in afresh each step: zeroing the pages cost more than the matmuls t
 (a [2048, 4096] fp32 linear ran at 210 GFLOP/s before and 328 after, see docs/benchmarks.md).
 Raising both thresholds keeps freed memory in the heap for reuse, as the tcmalloc/jemalloc
 preloads that CPU inference servers recommend do. Resident memory then stays at its peak.
-Set ``CORELLM_MALLOC_TUNING=0`` to leave the allocator alone.
+
+The setting is process-wide, so a library must not impose it on the program that embeds it:
+``CORELLM_MALLOC_TUNING=1`` turns it on, and the ``corellm`` command sets that default for the
+processes it owns (``CORELLM_MALLOC_TUNING=0`` keeps it off there too).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ _applied = False
 
 
 def tune_malloc() -> bool:
-    """Keep freed large blocks in the glibc heap. Returns whether the tuning is in effect."""
+    """Keep freed large blocks in the glibc heap, if ``CORELLM_MALLOC_TUNING=1``. Returns whether
+    the tuning was requested and is in effect."""
     global _applied
+    if not sys.platform.startswith("linux") or os.environ.get("CORELLM_MALLOC_TUNING") != "1":
+        return False
     if _applied:
         return True
-    if not sys.platform.startswith("linux") or os.environ.get("CORELLM_MALLOC_TUNING") == "0":
-        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

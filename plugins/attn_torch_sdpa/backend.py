@@ -134,25 +134,38 @@ class TorchSDPABackend(AttentionBackend):
 # A decode group costs one gather and one SDPA call per layer: splitting pays when it saves more
 # padded blocks than this (measured: ~50 us of call overhead ~ 32 blocks of copying + attention).
 _GROUP_OVERHEAD_BLOCKS = 32
+# Bound on the candidate split points, keeping the quadratic search below a millisecond.
+_MAX_CANDIDATES = 48
 
 
 def _decode_groups(seq_lens: list[int], block_size: int) -> list[tuple[int, int]]:
     """Split decode rows (sorted by ascending length) into contiguous groups minimizing padded
-    blocks + a per-group overhead; O(n^2) dynamic programming over at most max_num_seqs rows."""
+    blocks + a per-group overhead, by dynamic programming over split points.
+
+    Only points where the block count changes are candidates (splitting a run of equal widths
+    adds a call and saves nothing), so the search is over distinct lengths, not rows; past
+    ``_MAX_CANDIDATES`` the candidates are thinned evenly.
+    """
     n = len(seq_lens)
     if n == 0:
         return []
     blocks = [-(-s // block_size) for s in seq_lens]
-    best = [0] + [1 << 60] * n          # best[j]: cost of rows [0, j)
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        width = blocks[j - 1]           # the group ending at row j-1 pads to its longest row
-        for i in range(j):
-            cost = best[i] + (j - i) * width + _GROUP_OVERHEAD_BLOCKS
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append((cut[j], j))
-        j = cut[j]
+    cuts = [0] + [i for i in range(1, n) if blocks[i] != blocks[i - 1]] + [n]
+    if len(cuts) > _MAX_CANDIDATES + 1:
+        step = (len(cuts) - 1) / _MAX_CANDIDATES
+        cuts = sorted({cuts[round(k * step)] for k in range(_MAX_CANDIDATES + 1)})
+    m = len(cuts)
+    best = [0] + [1 << 60] * (m - 1)    # best[b]: cost of rows [0, cuts[b])
+    prev = [0] * m
+    for b in range(1, m):
+        end = cuts[b]
+        width = blocks[end - 1]         # a group pads to its longest (last) row
+        for a in range(b):
+            cost = best[a] + (end - cuts[a]) * width + _GROUP_OVERHEAD_BLOCKS
+            if cost < best[b]:
+                best[b], prev[b] = cost, a
+    groups, b = [], m - 1
+    while b > 0:
+        groups.append((cuts[prev[b]], cuts[b]))
+        b = prev[b]
     return groups[::-1]
