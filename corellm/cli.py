@@ -60,6 +60,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"components": rows, "broken": broken}, indent=2, default=str))
         return 0
+    print(f"{'KIND':<18} {'NAME':<24} {'DISTRIBUTION':<24} SUMMARY (options indented)")
     for row in rows:
         dist = f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
         print(f"{row['kind']:<18} {row['name']:<24} {dist:<24} {row['summary']}")
