@@ -341,7 +341,6 @@ def run_hf(args: argparse.Namespace, model: Path, requests: list[dict],
              f"{time.perf_counter() - tb:.1f}s; {rate:.1f} useful tok/s")
     wall, cpu = clock.stop()
     output_tokens = sum(len(t) for t in token_ids)
-    del hf
     gc.collect()
     return {
         "engine": "transformers", "label": f"transformers bs{bsz}", "requests": len(requests),

@@ -26,6 +26,23 @@ def core_request(rid: str, n_prompt: int, max_tokens: int, **kw) -> EngineCoreRe
                              eos_token_id=0, arrival_time=time.time())
 
 
+def policy_plugin(name: str, policy_cls) -> object:
+    """An in-process plugin registering ``policy_cls`` as scheduler ``name``."""
+    from corellm.scheduling import policy_scheduler
+
+    class Plugin:
+        def corellm_schedulers(self):
+            yield policy_scheduler(name, lambda options: policy_cls())
+    return Plugin()
+
+
+def tight_pool_config(path, **sections) -> dict:
+    """9 blocks x 16 tokens: three 60-token prompts growing by 40 tokens must preempt."""
+    cfg = engine_config(path, kv_cache={"num_blocks": 9}, **sections)
+    cfg["model"]["max_model_len"] = 144
+    return cfg
+
+
 def trace(engine, rids) -> list[dict[str, tuple]]:
     """Step the engine to completion, recording (status, computed, num_tokens) after each step."""
     reqs = {rid: engine.scheduler.requests[rid] for rid in rids}
@@ -369,7 +386,6 @@ def test_memory_budget_too_small(llama_path):
 def test_a_policy_cannot_lose_a_request(llama_path):
     """A victim that is not running is refused with a clear error; nothing leaks."""
     from corellm.interfaces import SchedulingPolicy
-    from corellm.scheduling import policy_scheduler
 
     class Rogue(SchedulingPolicy):
         def waiting_key(self, request):
@@ -378,13 +394,8 @@ def test_a_policy_cannot_lose_a_request(llama_path):
         def choose_victim(self, running):
             return object()                      # not a running request
 
-    class Plugin:
-        def corellm_schedulers(self):
-            yield policy_scheduler("rogue", lambda options: Rogue())
-
-    cfg = engine_config(llama_path, scheduler={"name": "rogue"}, kv_cache={"num_blocks": 9})
-    cfg["model"]["max_model_len"] = 144
-    llm = LLM(cfg, plugins=[Plugin()])
+    cfg = tight_pool_config(llama_path, scheduler={"name": "rogue"})
+    llm = LLM(cfg, plugins=[policy_plugin("rogue", Rogue)])
     with pytest.raises(RuntimeError, match="Rogue.choose_victim returned .* which is not running"):
         llm.generate([{"prompt_token_ids": list(range(3, 63))}] * 3,
                      SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
@@ -408,7 +419,6 @@ def test_non_finite_and_bool_sampling_params(kwargs, field):
 def test_a_policy_cannot_stall_the_engine(llama_path):
     """can_admit is consulted only while something runs, so a refusing policy delays, not hangs."""
     from corellm.interfaces import SchedulingPolicy
-    from corellm.scheduling import policy_scheduler
 
     class Refuse(SchedulingPolicy):
         def waiting_key(self, request):
@@ -420,11 +430,7 @@ def test_a_policy_cannot_stall_the_engine(llama_path):
         def can_admit(self, request, running):
             return False
 
-    class Plugin:
-        def corellm_schedulers(self):
-            yield policy_scheduler("refuse", lambda options: Refuse())
-
-    llm = LLM(engine_config(llama_path, scheduler={"name": "refuse"}), plugins=[Plugin()])
+    llm = LLM(engine_config(llama_path, scheduler={"name": "refuse"}), plugins=[policy_plugin("refuse", Refuse)])
     outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True),
                         use_tqdm=False)
     assert all(o.finished for o in outs)
@@ -433,7 +439,6 @@ def test_a_policy_cannot_stall_the_engine(llama_path):
 
 def test_a_policy_mutating_running_cannot_lose_requests(llama_path):
     from corellm.interfaces import SchedulingPolicy
-    from corellm.scheduling import policy_scheduler
 
     class Mutator(SchedulingPolicy):
         def waiting_key(self, request):
@@ -442,13 +447,8 @@ def test_a_policy_mutating_running_cannot_lose_requests(llama_path):
         def choose_victim(self, running):
             return running.pop()                         # running is a tuple: this raises
 
-    class Plugin:
-        def corellm_schedulers(self):
-            yield policy_scheduler("mutator", lambda options: Mutator())
-
-    cfg = engine_config(llama_path, scheduler={"name": "mutator"}, kv_cache={"num_blocks": 9})
-    cfg["model"]["max_model_len"] = 144
-    llm = LLM(cfg, plugins=[Plugin()])
+    cfg = tight_pool_config(llama_path, scheduler={"name": "mutator"})
+    llm = LLM(cfg, plugins=[policy_plugin("mutator", Mutator)])
     with pytest.raises(AttributeError, match="pop"):
         llm.generate([{"prompt_token_ids": list(range(3, 63))}] * 3,
                      SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)

@@ -8,7 +8,6 @@ import inspect
 import json
 import math
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
