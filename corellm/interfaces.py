@@ -82,24 +82,74 @@ class SchedulingPolicy(ABC):
         return True
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """What a prefix-cache lookup found for a waiting request.
+
+    ``block_ids`` hold the KV of the request's first ``num_tokens`` tokens (whole blocks, and
+    always fewer than all its tokens, so at least one token is left to compute and yield logits).
+    ``pending`` says the next block of the request's prefix is being computed by another request
+    in the current step: waiting one step would make the hit longer.
+    """
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    pending: bool = False
+
+
+NO_CACHED_PREFIX = CachedPrefix()
+
+
 class KVCacheManager(ABC):
     """Owns the mapping from requests to KV-cache blocks (bookkeeping only: the tensors live in
-    the workers). Every block a request holds returns to the pool on ``free``."""
+    the workers). Every block a request holds returns to the pool on ``free``.
+
+    The scheduler drives it in this order for each request: ``find_cached_prefix`` (admission
+    only), ``allocate_slots`` before every step that computes tokens for the request,
+    ``cache_computed_blocks`` after it, ``free`` when the request finishes or is preempted.
+    A manager without prefix caching keeps the defaults of the three prefix-cache methods.
+    """
 
     block_size: int
     num_blocks: int
+    prefix_cache_queries: int = 0     # tokens of the admitted requests looked up in the cache
+    prefix_cache_hits: int = 0        # tokens of those found there (not computed)
 
     @property
     @abstractmethod
-    def num_free_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now, including evictable cached ones."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable in the prefix cache, held or free."""
+        return 0
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Look up a waiting request's longest cached prefix. Changes nothing: the hit is taken
+        only by ``allocate_slots(request, n, prefix)``, right after."""
+        return NO_CACHED_PREFIX
 
     @abstractmethod
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for ``request.num_computed_tokens + num_new_tokens`` tokens.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix: CachedPrefix | None = None) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
-        Returns the newly allocated block ids (possibly empty), or ``None`` when the pool cannot
-        satisfy the request, in which case nothing was allocated.
+        For a running request the computed tokens are ``request.num_computed_tokens``. At
+        admission the scheduler passes the ``prefix`` it looked up: the request holds nothing yet,
+        its blocks become ``prefix.block_ids`` plus fresh ones for ``prefix.num_tokens +
+        num_new_tokens`` tokens, and the scheduler then sets ``num_computed_tokens`` to
+        ``prefix.num_tokens``. Returns the fresh block ids (possibly empty), or ``None`` when the
+        pool cannot satisfy the request, in which case nothing changed.
         """
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Called after each step that computed tokens for ``request`` (``num_computed_tokens``
+        already advanced): make its newly completed blocks findable by later requests."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Returns False, changing nothing, while blocks are held."""
+        return True
 
     @abstractmethod
     def free(self, request: Request) -> None:

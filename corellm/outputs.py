@@ -88,6 +88,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -118,12 +119,32 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.time()``) of one request, as its caller observed them."""
+
+    arrival_time: float
+    first_token_time: float | None = None     # first token of any of the n samples
+    finished_time: float | None = None        # last sample finished
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # Prompt tokens whose KV came from the prefix cache (the most over the n samples).
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 # --------------------------------------------------------------------------- observability
@@ -136,8 +157,18 @@ class SchedulerStats:
     kv_blocks_total: int
     kv_blocks_free: int
     num_preemptions: int
-    num_prompt_tokens: int = 0          # prompt tokens computed, each once (not recomputation)
+    num_prompt_tokens: int = 0          # prompt tokens of the admitted requests, each once
     num_generation_tokens: int = 0
+    # Tokens run through the model other than decodes: prompts, minus prefix-cache hits, plus
+    # recomputation after preemption.
+    num_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0       # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0          # tokens of those found there
+    kv_blocks_cached: int = 0           # blocks findable in the prefix cache (held or free)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass

@@ -73,7 +73,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "eos_token_id",
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
-        "num_preemptions", "stop_reason", "max_model_len",
+        "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -90,6 +90,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.max_model_len = max_model_len
+        self.num_cached_tokens = -1     # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

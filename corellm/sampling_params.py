@@ -19,6 +19,8 @@ class SamplingParams:
     ``min_p == 0`` switch the respective filter off. ``seed`` makes one request reproducible on its
     own, independently of what else is in the batch and of preemption. ``logprobs=N`` returns the
     log-probabilities (of the model's unmodified distribution) of the sampled token and the top N.
+    ``cache_salt`` isolates the request in the prefix cache: it shares cached KV blocks only with
+    requests that carry the same salt (e.g. one salt per tenant).
     """
 
     n: int = 1
@@ -33,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> InvalidRequestError:
@@ -72,6 +75,9 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise bad("cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -20,8 +20,9 @@ def llm(llama_path):
     return LLM(engine_config(llama_path))
 
 
-def core_request(rid: str, n_prompt: int, max_tokens: int, **kw) -> EngineCoreRequest:
-    return EngineCoreRequest(rid, list(range(10, 10 + n_prompt)),
+def core_request(rid: str, n_prompt: int, max_tokens: int, start: int = 10,
+                 **kw) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, list(range(start, start + n_prompt)),
                              SP(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw),
                              eos_token_id=0, arrival_time=time.time())
 
@@ -79,7 +80,7 @@ def test_lifecycle_with_preemption(llama_path):
     llm = LLM(cfg)
     engine = llm.engine
     engine.add_request(core_request("old", 60, 20))
-    engine.add_request(core_request("new", 60, 20))
+    engine.add_request(core_request("new", 60, 20, start=100))  # no shared prefix to cache
     history = trace(engine, ["old", "new"])
     new_states = [s["new"][0] for s in history]
     old_states = [s["old"][0] for s in history]

@@ -88,7 +88,9 @@ class CountingKV(KVCacheManager):
     def num_free_blocks(self):
         return self.pool.num_free_blocks
 
-    def allocate_slots(self, request, n):
+    def allocate_slots(self, request, n, prefix=None):
+        # No find_cached_prefix override: any prefix passed is the empty one.
+        assert prefix is None or prefix.num_tokens == 0
         table = self.tables.setdefault(request.request_id, [])
         need = math.ceil((request.num_computed_tokens + n) / self.block_size) - len(table)
         if need > self.pool.num_free_blocks:

@@ -71,6 +71,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while any request holds KV blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute model -> sample -> update."""

@@ -108,7 +108,7 @@ class LLM:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc
                 raise
             collectors.append(RequestCollector(rid, text, first.prompt_token_ids, first.sampling_params,
-                                               self.tokenizer))
+                                               self.tokenizer, first.arrival_time))
             for j in range(sp.n):   # n samples: n engine requests
                 child_params = first.sampling_params
                 if sp.n > 1:
@@ -159,6 +159,11 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. after swapping weights, or to benchmark cold starts).
+        Returns False, changing nothing, while requests hold KV blocks."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -10,7 +10,8 @@ from typing import Any, Union
 
 from corellm.errors import InvalidRequestError
 from corellm.interfaces import ModelInfo
-from corellm.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from corellm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics,
+                             RequestOutput)
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
 
@@ -88,8 +89,10 @@ class RequestCollector:
     """Accumulates one request's outputs (``n`` samples) into a RequestOutput."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Any) -> None:
+                 params: SamplingParams, tokenizer: Any, arrival_time: float | None = None) -> None:
         self.request_id = request_id
+        self.metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
+        self.num_cached_tokens = 0
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -103,6 +106,9 @@ class RequestCollector:
     def add(self, index: int, out: EngineCoreOutput) -> bool:
         """Record a delta for sample ``index``; return True once every sample has finished."""
         c = self.completions[index]
+        if out.new_token_ids and self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.time()
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         c.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and c.logprobs is not None:
             lp = out.new_logprobs
@@ -118,8 +124,11 @@ class RequestCollector:
             c.text = self.tokenizer.decode(c.token_ids,
                                            skip_special_tokens=self.params.skip_special_tokens)
             self.num_unfinished -= 1
+            if self.num_unfinished == 0:
+                self.metrics.finished_time = time.time()
         return self.num_unfinished == 0
 
     def result(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             self.completions, finished=self.num_unfinished == 0)
+                             self.completions, finished=self.num_unfinished == 0,
+                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics)

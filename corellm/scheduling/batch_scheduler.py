@@ -41,6 +41,7 @@ class BatchScheduler(Scheduler):
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_prefill_tokens = 0
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -144,6 +145,7 @@ class BatchScheduler(Scheduler):
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
         new: list[NewRequestData] = []
+        deferred: list[tuple[Any, int, Request]] = []
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._peek_waiting()
             if request is None:
@@ -152,16 +154,26 @@ class BatchScheduler(Scheduler):
             # policy could stall the engine forever.
             if self.running and not self.policy.can_admit(request, tuple(self.running)):
                 break
-            n = request.num_tokens - request.num_computed_tokens
+            prefix = self.kv.find_cached_prefix(request)
+            if prefix.pending:
+                # Its next block is being computed by a request in this step: admitted next
+                # step, it finds that block cached instead of computing a copy.
+                deferred.append(heapq.heappop(self._waiting))
+                continue
+            n = request.num_tokens - prefix.num_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if self.kv.allocate_slots(request, n) is None:
+            if self.kv.allocate_slots(request, n, prefix) is None:
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = prefix.num_tokens
+            if request.num_cached_tokens < 0:          # first admission
+                request.num_cached_tokens = prefix.num_tokens
+                self.num_prompt_tokens += request.num_prompt_tokens
             self.running.append(request)
             num_scheduled[request.request_id] = n
             budget -= n
@@ -171,6 +183,8 @@ class BatchScheduler(Scheduler):
                 block_ids=list(self.kv.get_block_ids(request)),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params, eos_token_id=request.eos_token_id))
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
@@ -191,10 +205,9 @@ class BatchScheduler(Scheduler):
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
             request.num_computed_tokens += n
-            if request.num_preemptions == 0:            # recomputation is not new prompt work
-                prompt_len = request.num_prompt_tokens
-                self.num_prompt_tokens += max(0, min(request.num_computed_tokens, prompt_len)
-                                              - min(before, prompt_len))
+            self.kv.cache_computed_blocks(request)
+            if n > 1 or before < request.num_prompt_tokens:     # not a decode
+                self.num_prefill_tokens += n
             row = row_of.get(rid)
             if row is None:
                 if request.num_computed_tokens >= request.num_tokens:
@@ -214,7 +227,8 @@ class BatchScheduler(Scheduler):
                 finished_any = True
             outputs.append(EngineCoreOutput(rid, [token], logprobs,
                                             finish_reason=status.finish_reason if status else None,
-                                            stop_reason=request.stop_reason))
+                                            stop_reason=request.stop_reason,
+                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
         if finished_any:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
@@ -231,4 +245,8 @@ class BatchScheduler(Scheduler):
             num_running_reqs=len(self.running), num_waiting_reqs=self._num_waiting,
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.kv.num_free_blocks,
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens)
+            num_generation_tokens=self.num_generation_tokens,
+            num_prefill_tokens=self.num_prefill_tokens,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            kv_blocks_cached=self.kv.num_cached_blocks)
