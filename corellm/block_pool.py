@@ -131,6 +131,10 @@ class BlockPool:
         """The block cached under ``block_hash``, held or free, or None."""
         return self._cached.get(block_hash)
 
+    def cached_items(self) -> list[tuple[BlockHash, int]]:
+        """Every (hash, block) pair in the prefix cache."""
+        return list(self._cached.items())
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks found by ``lookup`` (reviving free ones)."""
         for b in block_ids:

@@ -71,6 +71,20 @@ def test_misspelt_option_suggests_the_key(registry):
     assert p["model.max_modle_len"] == "unknown option; did you mean max_model_len?"
 
 
+def test_prefix_caching_options(registry):
+    cfg = load_config({}, registry=registry)
+    assert cfg.kv_cache.enable_prefix_caching is True           # on by default
+    assert cfg.kv_cache.cache_salt is None and cfg.kv_cache.hash_seed is None
+    cfg = load_config({"kv_cache": {"enable_prefix_caching": False, "cache_salt": "t"}},
+                      registry=registry)
+    assert cfg.kv_cache.enable_prefix_caching is False and cfg.kv_cache.cache_salt == "t"
+    p = problems({"kv_cache": {"enable_prefix_cache": True}}, registry)
+    assert p["kv_cache.enable_prefix_cache"].startswith(
+        "unknown option; did you mean enable_prefix_caching?")
+    p = problems({"kv_cache": {"enable_prefix_caching": "sometimes"}}, registry)
+    assert "valid boolean" in p["kv_cache.enable_prefix_caching"]
+
+
 def test_misspelt_section(registry):
     assert problems({"schedular": {}}, registry)["schedular"] == \
         "unknown section; did you mean scheduler?"

@@ -248,6 +248,8 @@ def test_bad_prompt_rejected_before_scheduling(llm, prompt, params, message):
     ({"min_p": 2.0}, "sampling_params.min_p"),
     ({"logprobs": 100}, "sampling_params.logprobs"),
     ({"n": 0}, "sampling_params.n"),
+    ({"cache_salt": ""}, "sampling_params.cache_salt"),
+    ({"cache_salt": 42}, "sampling_params.cache_salt"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field.replace(".", r"\.")) as info:

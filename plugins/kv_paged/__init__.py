@@ -41,7 +41,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_salt = cache_salt
-        self._hasher = BlockHasher(hash_seed) if enable_prefix_caching else None
+        self.hasher = BlockHasher(hash_seed) if enable_prefix_caching else None
         # Per request: [root, h(block 0), h(block 1), ...] for its full blocks so far.
         self._hashes: dict[str, list[BlockHash]] = {}
         # Per request: how many leading blocks of its table were found in or offered to the cache.
@@ -61,13 +61,13 @@ class PagedKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        assert self._hasher is not None
+        assert self.hasher is not None
         hashes = self._hashes.get(request.request_id)
         if hashes is None:
-            root = self._hasher.root(self.cache_salt, request.sampling_params.cache_salt)
+            root = self.hasher.root(self.cache_salt, request.sampling_params.cache_salt)
             hashes = self._hashes[request.request_id] = [root]
         if len(hashes) <= num_blocks:
-            self._hasher.extend(hashes, request.all_token_ids, self.block_size, num_blocks)
+            self.hasher.extend(hashes, request.all_token_ids, self.block_size, num_blocks)
         return hashes
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
