@@ -29,12 +29,9 @@ phase split is the delta of the cumulative EngineStats timings across the timed 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
-import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,6 +40,11 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (Clock, agreement, count_params, environment,  # noqa: E402
+                     model_facts, parse_range, prompt_id_space, pyplot, warn_if_busy,
+                     write_json)
 
 # The benchmark process is ours, as under the `corellm` command: corellm's CPU workers may tune
 # the allocator (corellm/worker/cpu.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
@@ -122,17 +124,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    try:
-        a, b = int(lo), int(hi if sep else lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
-    if a < 1 or b < a:
-        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
-    return a, b
-
-
 def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
                   vocab_size: int, exclude_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
     """Random prompts (token ids) and output lengths, uniform in the inclusive ranges."""
@@ -146,64 +137,7 @@ def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, i
              "output_len": int(m)} for n, m in zip(in_lens, out_lens)]
 
 
-def _model_facts(model: Path) -> dict[str, Any]:
-    cfg = json.loads((model / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return {"vocab_size": cfg["vocab_size"],
-            "max_position_embeddings": cfg.get("max_position_embeddings")}
-
-
-def _prompt_id_space(model: Path, vocab_size: int) -> tuple[int, set[int]]:
-    """Ids to draw prompts from: what both the model and its tokenizer know, minus specials
-    (bos/eos/pad would change the meaning of a random prompt for no benchmark benefit)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
-    return min(vocab_size, len(tok)), special
-
-
-def _count_params(model: Path) -> int | None:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        return None
-    total, seen = 0, set()
-    for f in sorted(model.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if name not in seen:
-                    seen.add(name)
-                    shape = st.get_slice(name).get_shape()
-                    total += math.prod(shape)
-    return total or None
-
-
 # ----------------------------------------------------------------------------- engines
-
-def _loadavg() -> float | None:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _Clock:
-    """Wall and process CPU time of a timed run. ``cpu_util`` = CPU seconds / (wall x torch
-    threads): well below 1 while the CPU-bound phases run means another process took cores."""
-
-    def __init__(self) -> None:
-        self.load_before = _loadavg()
-        self.cpu0 = time.process_time()
-        self.t0 = time.perf_counter()
-
-    def stop(self) -> tuple[float, dict[str, Any]]:
-        import torch
-
-        wall = time.perf_counter() - self.t0
-        cpu = time.process_time() - self.cpu0
-        return wall, {"cpu_s": cpu, "cpu_util": cpu / (wall * torch.get_num_threads()),
-                      "loadavg_1min_before": self.load_before, "loadavg_1min_after": _loadavg()}
 
 
 def _warmup_requests(args: argparse.Namespace, vocab: int, special: set[int]) -> list[dict]:
@@ -250,7 +184,7 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
-    clock = _Clock()
+    clock = Clock()
     outs = llm.generate(prompts(requests), [params(r) for r in requests],
                         use_tqdm=not args.no_tqdm)
     wall, cpu = clock.stop()
@@ -275,7 +209,7 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "wall_s": wall, "output_tok_s": output_tokens / wall, "load_s": load_s, **cpu,
         "num_steps": after.num_steps - before.num_steps,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
-        "prompt_tokens_computed": after.num_prompt_tokens - before.num_prompt_tokens,
+        "prefill_tokens_computed": after.num_prefill_tokens - before.num_prefill_tokens,
         "timings_s": delta, "time_split": split, "config": config,
         "_token_ids": token_ids,
     }
@@ -328,7 +262,7 @@ def run_hf(args: argparse.Namespace, model: Path, requests: list[dict],
     batches = [requests[i:i + bsz] for i in range(0, len(requests), bsz)]
     token_ids: list[list[int]] = []
     generated = 0
-    clock = _Clock()
+    clock = Clock()
     t0 = clock.t0
     for b, batch in enumerate(batches):
         tb = time.perf_counter()
@@ -421,69 +355,6 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
 
 # ----------------------------------------------------------------------------- reporting
 
-def environment() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    simd: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                simd = sorted(f for f in flags if f in {
-                    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
-                break
-    except OSError:
-        pass
-    env: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-    }
-    env["thread_env"] = {k: os.environ[k] for k in ("CORELLM_MALLOC_TUNING", "OMP_NUM_THREADS",
-                                                     "MKL_NUM_THREADS",
-                                                     "KMP_AFFINITY", "LD_PRELOAD")
-                         if k in os.environ}
-    try:
-        env["cpu_affinity"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        pass
-    for mod in ("transformers", "corellm", "numpy"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
-            env[mod] = None
-    try:
-        root = Path(__file__).resolve().parent.parent
-        env["git_commit"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-            timeout=10).stdout.strip() or None
-        # Uncommitted changes (engine files edited since the commit change what was measured).
-        env["git_status"] = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-            timeout=10).stdout.splitlines()[:50]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return env
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
-    """How many requests' greedy outputs are identical, and where the others first differ."""
-    same, firsts = 0, []
-    for x, y in zip(a, b):
-        if x == y:
-            same += 1
-        else:
-            firsts.append(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t),
-                               min(len(x), len(y))))
-    firsts.sort()
-    return {"identical": same, "of": len(a),
-            "median_first_divergence": firsts[len(firsts) // 2] if firsts else None}
-
 
 def format_tables(results: dict[str, Any]) -> str:
     rows = results["engines"]
@@ -540,12 +411,8 @@ def best_hf(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def write_plot(results: dict[str, Any], path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
+    plt = pyplot(path, _log)
+    if plt is None:
         return False
     rows = results["engines"]
     w = results["workload"]
@@ -621,8 +488,8 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         model = make_model(args.make_model)
     else:
         raise SystemExit("give --model PATH or --make-model DIR")
-    facts = _model_facts(model)
-    id_space, special = _prompt_id_space(model, facts["vocab_size"])
+    facts = model_facts(model)
+    id_space, special = prompt_id_space(model, facts["vocab_size"])
     requests = make_requests(args.num_requests, args.input_len, args.output_len, args.seed,
                              id_space, special)
     warmup = _warmup_requests(args, id_space, special)
@@ -637,7 +504,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         "environment": environment(),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv])
         if argv is None else None,
-        "model": {"path": str(model), "parameters": _count_params(model), **facts,
+        "model": {"path": str(model), "parameters": count_params(model), **facts,
                   "dtype": args.dtype, "max_model_len": max_model_len},
         "workload": {"num_requests": args.num_requests,
                      "input_len": f"{args.input_len[0]}:{args.input_len[1]}",
@@ -649,10 +516,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         "engines": [], "skipped": [], "agreement": {},
     }
     env = results["environment"]
-    load = _loadavg()
-    if load is not None and load > 0.5:
-        _log(f"WARNING: 1-min load average is {load:.2f} before starting: other processes are "
-             "using the CPU and the numbers will be noisy")
+    warn_if_busy(_log)
     _log(f"model {model} ({results['model']['parameters'] or '?'} parameters, {args.dtype}); "
          f"{len(requests)} requests, {results['workload']['prompt_tokens']} prompt tokens, "
          f"{results['workload']['requested_output_tokens']} output tokens; torch "
@@ -679,7 +543,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
     by_name = {r["engine"]: r for r in results["engines"]}
     for other in ("transformers", "vllm-cpu"):
         if "corellm" in by_name and other in by_name:
-            results["agreement"][f"corellm vs {other}"] = _agreement(
+            results["agreement"][f"corellm vs {other}"] = agreement(
                 by_name["corellm"]["_token_ids"], by_name[other]["_token_ids"])
     for r in results["engines"]:
         expected = results["workload"]["requested_output_tokens"]
@@ -697,8 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         results["command"] = " ".join(["python", *sys.argv])
     print(format_tables(results), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        _log(f"wrote {args.json}")
+        write_json(results, args.json, _log)
     if args.plot and write_plot(results, args.plot):
         _log(f"wrote {args.plot}")
     return 0

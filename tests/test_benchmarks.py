@@ -1,0 +1,56 @@
+"""The benchmark scripts run end to end on a tiny checkpoint (so they cannot rot unnoticed), and
+their results hold together. The numbers themselves are recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefix_cache_benchmark(llama_path, tmp_path, capsys):
+    bench = load("prefix_cache")
+    out_json = tmp_path / "pc.json"
+    assert bench.main(["--model", str(llama_path), "--conversations", "3", "--turns", "3",
+                       "--context-len", "40", "--user-len", "8", "--output-len", "4",
+                       "--num-requests", "5", "--system-len", "48", "--question-len", "4:8",
+                       "--max-num-batched-tokens", "256",
+                       "--no-tqdm", "--json", str(out_json), "--plot", str(tmp_path / "pc.png")]) == 0
+    table = capsys.readouterr().out
+    assert "multi-turn" in table and "fewer prefill tokens" in table
+    results = json.loads(out_json.read_text())
+    runs = {(r["workload"], r["prefix_caching"]): r for r in results["runs"]}
+    assert len(runs) == 4
+    for workload in ("multi-turn", "shared-prefix"):
+        off, on = runs[(workload, "off")], runs[(workload, "on")]
+        assert off["prefill_tokens"] == off["prompt_tokens"] and off["cache_hit_rate"] == 0
+        assert on["prefill_tokens"] == on["prompt_tokens"] - on["cache_hit_tokens"]
+        assert on["prefill_tokens"] < off["prefill_tokens"]
+        assert results["agreement"][workload]["identical"] == off["requests"]
+    mt = runs[("multi-turn", "on")]
+    assert mt["requests"] == 9 and len(mt["prefill_tokens_per_turn"]) == 3
+    assert mt["prefill_tokens_per_turn"][0] == 3 * 48          # turn 1: nothing cached yet
+    assert (tmp_path / "pc.png").stat().st_size > 0
+
+
+def test_throughput_benchmark(llama_path, tmp_path):
+    bench = load("throughput")
+    results = bench.run_benchmark(["--model", str(llama_path), "--num-requests", "4",
+                                   "--input-len", "8:16", "--output-len", "4:8",
+                                   "--hf-batch-size", "2", "--warmup-requests", "1",
+                                   "--no-tqdm"])
+    rows = {r.get("label", r["engine"]): r for r in results["engines"]}
+    core = rows["corellm"]
+    assert core["output_tokens"] == results["workload"]["requested_output_tokens"]
+    assert core["prefill_tokens_computed"] == results["workload"]["prompt_tokens"]
+    assert results["agreement"]["corellm vs transformers"]["identical"] == 4
+    assert "corellm time split" in bench.format_tables(results)
