@@ -142,7 +142,7 @@ def test_schema_covers_installed_plugins(registry):
     sched = schema["properties"]["scheduler"]["oneOf"]
     assert [v["properties"]["name"]["const"] for v in sched] == ["fcfs"]
     assert "max_num_seqs" in sched[0]["properties"]
-    assert "corellm 0.1.0" in sched[0]["description"]
+    assert "corellm 0.2.0" in sched[0]["description"]
     assert schema["properties"]["model"]["properties"]["max_model_len"]
 
 

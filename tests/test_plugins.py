@@ -84,7 +84,7 @@ def test_duplicate_of_a_builtin_name(site):
                       {"fake_c": "fake_c"})
     with pytest.raises(PluginError, match="fake-c 1.0") as info:
         load_registry()
-    assert "from corellm 0.1.0" in str(info.value)
+    assert "from corellm 0.2.0" in str(info.value)
 
 
 def test_duplicate_architecture(site):
