@@ -29,6 +29,9 @@ SETTINGS = {
     "chunked_prefill": {"scheduler": {"max_num_batched_tokens": 48}},
     # 23 blocks x 16 = 368 tokens for ~1,000 needed: requests are preempted and recomputed.
     "preemption": {"kv_cache": {"num_blocks": 23}},
+    # The first half of every prompt (and its continuation) is computed by an earlier request:
+    # the prompts then start from cached blocks, under a small budget (chunks after the hit).
+    "prefix_cached": {"scheduler": {"max_num_batched_tokens": 64}},
 }
 
 
@@ -78,6 +81,10 @@ def test_greedy_matches_transformers(reference, setting):
     cfg["model"]["max_model_len"] = MAX_MODEL_LEN
     llm = LLM(cfg)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    if setting == "prefix_cached":
+        llm.generate([{"prompt_token_ids": p[:len(p) // 2 + 1]} for p in prompts],
+                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     notes = []
@@ -88,6 +95,11 @@ def test_greedy_matches_transformers(reference, setting):
         note = compare(completion.token_ids, hf_tokens, hf_logits)
         if note:
             notes.append(f"prompt {i} (len {len(prompts[i])}): {note}")
+    if setting == "prefix_cached":
+        # Every prompt of at least two blocks found its first half cached.
+        assert [o.num_cached_tokens for o in outputs] == [
+            (len(p) // 2 + 1) // 16 * 16 for p in prompts]
+        assert sum(o.num_cached_tokens for o in outputs) > 0
     if notes:
         warnings.warn(f"{arch}/{setting}: accepted near ties: {notes}")
     assert len(notes) <= 1, f"too many divergences for near ties to explain: {notes}"
