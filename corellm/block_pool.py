@@ -55,7 +55,7 @@ class BlockHasher:
         """The chain's starting point; different salts give disjoint chains."""
         data = bytearray(b"corellm-root")
         for salt in salts:
-            raw = b"" if salt is None else salt.encode()
+            raw = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
             # Length-prefixed, with None distinct from "": no two salt tuples encode alike.
             data += (b"\x00" if salt is None else b"\x01") + len(raw).to_bytes(8, "little") + raw
         return self._hash(bytes(data))

@@ -75,9 +75,15 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
-                                            or not self.cache_salt):
-            raise bad("cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                raise bad("cache_salt", f"must be a non-empty string or None, got "
+                                        f"{self.cache_salt!r}")
+            try:
+                self.cache_salt.encode()
+            except UnicodeEncodeError:
+                raise bad("cache_salt", "must be valid Unicode text (it contains a lone "
+                                        "surrogate)") from None
         if self.top_k == -1:
             self.top_k = 0
 

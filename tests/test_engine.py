@@ -250,6 +250,7 @@ def test_bad_prompt_rejected_before_scheduling(llm, prompt, params, message):
     ({"n": 0}, "sampling_params.n"),
     ({"cache_salt": ""}, "sampling_params.cache_salt"),
     ({"cache_salt": 42}, "sampling_params.cache_salt"),
+    ({"cache_salt": "\ud800"}, "sampling_params.cache_salt"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field.replace(".", r"\.")) as info:

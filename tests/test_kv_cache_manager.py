@@ -131,6 +131,23 @@ def test_a_block_being_computed_is_announced_as_pending():
     kv.check_invariants()
 
 
+def test_a_block_stays_pending_while_any_request_computes_it():
+    """Found by the property test: two requests compute the same block in one step (the second
+    did not wait); freeing the first must not hide that the second still computes it."""
+    kv = PagedKVCacheManager(16, 4, enable_prefix_caching=True)
+    a, b, c = (make_request(rid, list(range(8))) for rid in "abc")
+    assert kv.allocate_slots(a, 6, kv.find_cached_prefix(a)) is not None
+    assert kv.find_cached_prefix(b).pending
+    assert kv.allocate_slots(b, 6, kv.find_cached_prefix(b)) is not None   # did not wait
+    kv.free(a)                                                             # e.g. preempted
+    assert kv.find_cached_prefix(c).pending
+    b.num_computed_tokens = 6
+    kv.cache_computed_blocks(b)
+    assert not kv.find_cached_prefix(c).pending and kv.find_cached_prefix(c).num_tokens == 4
+    kv.free(b)
+    kv.check_invariants()
+
+
 def test_allocation_counts_revived_blocks_against_the_free_pool():
     kv = PagedKVCacheManager(3, 4, enable_prefix_caching=True)
     a = make_request("a", list(range(9)))
@@ -154,7 +171,7 @@ def test_allocation_counts_revived_blocks_against_the_free_pool():
 
 # --------------------------------------------------------------------------- property test
 BLOCK_SIZE = 4
-NUM_BLOCKS = 12
+NUM_BLOCKS = 8
 # A few base prefixes over a 3-token vocabulary: random prompts share prefixes all the time.
 BASES = [[1, 1, 1, 1, 2, 2, 2, 2, 1, 2, 1, 2], [1, 1, 1, 1, 2, 2, 0, 0], [0] * 12, [2, 1, 0, 2]]
 prompts = st.builds(lambda base, k, tail: (BASES[base][:k] + tail) or [0],
@@ -163,7 +180,17 @@ prompts = st.builds(lambda base, k, tail: (BASES[base][:k] + tail) or [0],
 
 
 class KVManagerMachine(RuleBasedStateMachine):
-    """Random admit / compute / sample / preempt / finish / reset sequences against a shadow KV."""
+    """Random operation sequences against a simulated KV cache.
+
+    A step is spread over several operations, as in the engine: ``admit`` and ``schedule``
+    allocate slots for requests (so blocks are *pending* while the step is open), ``execute``
+    writes the K/V of every scheduled token, registers completed blocks and samples. Requests are
+    preempted, finished or aborted at any point, and the cache is reset between steps.
+
+    The shadow KV records, for every slot written, the request's salt and the *whole* token
+    prefix up to that slot: what the K/V there really depends on. A cache hit must hand out blocks
+    whose every slot matches the new request's salt and prefix.
+    """
 
     seen: Counter = Counter()     # what the runs reached (see test_the_property_test_is_not_vacuous)
 
@@ -173,84 +200,120 @@ class KVManagerMachine(RuleBasedStateMachine):
                                       cache_salt="engine", hash_seed="s" if seeded else None)
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
+        self.scheduled: dict[str, int] = {}        # this step's plan: request -> new tokens
         self.ids = itertools.count()
-        # The simulated KV cache: for each block, the token whose K/V each slot holds.
-        self.shadow: dict[int, list[int | None]] = {}
-        # Every hash the manager could produce for the tokens seen so far -> that block's tokens.
-        self.block_of_hash: dict[bytes, tuple[int, ...]] = {}
+        self.shadow: dict[int, list[tuple | None]] = {}
+        # Every block hash the manager could produce so far -> (salt, prefix through the block).
+        self.prefix_of_hash: dict[bytes, tuple] = {}
 
     # ------------------------------------------------------------------ helpers
-    def _pick(self, data, pool: dict[str, Request]) -> Request:
+    def _pick(self, data, pool) -> Request:
         return pool[data.draw(st.sampled_from(sorted(pool)))]
+
+    @staticmethod
+    def _key(r: Request, end: int) -> tuple:
+        """What the K/V of token ``end - 1`` depends on."""
+        return (r.sampling_params.cache_salt, tuple(r.all_token_ids[:end]))
 
     def _record_hashes(self, r: Request) -> None:
         hasher = self.kv.hasher
         hashes = hasher.extend([hasher.root(self.kv.cache_salt, r.sampling_params.cache_salt)],
                                r.all_token_ids, BLOCK_SIZE, len(r.all_token_ids) // BLOCK_SIZE)
         for i, h in enumerate(hashes[1:]):
-            self.block_of_hash[h] = tuple(r.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            key = self._key(r, (i + 1) * BLOCK_SIZE)
+            assert self.prefix_of_hash.setdefault(h, key) == key, \
+                f"one hash for two prefixes: {self.prefix_of_hash[h]} and {key}"
 
-    def _compute(self, r: Request, n: int, data) -> None:
-        """What a step does: write the K/V of tokens [computed, computed + n), then sample."""
-        table = self.kv.get_block_ids(r)
-        for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
-            b = table[pos // BLOCK_SIZE]
-            assert self.kv.pool.ref_cnt[b] == 1, f"block {b} written while shared"
-            assert self.kv.pool.block_hash[b] is None, f"cached block {b} written"
-            self.shadow.setdefault(b, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = r.all_token_ids[pos]
-        r.num_computed_tokens += n
-        self.kv.cache_computed_blocks(r)
-        if r.num_computed_tokens == r.num_tokens:           # logits: a token is sampled
-            r.all_token_ids.append(data.draw(st.integers(0, 2)))
-        self._record_hashes(r)
+    @staticmethod
+    def _chunk(data, remaining: int) -> int:
+        """Tokens to compute: often all that remain (whole prefills), else a random chunk."""
+        return data.draw(st.one_of(st.just(remaining), st.integers(1, remaining)))
+
+    def _completes(self, s: Request, n: int, block: int) -> bool:
+        return s.num_computed_tokens < (block + 1) * BLOCK_SIZE <= s.num_computed_tokens + n
 
     # ------------------------------------------------------------------ operations
     @rule(tokens=prompts, salt=st.sampled_from([None, None, "tenant-a"]))
     def add(self, tokens, salt):
         rid = f"r{next(self.ids)}"
         self.waiting[rid] = make_request(rid, tokens, salt)
+        self._record_hashes(self.waiting[rid])
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def admit(self, data):
         r = self._pick(data, self.waiting)
         prefix = self.kv.find_cached_prefix(r)
-        assert prefix.num_tokens % BLOCK_SIZE == 0 and prefix.num_tokens < r.num_tokens
-        assert prefix.num_tokens == len(prefix.block_ids) * BLOCK_SIZE
-        for i, b in enumerate(prefix.block_ids):      # a hit holds exactly this prefix
-            assert self.shadow[b] == r.all_token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], \
-                f"cache hit on block {b} whose contents differ"
-        n = data.draw(st.integers(1, r.num_tokens - prefix.num_tokens))
-        free_before, queries = self.kv.num_free_blocks, self.kv.prefix_cache_queries
+        k = len(prefix.block_ids)
+        assert prefix.num_tokens == k * BLOCK_SIZE < r.num_tokens
+        for i, b in enumerate(prefix.block_ids):      # a hit holds exactly this salt and prefix
+            expected = [self._key(r, i * BLOCK_SIZE + j + 1) for j in range(BLOCK_SIZE)]
+            assert self.shadow[b] == expected, f"cache hit on block {b} holding other K/V"
+        # `pending` exactly when a request in this step completes the next block, same prefix.
+        nxt = (k + 1) * BLOCK_SIZE
+        computing = nxt < r.num_tokens and any(
+            self._completes(s, n, k) and self._key(s, nxt) == self._key(r, nxt)
+            for s, n in ((self.running[rid], n) for rid, n in self.scheduled.items()))
+        assert prefix.pending == computing, (prefix, computing)
+        if prefix.pending and data.draw(st.booleans()):
+            return                                    # wait for the block, as the scheduler does
+        n = self._chunk(data, r.num_tokens - prefix.num_tokens)
+        free_before = self.kv.num_free_blocks
+        counters = (self.kv.prefix_cache_queries, self.kv.prefix_cache_hits)
         if self.kv.allocate_slots(r, n, prefix) is None:
             assert self.kv.num_free_blocks == free_before and not self.kv.get_block_ids(r)
-            assert self.kv.prefix_cache_queries == queries
+            assert (self.kv.prefix_cache_queries, self.kv.prefix_cache_hits) == counters
             return
         seen = KVManagerMachine.seen
-        seen["hit"] += prefix.num_tokens > 0
+        seen["hit"] += k > 0
+        seen["pending"] += prefix.pending
         seen["revived"] += any(self.kv.pool.ref_cnt[b] == 1 for b in prefix.block_ids)
         seen["shared"] += any(self.kv.pool.ref_cnt[b] > 1 for b in prefix.block_ids)
-        seen["evicted"] = max(seen["evicted"], self.kv.pool.num_evictions)
         r.num_computed_tokens = prefix.num_tokens
         self.running[r.request_id] = self.waiting.pop(r.request_id)
-        self._compute(r, n, data)
+        self.scheduled[r.request_id] = n
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: set(self.running) - set(self.scheduled))
     @rule(data=st.data())
-    def step(self, data):
-        r = self._pick(data, self.running)
-        n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens))
+    def schedule(self, data):
+        r = self.running[data.draw(st.sampled_from(sorted(set(self.running) - set(self.scheduled))))]
+        n = self._chunk(data, r.num_tokens - r.num_computed_tokens)
         free_before = self.kv.num_free_blocks
         if self.kv.allocate_slots(r, n) is None:      # the scheduler would preempt someone
             assert self.kv.num_free_blocks == free_before
             return
-        self._compute(r, n, data)
+        self.scheduled[r.request_id] = n
+
+    @precondition(lambda self: self.scheduled)
+    @rule(data=st.data())
+    def execute(self, data):
+        """The forward pass of the open step, then sampling and the cache update."""
+        for rid, n in self.scheduled.items():
+            r = self.running[rid]
+            table = self.kv.get_block_ids(r)
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                b = table[pos // BLOCK_SIZE]
+                assert self.kv.pool.ref_cnt[b] == 1, f"block {b} written while shared"
+                assert self.kv.pool.block_hash[b] is None, f"cached block {b} written"
+                slots = self.shadow.setdefault(b, [None] * BLOCK_SIZE)
+                slots[pos % BLOCK_SIZE] = self._key(r, pos + 1)
+                if pos % BLOCK_SIZE == 0:              # a reused block: its old K/V is gone
+                    slots[1:] = [None] * (BLOCK_SIZE - 1)
+        for rid, n in self.scheduled.items():
+            r = self.running[rid]
+            r.num_computed_tokens += n
+            self.kv.cache_computed_blocks(r)
+            if r.num_computed_tokens == r.num_tokens:       # logits: a token is sampled
+                r.all_token_ids.append(data.draw(st.integers(0, 2)))
+                self._record_hashes(r)
+        self.scheduled.clear()
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data):
         r = self._pick(data, self.running)
         self.kv.free(r)
+        self.scheduled.pop(r.request_id, None)
         r.num_computed_tokens = 0
         self.waiting[r.request_id] = self.running.pop(r.request_id)
 
@@ -262,8 +325,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         r = self._pick(data, pool)
         self.kv.free(r)
         self.kv.free(r)                               # idempotent
+        self.scheduled.pop(r.request_id, None)
         del pool[r.request_id]
 
+    @precondition(lambda self: not self.scheduled)
     @rule()
     def reset(self):
         held = any(self.kv.pool.ref_cnt)
@@ -277,11 +342,18 @@ class KVManagerMachine(RuleBasedStateMachine):
         kv = self.kv
         kv.check_invariants()         # free xor held, one free list each, refs == holders
         for h, b in kv.pool.cached_items():
-            assert tuple(self.shadow[b]) == self.block_of_hash[h], \
-                f"hash of {self.block_of_hash[h]} points to block {b} holding {self.shadow[b]}"
+            salt, prefix = self.prefix_of_hash[h]
+            end = len(prefix)
+            assert self.shadow[b] == [(salt, prefix[:end - BLOCK_SIZE + j + 1])
+                                      for j in range(BLOCK_SIZE)], \
+                f"hash of {prefix} points to block {b} holding {self.shadow[b]}"
         held = {b for r in self.running.values() for b in kv.get_block_ids(r)}
         assert len(held) + kv.num_free_blocks == NUM_BLOCKS
         assert not any(kv.get_block_ids(r) for r in self.waiting.values())
+        pending_owners = set().union(*kv._pending.values()) if kv._pending else set()
+        assert pending_owners <= set(self.scheduled), "a pending block outlived its step"
+        KVManagerMachine.seen["evicted"] = max(KVManagerMachine.seen["evicted"],
+                                               kv.pool.num_evictions)
 
     def teardown(self):
         if not hasattr(self, "kv"):
@@ -291,6 +363,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         assert self.kv.num_free_blocks == NUM_BLOCKS, "a block never returned to the pool"
         assert all(c == 0 for c in self.kv.pool.ref_cnt)
+        assert not self.kv._pending
 
 
 TestKVManagerProperties = KVManagerMachine.TestCase
@@ -300,13 +373,14 @@ TestKVManagerProperties.settings = settings(
 
 
 def test_the_property_test_is_not_vacuous():
-    """The operation mix does reach the interesting states: hits, shared blocks, evictions and
-    blocks revived from the LRU list."""
+    """The operation mix does reach the interesting states: hits, shared blocks, pending blocks,
+    evictions and blocks revived from the LRU list (derandomized: the same examples each run)."""
     from hypothesis.stateful import run_state_machine_as_test
 
     KVManagerMachine.seen.clear()
     run_state_machine_as_test(KVManagerMachine, settings=settings(
-        max_examples=40, stateful_step_count=60, deadline=None, database=None,
+        max_examples=60, stateful_step_count=60, deadline=None, database=None, derandomize=True,
         suppress_health_check=[HealthCheck.too_slow]))
     seen = KVManagerMachine.seen
-    assert seen["hit"] > 0 and seen["shared"] > 0 and seen["evicted"] > 0 and seen["revived"] > 0, seen
+    for what in ("hit", "shared", "pending", "evicted", "revived"):
+        assert seen[what] > 0, seen

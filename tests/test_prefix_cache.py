@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from corellm import LLM, SamplingParams
+from corellm.request import RequestStatus as S
 from tests.conftest import assert_pool_whole, engine_config
 from tests.test_hf_equivalence import compare
 
@@ -130,6 +131,32 @@ def test_concurrent_requests_sharing_a_prefix(llama_path):
     assert all(o.num_cached_tokens == 96 for o in out[12:])
     assert stats.num_prefill_tokens == sum(map(len, prompts)) - stats.prefix_cache_hits
     assert stats.num_prefill_tokens < plain.get_stats().num_prefill_tokens / 2
+    assert_pool_whole(llm)
+
+
+def test_waiting_for_a_pending_block_keeps_the_policy_order(llama_path):
+    """B shares A's prefix and arrives before the unrelated C. While A computes the prefix, B
+    waits for it, and C, behind B in FCFS order, must not take B's place (here: the second of
+    two running seats, which C would hold for its whole generation)."""
+    from tests.test_engine import core_request, trace
+
+    rng = random.Random(9)
+    prefix = tokens(rng, 32)
+    cfg = engine_config(llama_path, scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 20})
+    llm, _ = watched(cfg)
+    engine = llm.engine
+    for rid, prompt, max_tokens in (("A", prefix + tokens(rng, 4), 30),
+                                    ("B", prefix + tokens(rng, 2), 30),
+                                    ("C", tokens(rng, 10), 30)):
+        request = core_request(rid, 1, max_tokens)
+        request.prompt_token_ids = prompt
+        engine.add_request(request)
+    b = engine.scheduler.requests["B"]
+    history = trace(engine, ["A", "B", "C"])
+    first_running = {rid: next(i for i, h in enumerate(history) if h[rid][0] == S.RUNNING)
+                     for rid in "ABC"}
+    assert first_running["A"] < first_running["B"] < first_running["C"], first_running
+    assert b.num_cached_tokens == 32           # B waited for the whole prefix, then found it
     assert_pool_whole(llm)
 
 

@@ -145,7 +145,6 @@ class BatchScheduler(Scheduler):
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
         new: list[NewRequestData] = []
-        deferred: list[tuple[Any, int, Request]] = []
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._peek_waiting()
             if request is None:
@@ -157,9 +156,9 @@ class BatchScheduler(Scheduler):
             prefix = self.kv.find_cached_prefix(request)
             if prefix.pending:
                 # Its next block is being computed by a request in this step: admitted next
-                # step, it finds that block cached instead of computing a copy.
-                deferred.append(heapq.heappop(self._waiting))
-                continue
+                # step, it finds that block cached instead of computing a copy. Admission stops
+                # here, like for any head that does not fit, so the policy's order holds.
+                break
             n = request.num_tokens - prefix.num_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
@@ -183,8 +182,6 @@ class BatchScheduler(Scheduler):
                 block_ids=list(self.kv.get_block_ids(request)),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params, eos_token_id=request.eos_token_id))
-        for entry in deferred:
-            heapq.heappush(self._waiting, entry)
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(

@@ -46,8 +46,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._hashes: dict[str, list[BlockHash]] = {}
         # Per request: how many leading blocks of its table were found in or offered to the cache.
         self._num_cached: dict[str, int] = {}
-        # Hashes of blocks being computed this step -> the request computing them.
-        self._pending: dict[BlockHash, str] = {}
+        # Hashes of blocks being computed this step -> the requests computing them (several
+        # when some were admitted without waiting, or a request was freed mid-step).
+        self._pending: dict[BlockHash, set[str]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -98,8 +99,7 @@ class PagedKVCacheManager(KVCacheManager):
         for i in range(start, full):
             h = hashes[i + 1]
             self.pool.cache_block(table[i], h)
-            if self._pending.get(h) == rid:
-                del self._pending[h]
+            self._unmark_pending(h, rid)
         self._num_cached[rid] = full
 
     def reset_prefix_cache(self) -> bool:
@@ -147,7 +147,14 @@ class PagedKVCacheManager(KVCacheManager):
         for i in range(start, full):
             h = hashes[i + 1]
             if self.pool.lookup(h) is None:
-                self._pending.setdefault(h, rid)
+                self._pending.setdefault(h, set()).add(rid)
+
+    def _unmark_pending(self, h: BlockHash, rid: str) -> None:
+        owners = self._pending.get(h)
+        if owners is not None:
+            owners.discard(rid)
+            if not owners:
+                del self._pending[h]
 
     def free(self, request: Request) -> None:
         rid = request.request_id
@@ -159,8 +166,7 @@ class PagedKVCacheManager(KVCacheManager):
         hashes = self._hashes.pop(rid, None)
         if hashes and self._pending:
             for h in hashes[1:]:
-                if self._pending.get(h) == rid:
-                    del self._pending[h]
+                self._unmark_pending(h, rid)
 
     def get_block_ids(self, request: Request) -> list[int]:
         return self._tables.get(request.request_id, [])
@@ -180,8 +186,10 @@ class PagedKVCacheManager(KVCacheManager):
         for b in range(self.num_blocks):
             assert holders[b] == self.pool.ref_cnt[b], \
                 f"block {b}: reference count {self.pool.ref_cnt[b]}, held by {holders[b]}"
-        for h, rid in self._pending.items():
-            assert rid in self._tables, f"pending block of {rid}, which holds no blocks"
+        for h, owners in self._pending.items():
+            assert owners, "an empty pending entry"
+            for rid in owners:
+                assert rid in self._tables, f"pending block of {rid}, which holds no blocks"
 
 
 def _make(options: PagedKVCacheOptions, ctx: BuildContext) -> PagedKVCacheManager:
