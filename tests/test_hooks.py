@@ -18,6 +18,7 @@ from corellm.block_pool import BlockPool
 from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendOptions, FrontendSpec,
                                 KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
 from corellm.config import load_config
+from corellm.errors import PluginError
 from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
                                 SchedulingPolicy)
 from corellm.plugins import load_registry
@@ -119,6 +120,23 @@ def test_corellm_kv_cache_managers(llama_path):
     assert len(out[0].outputs[0].token_ids) == 8
     assert llm.engine.kv_cache_manager.allocations > 0
     assert_pool_whole(llm)
+
+
+def test_kv_cache_manager_with_the_old_signature_is_named_at_start_up(llama_path):
+    """A manager written against corellm 0.1 (allocate_slots without ``prefix``) fails when the
+    engine is built, with the plugin named, not at the first step."""
+    class OldKV(CountingKV):
+        def allocate_slots(self, request, n):
+            return super().allocate_slots(request, n)
+
+    class OldPlugin:
+        def corellm_kv_cache_managers(self):
+            yield KVCacheManagerSpec(name="old", factory=lambda o, ctx: OldKV(ctx.num_kv_blocks,
+                                                                             o.block_size))
+
+    with pytest.raises(PluginError, match=r"registered in-process\): OldKV.allocate_slots\(request, "
+                       r"n\) does not accept the `prefix` argument"):
+        LLM(engine_config(llama_path, kv_cache={"name": "old"}), plugins=[OldPlugin()])
 
 
 # --------------------------------------------------------------------------- attention

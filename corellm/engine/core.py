@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import defaultdict
@@ -9,13 +10,28 @@ from collections.abc import Iterable
 
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
-from corellm.errors import ConfigError
-from corellm.interfaces import Executor, KVCacheManager, ModelInfo, Scheduler
+from corellm.errors import ConfigError, PluginError
+from corellm.interfaces import NO_CACHED_PREFIX, Executor, KVCacheManager, ModelInfo, Scheduler
 from corellm.outputs import EngineCoreOutput, EngineStats, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
+    """Fail at start-up, naming the plugin, rather than at the first step."""
+    if not isinstance(kv, KVCacheManager):
+        raise PluginError(f"{owner}: the kv_cache factory returned {type(kv).__name__}, which "
+                          "does not implement corellm.interfaces.KVCacheManager")
+    try:
+        inspect.signature(kv.allocate_slots).bind(None, 1, NO_CACHED_PREFIX)
+    except TypeError:
+        raise PluginError(
+            f"{owner}: {type(kv).__name__}.allocate_slots"
+            f"{inspect.signature(kv.allocate_slots)} does not accept the `prefix` argument the "
+            "scheduler passes at admission since corellm 0.2; add `prefix: CachedPrefix | None "
+            "= None` (see docs/plugins.md, 'A KV-cache manager')") from None
 
 
 class EngineCore:
@@ -33,8 +49,9 @@ class EngineCore:
             self._check_capacity(num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
             ctx.num_kv_blocks = num_blocks
-            self.kv_cache_manager: KVCacheManager = registry.get(
-                "kv_cache", config.kv_cache.name).spec.factory(config.kv_cache, ctx)
+            kv_entry = registry.get("kv_cache", config.kv_cache.name)
+            self.kv_cache_manager: KVCacheManager = kv_entry.spec.factory(config.kv_cache, ctx)
+            _check_kv_cache_manager(self.kv_cache_manager, kv_entry.plugin.describe())
             ctx.kv_cache_manager = self.kv_cache_manager
             self.scheduler: Scheduler = registry.get(
                 "scheduler", config.scheduler.name).spec.factory(config.scheduler, ctx)
