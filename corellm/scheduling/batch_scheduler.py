@@ -5,6 +5,10 @@ then waiting requests in the policy's order while the token budget, ``max_num_se
 pool allow. There is no prefill/decode phase distinction: a request simply has
 ``num_tokens - num_computed_tokens`` tokens to compute and gets up to the remaining budget.
 
+A waiting request starts at its longest cached prefix (``find_cached_prefix``): its
+``num_computed_tokens`` begins at the cached length and only the rest is computed. After each step
+the KV-cache manager registers the blocks the step completed (``cache_computed_blocks``).
+
 When the pool cannot hold a running request's next tokens, the policy picks a victim, which is
 preempted by recomputation: its blocks are freed and it rejoins the waiting queue with
 ``num_computed_tokens = 0``. The policy decides only order and victims; every state transition,

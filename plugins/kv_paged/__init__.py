@@ -33,7 +33,7 @@ class PagedKVCacheOptions(KVCacheOptions):
 
 
 class PagedKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  cache_salt: str | None = None, hash_seed: str | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -132,10 +132,10 @@ class PagedKVCacheManager(KVCacheManager):
         if table:
             self._tables[rid] = table
         if self.enable_prefix_caching:
-            self._mark_pending(request, table, total)
+            self._mark_pending(request, total)
         return new
 
-    def _mark_pending(self, request: Request, table: list[int], total: int) -> None:
+    def _mark_pending(self, request: Request, total: int) -> None:
         """Blocks that this step's tokens complete: announced so that a waiting request with the
         same prefix can wait for them instead of computing a copy."""
         rid = request.request_id
