@@ -173,6 +173,16 @@ def write_json(results: dict[str, Any], path: str, log) -> None:
     log(f"wrote {path}")
 
 
+def report(results: dict[str, Any], args: argparse.Namespace, format_tables, write_plot,
+           log) -> None:
+    """Print the tables, then write ``--json`` and ``--plot`` when asked."""
+    print(format_tables(results), flush=True)
+    if args.json:
+        write_json(results, args.json, log)
+    if args.plot and write_plot(results, args.plot):
+        log(f"wrote {args.plot}")
+
+
 def pyplot(path: str, log):
     """matplotlib.pyplot with the Agg backend, or None (logged) when matplotlib is missing."""
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (Clock, agreement, environment, logger, model_facts,  # noqa: E402
-                     parse_range, prompt_id_space, pyplot, warn_if_busy, write_json)
+                     parse_range, prompt_id_space, pyplot, report, warn_if_busy)
 
 os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
 log = logger("prefix_cache")
@@ -327,12 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_benchmark(args)
     results["command"] = " ".join(["python", *(sys.argv if argv is None else
                                                ["benchmarks/prefix_cache.py", *argv])])
-    print(format_tables(results), flush=True)
     log(f"done in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        write_json(results, args.json, log)
-    if args.plot and write_plot(results, args.plot):
-        log(f"wrote {args.plot}")
+    report(results, args, format_tables, write_plot, log)
     return 0
 
 

@@ -43,8 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (Clock, agreement, count_params, environment,  # noqa: E402
-                     model_facts, parse_range, prompt_id_space, pyplot, warn_if_busy,
-                     write_json)
+                     model_facts, parse_range, prompt_id_space, pyplot, report,
+                     warn_if_busy)
 
 # The benchmark process is ours, as under the `corellm` command: corellm's CPU workers may tune
 # the allocator (corellm/worker/cpu.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
@@ -559,11 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_benchmark(args)
     if argv is None:
         results["command"] = " ".join(["python", *sys.argv])
-    print(format_tables(results), flush=True)
-    if args.json:
-        write_json(results, args.json, _log)
-    if args.plot and write_plot(results, args.plot):
-        _log(f"wrote {args.plot}")
+    report(results, args, format_tables, write_plot, _log)
     return 0
 
 

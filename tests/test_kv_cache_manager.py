@@ -30,6 +30,19 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Reques
     return Request(EngineCoreRequest(rid, tokens, params, None, time.time()), max_model_len=4096)
 
 
+def admit(kv: PagedKVCacheManager, r: Request, n: int) -> None:
+    """Admit ``r`` as the scheduler does (lookup, then allocate ``n`` tokens after the hit)."""
+    prefix = kv.find_cached_prefix(r)
+    assert kv.allocate_slots(r, n, prefix) is not None
+    r.num_computed_tokens = prefix.num_tokens
+
+
+def run_step(kv: PagedKVCacheManager, r: Request, n: int) -> None:
+    """The step computed ``n`` tokens of ``r``: advance it and register completed blocks."""
+    r.num_computed_tokens += n
+    kv.cache_computed_blocks(r)
+
+
 # --------------------------------------------------------------------------- BlockHasher
 def test_hash_chain_identifies_the_whole_prefix():
     h = BlockHasher("seed")
@@ -91,9 +104,8 @@ def test_pool_keeps_one_copy_per_hash_and_resets_only_when_idle():
 def test_lookup_leaves_the_last_token_and_partial_blocks_uncached():
     kv = PagedKVCacheManager(16, 4, enable_prefix_caching=True)
     first = make_request("a", list(range(8)))         # exactly two blocks
-    assert kv.allocate_slots(first, 8, kv.find_cached_prefix(first)) is not None
-    first.num_computed_tokens = 8
-    kv.cache_computed_blocks(first)
+    admit(kv, first, 8)
+    run_step(kv, first, 8)
     kv.free(first)
     same = make_request("b", list(range(8)))
     hit = kv.find_cached_prefix(same)
@@ -108,9 +120,8 @@ def test_lookup_leaves_the_last_token_and_partial_blocks_uncached():
 def test_disabled_prefix_caching_never_hits():
     kv = PagedKVCacheManager(16, 4, enable_prefix_caching=False)
     r = make_request("a", list(range(8)))
-    assert kv.allocate_slots(r, 8, kv.find_cached_prefix(r)) is not None
-    r.num_computed_tokens = 8
-    kv.cache_computed_blocks(r)
+    admit(kv, r, 8)
+    run_step(kv, r, 8)
     kv.free(r)
     assert kv.find_cached_prefix(make_request("b", list(range(9)))).num_tokens == 0
     assert kv.num_cached_blocks == 0 and kv.prefix_cache_queries == 0
@@ -119,11 +130,10 @@ def test_disabled_prefix_caching_never_hits():
 def test_a_block_being_computed_is_announced_as_pending():
     kv = PagedKVCacheManager(16, 4, enable_prefix_caching=True)
     a = make_request("a", list(range(12)))
-    assert kv.allocate_slots(a, 6, kv.find_cached_prefix(a)) is not None   # a chunk of 6
+    admit(kv, a, 6)                              # a chunk of 6
     b = make_request("b", list(range(12)))
     assert kv.find_cached_prefix(b) == CachedPrefix((), 0, pending=True)
-    a.num_computed_tokens = 6
-    kv.cache_computed_blocks(a)                  # the step ran: block 0 is cached now
+    run_step(kv, a, 6)                           # the step ran: block 0 is cached now
     hit = kv.find_cached_prefix(b)
     assert hit.num_tokens == 4 and not hit.pending
     kv.free(a)
@@ -136,13 +146,12 @@ def test_a_block_stays_pending_while_any_request_computes_it():
     did not wait); freeing the first must not hide that the second still computes it."""
     kv = PagedKVCacheManager(16, 4, enable_prefix_caching=True)
     a, b, c = (make_request(rid, list(range(8))) for rid in "abc")
-    assert kv.allocate_slots(a, 6, kv.find_cached_prefix(a)) is not None
+    admit(kv, a, 6)
     assert kv.find_cached_prefix(b).pending
-    assert kv.allocate_slots(b, 6, kv.find_cached_prefix(b)) is not None   # did not wait
-    kv.free(a)                                                             # e.g. preempted
+    admit(kv, b, 6)                              # did not wait
+    kv.free(a)                                   # e.g. preempted
     assert kv.find_cached_prefix(c).pending
-    b.num_computed_tokens = 6
-    kv.cache_computed_blocks(b)
+    run_step(kv, b, 6)
     assert not kv.find_cached_prefix(c).pending and kv.find_cached_prefix(c).num_tokens == 4
     kv.free(b)
     kv.check_invariants()
@@ -151,9 +160,8 @@ def test_a_block_stays_pending_while_any_request_computes_it():
 def test_allocation_counts_revived_blocks_against_the_free_pool():
     kv = PagedKVCacheManager(3, 4, enable_prefix_caching=True)
     a = make_request("a", list(range(9)))
-    assert kv.allocate_slots(a, 9, kv.find_cached_prefix(a)) is not None
-    a.num_computed_tokens = 9
-    kv.cache_computed_blocks(a)
+    admit(kv, a, 9)
+    run_step(kv, a, 9)
     kv.free(a)                                   # 3 free blocks, 2 of them cached
     b = make_request("b", list(range(8)) + list(range(100, 108)))   # 16 tokens: 4 blocks
     hit = kv.find_cached_prefix(b)
