@@ -36,6 +36,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from corellm.config import read_config_file
+    from corellm.engine.llm import build_config
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    data = read_config_file(args.config) if args.config else {}
+    frontend = dict(data.get("frontend") or {})
+    for key in ("host", "port", "api_key", "served_model_name"):
+        if getattr(args, key) is not None:
+            frontend[key] = getattr(args, key)
+    data["frontend"] = {"name": "openai", **frontend}
+    config, registry = build_config(data, args.model, ())
+    entry = registry.get("frontend", config.frontend.name)
+    from corellm.components import BuildContext
+    server = entry.spec.factory(config.frontend, BuildContext(config=config, registry=registry))
+    server.run()
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from corellm.plugins import load_registry
 
@@ -119,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no progress bar (default: shown on a terminal or for several prompts)")
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (frontend section)")
+    _add_config_arg(serve)
+    serve.add_argument("--model", "-m", help="checkpoint directory (overrides model.path)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; frontend.host)")
+    serve.add_argument("--port", type=int, help="port (default 8000, 0 = any free; frontend.port)")
+    serve.add_argument("--api-key", dest="api_key",
+                       help="require 'Authorization: Bearer KEY' on /v1 (also $CORELLM_API_KEY)")
+    serve.add_argument("--served-model-name", dest="served_model_name",
+                       help="model name clients use (default: the checkpoint directory's name)")
+    serve.set_defaults(func=cmd_serve)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
     plugins.add_argument("--json", action="store_true")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from corellm.sampling_params import SamplingParams
 
 
@@ -54,9 +56,12 @@ class SchedulerOutput:
 
 
 # --------------------------------------------------------------------------- worker results
-@dataclass
-class LogprobsLists:
-    """Per sampled row: ``token_ids[i][0]`` is the sampled token, the rest the top-N, best first."""
+class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per sampled row: ``token_ids[i][0]`` is the sampled token, the rest the top-N, best first.
+
+    A msgspec struct (like ``EngineCoreOutput``): it crosses the engine-core process boundary
+    every step, encoded as a compact msgpack array.
+    """
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -79,8 +84,7 @@ EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
 # --------------------------------------------------------------------------- core -> client
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The per-step delta of one request."""
 
     request_id: str
@@ -89,10 +93,20 @@ class EngineCoreOutput:
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    # time.time() when the core first scheduled the request (queue time = this - arrival);
+    # 0.0 for a request that was never scheduled (aborted while waiting).
+    first_scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine-core iteration produced (what an engine-core client receives)."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
 
 
 # --------------------------------------------------------------------------- what callers get
@@ -125,6 +139,22 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None     # first token of any of the n samples
     finished_time: float | None = None        # last sample finished
+    first_scheduled_time: float | None = None  # the core first scheduled it (end of queueing)
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0            # over the n samples
+
+    @property
+    def queue_time(self) -> float | None:
+        return (None if self.first_scheduled_time is None
+                else self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean inter-token time after the first token (TPOT); None below two tokens."""
+        if self.first_token_time is None or self.last_token_time is None \
+                or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -30,6 +30,46 @@ class SamplingMetadata:
     generator: torch.Generator | None = None
     # row -> token ids that must not be sampled yet (stop tokens before min_tokens is reached).
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Penalties (see apply_penalties). Each penalty tensor is None when no row uses that penalty
+    # this step, else holds every row, with the neutral value in rows that do not use it.
+    presence_penalties: torch.Tensor | None = None     # [N] float32; 0.0 where disabled
+    frequency_penalties: torch.Tensor | None = None    # [N] float32; 0.0 where disabled
+    repetition_penalties: torch.Tensor | None = None   # [N] float32; 1.0 where disabled
+    # The logits the penalties touch, as a sparse [N, V] matrix of M distinct (row, token) pairs:
+    # every token in the output so far of a row with any penalty, and every token in the prompt
+    # of a row with a repetition penalty. None when no row has a penalty this step.
+    penalty_rows: torch.Tensor | None = None           # [M] int64: logits row
+    penalty_token_ids: torch.Tensor | None = None      # [M] int64: token id (logits column)
+    penalty_output_counts: torch.Tensor | None = None  # [M] int32: occurrences of the token in
+    #                                                    the row's output so far (0: prompt only)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``logits`` [N, V] with the presence, frequency and repetition penalties of ``md`` applied.
+
+    vLLM's semantics, in this order: the repetition penalty ``p`` (CTRL / Hugging Face rule)
+    turns the logit ``x`` of every token in the prompt or the output into ``x / p`` if ``x > 0``
+    else ``x * p``; then ``frequency_penalty * count`` and ``presence_penalty * (count > 0)`` are
+    subtracted, ``count`` being the token's occurrences in the output. Only the M logits listed
+    in ``md.penalty_*`` are computed (O(M) plus one copy of ``logits``, not several passes over
+    [N, V]). Returns a new tensor, or ``logits`` itself when nothing is penalized; ``logits`` is
+    never modified. A sampler calls it before temperature, filters and the greedy argmax.
+    """
+    rows, tokens, counts = md.penalty_rows, md.penalty_token_ids, md.penalty_output_counts
+    if rows is None or tokens is None or counts is None or rows.numel() == 0:
+        return logits
+    index = rows * logits.shape[-1] + tokens                      # [M] into the flat logits
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat = out.view(-1)
+    x = flat.index_select(0, index)                               # [M]
+    if md.repetition_penalties is not None:
+        p = md.repetition_penalties.to(x.dtype)[rows]
+        x = torch.where(x > 0, x / p, x * p)
+    if md.frequency_penalties is not None:
+        x = x - md.frequency_penalties.to(x.dtype)[rows] * counts
+    if md.presence_penalties is not None:
+        x = x - md.presence_penalties.to(x.dtype)[rows] * (counts > 0)
+    return flat.index_copy_(0, index, x).view_as(logits)
 
 
 @dataclass

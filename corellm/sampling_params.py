@@ -21,6 +21,13 @@ class SamplingParams:
     log-probabilities (of the model's unmodified distribution) of the sampled token and the top N.
     ``cache_salt`` isolates the request in the prefix cache: it shares cached KV blocks only with
     requests that carry the same salt (e.g. one salt per tenant).
+
+    Penalties follow vLLM (and OpenAI for the first two): ``presence_penalty`` is subtracted from
+    the logit of every token already generated, ``frequency_penalty`` times its count;
+    ``repetition_penalty`` (the CTRL / Hugging Face rule) divides positive logits and multiplies
+    negative ones of every token in the prompt or the output. ``stop`` strings end generation
+    when they appear in the detokenized text; they are matched by the engine client (which sees
+    the text) and, unless ``include_stop_str_in_output``, cut from the returned text.
     """
 
     n: int = 1
@@ -36,6 +43,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> InvalidRequestError:
@@ -45,7 +57,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, f"must be an integer, got {value!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
@@ -84,9 +97,25 @@ class SamplingParams:
             except UnicodeEncodeError:
                 raise bad("cache_salt", "must be valid Unicode text (it contains a lone "
                                         "surrogate)") from None
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop)
         if self.top_k == -1:
             self.top_k = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -107,3 +107,167 @@ def test_logprobs(sampler):
     expected_rank = (ref > ref.gather(1, s[:, None])).sum(-1) + 1
     assert out.logprobs.sampled_ranks.tolist() == expected_rank.tolist()
     assert out.logprobs.token_ids.shape == (3, 1)
+
+
+# ---------------------------------------------------------------- penalties
+
+def naive_penalties(logits, prompts, outputs, presence, frequency, repetition):
+    """vLLM's penalty rules, one token at a time in plain Python."""
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            x = float(out[r, t])
+            count = outputs[r].count(t)
+            if t in prompts[r] or count:
+                x = x / repetition[r] if x > 0 else x * repetition[r]
+            x -= frequency[r] * count
+            if count:
+                x -= presence[r]
+            out[r, t] = x
+    return out
+
+
+def penalty_md(n, prompts, outputs, presence, frequency, repetition, **kw):
+    """SamplingMetadata with the penalty fields as the model runner fills them."""
+    from types import SimpleNamespace
+
+    from corellm.sampling_params import SamplingParams
+    from corellm.worker.model_runner import CachedRequestState, ModelRunner
+
+    states = [CachedRequestState(str(i), list(p) + list(o), len(p), [], 0,
+                                 SamplingParams(presence_penalty=presence[i],
+                                                frequency_penalty=frequency[i],
+                                                repetition_penalty=repetition[i]), None)
+              for i, (p, o) in enumerate(zip(prompts, outputs))]
+    m = md(n, **kw)
+    rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+    if rows:
+        runner = SimpleNamespace(model_info=SimpleNamespace(vocab_size=V),
+                                 device=torch.device("cpu"))
+        ModelRunner._add_penalties(runner, m, states, rows)
+    return m
+
+
+def random_history(n, seed):
+    rng = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, V, (int(torch.randint(1, 12, (1,), generator=rng)),),
+                             generator=rng).tolist() for _ in range(n)]
+    # a few distinct tokens, repeated, so counts above 1 occur
+    outputs = [torch.randint(0, V // 5, (int(torch.randint(0, 15, (1,), generator=rng)),),
+                             generator=rng).tolist() for _ in range(n)]
+    return prompts, outputs
+
+
+PENALTY_CASES = {
+    "presence": ([0.0, 1.5, -0.7, 2.0, 0.0, 0.3], [0.0] * 6, [1.0] * 6),
+    "frequency": ([0.0] * 6, [0.0, 0.4, -1.0, 2.0, 0.0, 0.9], [1.0] * 6),
+    "repetition": ([0.0] * 6, [0.0] * 6, [1.0, 1.3, 0.8, 10.0, 1.0, 0.05]),
+    "combined": ([0.0, 1.0, -0.5, 0.0, 0.0, 2.0], [0.0, 0.5, 0.0, -2.0, 0.0, 1.0],
+                 [1.0, 1.2, 0.7, 1.0, 1.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_apply_penalties_matches_naive_loop(case):
+    from corellm.sampling import apply_penalties
+
+    presence, frequency, repetition = PENALTY_CASES[case]
+    n = len(presence)
+    prompts, outputs = random_history(n, seed=len(case))
+    outputs[1] = outputs[1] or [3]          # the penalized rows do have an output to penalize
+    torch.manual_seed(5)
+    logits = torch.randn(n, V) * 3          # about half negative: both sides of the rule
+    m = penalty_md(n, prompts, outputs, presence, frequency, repetition)
+    got = apply_penalties(logits, m)
+    want = naive_penalties(logits, prompts, outputs, presence, frequency, repetition)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert not torch.equal(got, logits)
+    # a penalty nobody uses is None; unpenalized rows are bitwise intact
+    assert (m.presence_penalties is None) == all(p == 0 for p in presence)
+    assert (m.frequency_penalties is None) == all(f == 0 for f in frequency)
+    assert (m.repetition_penalties is None) == all(r == 1 for r in repetition)
+    for r in range(n):
+        if presence[r] == 0 and frequency[r] == 0 and repetition[r] == 1:
+            assert torch.equal(got[r], logits[r])
+
+
+def test_penalty_metadata_pairs():
+    prompts = [[1, 2, 2], [4, 6, 4], [7, 7], [3]]
+    outputs = [[5, 5, 9, 5], [6], [1, 7], []]
+    m = penalty_md(4, prompts, outputs, [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
+                   [1.0, 1.2, 1.0, 1.5])
+    pairs = list(zip(m.penalty_rows.tolist(), m.penalty_token_ids.tolist(),
+                     m.penalty_output_counts.tolist()))
+    # row 0: output only (no repetition penalty); row 1: prompt and output, each token once;
+    # row 2: no penalty, absent; row 3: prompt only
+    assert pairs == [(0, 5, 3), (0, 9, 1), (1, 4, 0), (1, 6, 1), (3, 3, 0)]
+    assert m.penalty_rows.dtype == torch.int64 and m.penalty_output_counts.dtype == torch.int32
+    assert m.presence_penalties.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert m.frequency_penalties is None
+    assert m.repetition_penalties.tolist() == pytest.approx([1.0, 1.2, 1.0, 1.5])
+
+
+def test_no_penalties_builds_nothing():
+    from corellm.sampling import apply_penalties
+
+    m = penalty_md(2, [[1], [2]], [[1], [2]], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])
+    assert m.penalty_rows is None and m.penalty_output_counts is None
+    assert m.presence_penalties is None and m.repetition_penalties is None
+    logits = torch.randn(2, V)
+    assert apply_penalties(logits, m) is logits
+    # a presence penalty before anything is generated touches nothing
+    m = penalty_md(2, [[1], [2]], [[], []], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0])
+    assert m.penalty_rows.numel() == 0
+    assert torch.equal(apply_penalties(logits, m), logits)
+
+
+def test_apply_penalties_leaves_input_alone():
+    from corellm.sampling import apply_penalties
+
+    m = penalty_md(2, [[1, 2], [3]], [[2, 2], [4]], [0.5, 0.0], [0.5, 0.0], [1.3, 0.9])
+    logits = torch.randn(V, 2).t()                 # not contiguous
+    before = logits.clone()
+    got = apply_penalties(logits, m)
+    assert torch.equal(logits, before)
+    want = naive_penalties(before, [[1, 2], [3]], [[2, 2], [4]], [0.5, 0.0], [0.5, 0.0],
+                           [1.3, 0.9])
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_sampler_greedy_uses_penalized_logits_and_raw_logprobs(sampler):
+    presence, frequency, repetition = PENALTY_CASES["combined"]
+    n = len(presence)
+    prompts, outputs = random_history(n, seed=11)
+    torch.manual_seed(6)
+    logits = torch.randn(n, V)
+    # make every penalized row's favourite an already generated token, so penalties matter
+    for r in (1, 2, 5):
+        outputs[r] = outputs[r] or [3]
+        logits[r, outputs[r][0]] = logits[r].max() + 0.5
+    m = penalty_md(n, prompts, outputs, presence, frequency, repetition, temperature=0.0,
+                   logprobs=3)
+    out = sampler(logits.clone(), m)
+    want = naive_penalties(logits, prompts, outputs, presence, frequency, repetition)
+    assert out.sampled_token_ids.tolist() == want.argmax(-1).tolist()
+    assert out.sampled_token_ids.tolist() != logits.argmax(-1).tolist()
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs.logprobs[:, 1:], raw.topk(3).values)
+    assert torch.allclose(out.logprobs.logprobs[:, 0],
+                          raw.gather(1, out.sampled_token_ids[:, None])[:, 0])
+    # unpenalized rows choose exactly as without any penalty metadata
+    plain = sampler(logits.clone(), md(n, temperature=0.0)).sampled_token_ids
+    for r in (0, 4):
+        assert out.sampled_token_ids[r] == plain[r]
+
+
+def test_sampler_penalties_before_temperature(sampler, logits):
+    torch.manual_seed(2)
+    n = 40000
+    prompt, output = [0, 1, 2], [int(logits.argmax()), 4, 4]
+    m = penalty_md(n, [prompt] * n, [output] * n, [0.5] * n, [0.8] * n, [1.5] * n,
+                   temperature=0.7)
+    counts = torch.bincount(sampler(logits.expand(n, V).clone(), m).sampled_token_ids,
+                            minlength=V).float() / n
+    penalized = naive_penalties(logits[None], [prompt], [output], [0.5], [0.8], [1.5])[0]
+    expected = torch.softmax(penalized / 0.7, -1)
+    assert 0.5 * (counts - expected).abs().sum() < 0.02

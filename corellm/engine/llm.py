@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,15 +9,15 @@ from typing import Any
 
 from corellm.config import EngineConfig, load_config, read_config_file
 from corellm.engine.core import EngineCore
-from corellm.engine.processor import Processor, PromptType, RequestCollector
+from corellm.engine.core_client import InprocClient, SyncMPClient
+from corellm.engine.output_processor import OutputProcessor
+from corellm.engine.processor import Processor, PromptType
 from corellm.errors import CheckpointError, InvalidRequestError
 from corellm.model_config import checkpoint_dir, load_generation_eos_ids
 from corellm.outputs import EngineStats, RequestOutput
 from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
 from corellm.worker.worker import model_path
-
-_U63 = (1 << 63) - 1
 
 
 def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
@@ -57,22 +56,35 @@ class LLM:
     ``LLM(config)`` takes an ``EngineConfig``, a dict, or a path to a YAML/TOML/JSON file;
     ``LLM(model=PATH)`` is shorthand for ``{"model": {"path": PATH}}``. With neither, the built-in
     demo model is used. ``plugins`` registers extra in-process plugin objects.
+
+    The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);
+    ``engine_process=True`` runs it in a child process behind the same client the server uses
+    (``llm.engine`` is then None, and only entry-point plugins are available to it).
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
-                 model: str | None = None, plugins: Sequence[object] = ()) -> None:
+                 model: str | None = None, plugins: Sequence[object] = (),
+                 engine_process: bool = False) -> None:
         self.config, self.registry = build_config(config, model, plugins)
-        path = model_path(self.config)
-        self.engine = EngineCore(self.config, self.registry)   # validates the checkpoint
+        path = model_path(self.config)       # validates the checkpoint directory
+        if engine_process and plugins:
+            raise InvalidRequestError("plugins", "in-process plugin objects cannot reach an "
+                                      "engine process; install them as entry-point plugins")
+        self.client: InprocClient | SyncMPClient = (
+            SyncMPClient(self.config) if engine_process else InprocClient(self.config,
+                                                                          self.registry))
+        self.engine: EngineCore | None = getattr(self.client, "engine", None)
         try:
             self.tokenizer = load_tokenizer(
                 self.config.model.tokenizer or path,
                 "model.tokenizer" if self.config.model.tokenizer else "model.path")
         except BaseException:
-            self.engine.shutdown()
+            self.client.shutdown()
             raise
-        self.processor = Processor(self.tokenizer, self.engine.model_info,
+        self.model_info = self.client.model_info
+        self.processor = Processor(self.tokenizer, self.model_info,
                                    load_generation_eos_ids(path))
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -97,76 +109,69 @@ class LLM:
         if len(priorities) != len(prompts):
             raise InvalidRequestError("priority", f"got {len(priorities)} for {len(prompts)} prompts")
 
-        collectors: list[RequestCollector] = []
-        core_requests = []
+        processed = []
         for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities)):
-            rid = str(next(self._ids))
             try:
-                text, first = self.processor.process(rid, prompt, sp, prio)
+                processed.append(self.processor.process(str(next(self._ids)), prompt, sp, prio))
             except InvalidRequestError as exc:
                 if len(prompts) > 1:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc
                 raise
-            collectors.append(RequestCollector(rid, text, first.prompt_token_ids, first.sampling_params,
-                                               self.tokenizer, first.arrival_time))
-            for j in range(sp.n):   # n samples: n engine requests
-                child_params = first.sampling_params
-                if sp.n > 1:
-                    # Sample 0 keeps the seed (same as n=1); others derive distinct seeds.
-                    seed = sp.seed if sp.seed is None or j == 0 else hash((sp.seed, j)) & _U63
-                    child_params = dataclasses.replace(child_params, n=1, seed=seed)
-                core_requests.append((len(collectors) - 1, j, dataclasses.replace(
-                    first, request_id=f"{rid}#{j}", sampling_params=child_params)))
-        owner = {}
-        for ci, j, req in core_requests:
-            self.engine.add_request(req)
-            owner[req.request_id] = (ci, j)
-        self._run(owner, collectors, use_tqdm)
-        return [c.result() for c in collectors]
+        order = []
+        for text, core_request in processed:
+            state = self.output_processor.add_request(core_request.request_id, text, core_request)
+            self.client.add_requests(state.core_requests)
+            order.append(core_request.request_id)
+        results = self._run(order, use_tqdm)
+        return [results[rid] for rid in order]
 
-    def _run(self, owner: dict[str, tuple[int, int]], collectors: list[RequestCollector],
-             use_tqdm: bool) -> None:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm
 
-        pending = set(owner)
-        bar = tqdm(total=len(collectors), desc="Generating", unit="req", disable=not use_tqdm,
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm,
                    dynamic_ncols=True)
         generated = 0
         try:
-            while pending:
-                outputs = self.engine.step()
-                if not outputs and not self.engine.has_unfinished_requests():
+            while len(results) < len(request_ids):
+                outputs = self.client.get_output().outputs
+                if not outputs and self.engine is not None \
+                        and not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine has no unfinished requests but "
-                                       f"{len(pending)} were never finished")
-                for out in outputs:
-                    if out.request_id not in owner:
-                        continue
-                    ci, j = owner[out.request_id]
-                    generated += len(out.new_token_ids)
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    if collectors[ci].add(j, out):
-                        bar.update(1)
+                                       f"{len(request_ids) - len(results)} were never finished")
+                generated += sum(len(o.new_token_ids) for o in outputs)
+                done = self.output_processor.process_outputs(outputs)
+                if done.reqs_to_abort:           # stop strings: free their KV blocks now
+                    self.client.abort_requests(done.reqs_to_abort)
+                for out in done.request_outputs:
+                    results[out.request_id] = out
+                    bar.update(1)
                 if use_tqdm and bar.format_dict["elapsed"] > 0:
                     bar.set_postfix_str(f"{generated / bar.format_dict['elapsed']:.1f} tok/s",
                                         refresh=False)
         except BaseException:
             # Interrupted or failed: nothing stays behind in the engine.
-            self.engine.abort_requests(list(pending))
+            leftover = self.output_processor.abort_requests(
+                [rid for rid in request_ids if rid not in results])
+            try:
+                self.client.abort_requests(leftover)
+            except Exception:
+                pass
             raise
         finally:
             bar.close()
+        return results
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        return self.client.call_utility("get_stats")
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. after swapping weights, or to benchmark cold starts).
         Returns False, changing nothing, while requests hold KV blocks."""
-        return self.engine.reset_prefix_cache()
+        return self.client.call_utility("reset_prefix_cache")
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.client.shutdown()
 
     def __enter__(self) -> LLM:
         return self

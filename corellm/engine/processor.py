@@ -1,5 +1,5 @@
-"""Input processing: validate and tokenize a prompt into an EngineCoreRequest, and turn
-EngineCoreOutputs back into RequestOutputs (detokenized text, logprobs)."""
+"""Input processing: validate and tokenize a prompt into an EngineCoreRequest (the way back,
+detokenization and stop strings, is ``corellm.engine.output_processor``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from typing import Any, Union
 
 from corellm.errors import InvalidRequestError
 from corellm.interfaces import ModelInfo
-from corellm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics,
-                             RequestOutput)
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
 
@@ -83,52 +81,3 @@ class Processor:
         return text, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                        sampling_params=params, eos_token_id=self.eos_token_id,
                                        arrival_time=time.time(), priority=priority)
-
-
-class RequestCollector:
-    """Accumulates one request's outputs (``n`` samples) into a RequestOutput."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Any, arrival_time: float | None = None) -> None:
-        self.request_id = request_id
-        self.metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
-        self.num_cached_tokens = 0
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.tokenizer = tokenizer
-        self.completions = [CompletionOutput(index=i, text="", token_ids=[],
-                                             cumulative_logprob=None if params.logprobs is None else 0.0,
-                                             logprobs=None if params.logprobs is None else [])
-                            for i in range(params.n)]
-        self.num_unfinished = params.n
-
-    def add(self, index: int, out: EngineCoreOutput) -> bool:
-        """Record a delta for sample ``index``; return True once every sample has finished."""
-        c = self.completions[index]
-        if out.new_token_ids and self.metrics.first_token_time is None:
-            self.metrics.first_token_time = time.time()
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        c.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and c.logprobs is not None:
-            lp = out.new_logprobs
-            for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_ranks):
-                entry = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}
-                for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                    entry.setdefault(t, Logprob(v, r, self.tokenizer.decode([t])))
-                c.logprobs.append(entry)
-                c.cumulative_logprob += lps[0]
-        if out.finish_reason is not None:
-            c.finish_reason = out.finish_reason
-            c.stop_reason = out.stop_reason
-            c.text = self.tokenizer.decode(c.token_ids,
-                                           skip_special_tokens=self.params.skip_special_tokens)
-            self.num_unfinished -= 1
-            if self.num_unfinished == 0:
-                self.metrics.finished_time = time.time()
-        return self.num_unfinished == 0
-
-    def result(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             self.completions, finished=self.num_unfinished == 0,
-                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics)

@@ -18,6 +18,7 @@ block allocation and release happens here, so a policy can neither leak a block 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -176,6 +177,7 @@ class BatchScheduler(Scheduler):
             request.num_computed_tokens = prefix.num_tokens
             if request.num_cached_tokens < 0:          # first admission
                 request.num_cached_tokens = prefix.num_tokens
+                request.first_scheduled_time = time.time()
                 self.num_prompt_tokens += request.num_prompt_tokens
             self.running.append(request)
             num_scheduled[request.request_id] = n
@@ -229,7 +231,8 @@ class BatchScheduler(Scheduler):
             outputs.append(EngineCoreOutput(rid, [token], logprobs,
                                             finish_reason=status.finish_reason if status else None,
                                             stop_reason=request.stop_reason,
-                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+                                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                                            first_scheduled_time=request.first_scheduled_time))
         if finished_any:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

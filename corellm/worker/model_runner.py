@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ def resolve_model(config: EngineConfig, model_path: str) -> ResolvedModel:
 
 class CachedRequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "params", "min_tokens_banned")
+                 "params", "min_tokens_banned", "prompt_token_set")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
@@ -87,6 +88,9 @@ class CachedRequestState:
         if eos_token_id is not None and not params.ignore_eos:
             banned.append(eos_token_id)
         self.min_tokens_banned = banned if params.min_tokens > 0 else []
+        # The distinct prompt token ids (sorted int64), built on first use by a request with a
+        # repetition penalty; the prompt never changes while the state lives.
+        self.prompt_token_set: np.ndarray | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -267,8 +271,59 @@ class ModelRunner:
         banned = {i: s.min_tokens_banned for i, s in enumerate(states)
                   if s.min_tokens_banned and s.num_output_tokens < s.params.min_tokens}
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(num_rows=n, all_greedy=all_greedy, all_random=all_random,
-                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                generators=generators, generator=self.generator,
-                                banned_token_ids=banned,
-                                max_num_logprobs=max(wanted) if wanted else None)
+        md = SamplingMetadata(num_rows=n, all_greedy=all_greedy, all_random=all_random,
+                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              generators=generators, generator=self.generator,
+                              banned_token_ids=banned,
+                              max_num_logprobs=max(wanted) if wanted else None)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            self._add_penalties(md, states, penalized)
+        return md
+
+    def _add_penalties(self, md: SamplingMetadata, states: list[CachedRequestState],
+                       rows: list[int]) -> None:
+        """Fill md's penalty fields; ``rows`` are the rows with a penalty (others stay neutral).
+
+        The (row, token) pairs and output counts are rebuilt every step with vectorized numpy,
+        O(output tokens + distinct prompt tokens) of the penalized rows; each request's distinct
+        prompt tokens are computed once and kept in its state.
+        """
+        dev = self.device
+        params = [s.params for s in states]
+
+        def column(name: str, neutral: float) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        md.presence_penalties = column("presence_penalty", 0.0)
+        md.frequency_penalties = column("frequency_penalty", 0.0)
+        md.repetition_penalties = column("repetition_penalty", 1.0)
+
+        # Keys row * V + token, so one np.unique both deduplicates and orders the pairs.
+        vocab = self.model_info.vocab_size
+        sel = [states[i] for i in rows]
+        lens = np.fromiter((s.num_output_tokens for s in sel), dtype=np.int64, count=len(sel))
+        out_tokens = np.fromiter(chain.from_iterable(s.token_ids[s.num_prompt_tokens:]
+                                                     for s in sel),
+                                 dtype=np.int64, count=int(lens.sum()))
+        keys = [np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lens) + out_tokens]
+        rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
+        if rep_rows:
+            sets = []
+            for i in rep_rows:
+                s = states[i]
+                if s.prompt_token_set is None:
+                    s.prompt_token_set = np.unique(np.asarray(s.token_ids[:s.num_prompt_tokens],
+                                                              dtype=np.int64))
+                sets.append(s.prompt_token_set)
+            plens = np.fromiter((len(t) for t in sets), dtype=np.int64, count=len(sets))
+            keys.append(np.repeat(np.asarray(rep_rows, dtype=np.int64) * vocab, plens)
+                        + np.concatenate(sets))
+        pairs, inverse = np.unique(np.concatenate(keys), return_inverse=True)
+        counts = np.bincount(inverse[:len(out_tokens)], minlength=len(pairs)).astype(np.int32)
+        md.penalty_rows = torch.from_numpy(pairs // vocab).to(dev)
+        md.penalty_token_ids = torch.from_numpy(pairs % vocab).to(dev)
+        md.penalty_output_counts = torch.from_numpy(counts).to(dev)

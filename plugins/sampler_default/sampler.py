@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from corellm.interfaces import Sampler
-from corellm.sampling import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corellm.sampling import LogprobsTensors, SamplerOutput, SamplingMetadata, apply_penalties
 
 
 class DefaultSampler(Sampler):
@@ -13,6 +13,8 @@ class DefaultSampler(Sampler):
         if md.max_num_logprobs is not None:
             # Log-probabilities of the model's own distribution, before temperature/filters.
             raw = torch.log_softmax(logits, dim=-1)
+        # Penalties change what is chosen (greedy included), not the logprobs reported.
+        logits = apply_penalties(logits, md)
         if md.banned_token_ids:
             rows = [r for r, ids in md.banned_token_ids.items() for _ in ids]
             cols = [t for ids in md.banned_token_ids.values() for t in ids]

@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI API (the fields corellm implements), as pydantic models.
+
+Unknown fields are rejected, naming the field and the closest known one: a misspelt
+``max_token`` silently ignored would generate 16 tokens and leave the user puzzled. Fields of
+the OpenAI API that corellm does not implement are accepted only at their neutral value.
+Ranges are checked once, by ``SamplingParams``, whose errors name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None                          # accepted, not used
+    logit_bias: dict[str, float] | None = None       # not implemented: only empty accepted
+    # vLLM's extensions
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False                         # not implemented: only false accepted
+    best_of: StrictInt | None = None                 # accepted when equal to n
+    suffix: str | None = None                        # not implemented: only null accepted
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (tool_calls, ...) on history messages are ignored, as OpenAI does.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None              # deprecated by OpenAI, still sent by many
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None    # only {"type": "text"}
+    tools: list[Any] | None = None                   # not implemented: only null / []
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,488 @@
+"""The OpenAI-compatible server, tested through the official ``openai`` client against a live
+``corellm serve`` process on 127.0.0.1 (engine core in its own process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import engine_config
+
+MAX_MODEL_LEN = 256
+READY = re.compile(r"serving '(?P<model>[^']+)' on (?P<url>http://\S+) \(engine core pid "
+                   r"(?P<pid>\d+)\)")
+
+
+class Server:
+    """``python -m corellm serve`` in a subprocess; its log is collected in ``self.log``."""
+
+    def __init__(self, tmp: Path, config: dict, *args: str, env: dict | None = None) -> None:
+        cfg = tmp / "server.json"
+        cfg.write_text(json.dumps(config))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "corellm", "serve", "--config", str(cfg), "--port", "0",
+             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})})
+        self.log: list[str] = []
+        ready = threading.Event()
+        self.url = self.model = ""
+        self.engine_pid = 0
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.log.append(line)
+                m = READY.search(line)
+                if m:
+                    self.url, self.model = m["url"], m["model"]
+                    self.engine_pid = int(m["pid"])
+                    ready.set()
+            ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(180) or not self.url:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"),
+                             max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("corellm:") and "_bucket" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _server_config(path) -> dict:
+    return engine_config(path, model={"max_model_len": MAX_MODEL_LEN},
+                         scheduler={"max_num_seqs": 64})
+
+
+@pytest.fixture(scope="module")
+def server(llama_path, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"), _server_config(llama_path))
+    yield srv
+    engine_pid = srv.engine_pid
+    code = srv.stop(signal.SIGINT)
+    # Clean shutdown on SIGINT: exit code 0, the engine process gone too.
+    assert code == 0, "".join(srv.log[-30:])
+    _wait(lambda: not _pid_alive(engine_pid), 10, "the engine process to exit")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def offline(llama_path):
+    from corellm import LLM
+    llm = LLM(_server_config(llama_path))
+    yield llm
+    llm.shutdown()
+
+
+def _pool_whole(server: Server) -> bool:
+    m = server.metrics()
+    return (m["corellm:num_requests_running"] == 0 and m["corellm:num_requests_waiting"] == 0
+            and m["corellm:kv_cache_blocks_free"] == m["corellm:kv_cache_blocks_total"])
+
+
+# --------------------------------------------------------------------------- endpoints
+def test_models_version_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert httpx.get(server.url + "/health").status_code == 200
+    from corellm import __version__
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+
+
+def test_completion_equals_offline_greedy(server, client, offline):
+    from corellm import SamplingParams
+    prompts = ["The meaning of life is", "def fibonacci(n):", "Once upon a time"]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0),
+                                use_tqdm=False)
+    for prompt, exp in zip(prompts, expected):
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=24,
+                                      temperature=0)
+        assert r.choices[0].text == exp.outputs[0].text
+        assert r.choices[0].finish_reason == exp.outputs[0].finish_reason
+        assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
+        assert r.usage.completion_tokens == len(exp.outputs[0].token_ids)
+        stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=24,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.outputs[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] \
+            == exp.outputs[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens \
+            == len(exp.outputs[0].token_ids)
+
+
+def test_completion_prompt_forms(server, client, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=8,
+                                       temperature=0)
+    by_text = client.completions.create(model=server.model, prompt="Once upon a time",
+                                        max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    both = client.completions.create(model=server.model, prompt=["Once upon a time", "Hello"],
+                                     max_tokens=8, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == by_text.choices[0].text
+    # the model name may be left out (vLLM does the same)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == server.model
+
+
+def test_chat_completion_and_stream(server, client, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model=server.model, messages=messages,
+                                       max_completion_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    # the prompt is the tokenizer's chat template, rendered and tokenized
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    stream = client.chat.completions.create(model=server.model, messages=messages,
+                                            max_completion_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # max_tokens (deprecated name) is honoured too
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_n2(server, client):
+    r = client.completions.create(model=server.model, prompt="Hello", max_tokens=10, n=2,
+                                  temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].text != r.choices[1].text          # distinct samples
+    assert r.usage.completion_tokens == 20
+    stream = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2,
+        temperature=1.0, seed=11, stream=True, extra_body={"ignore_eos": True})
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in stream
+                if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_seed_reproducibility(server, client):
+    def sample(seed):
+        return client.completions.create(model=server.model, prompt="Hello", max_tokens=16,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)
+
+
+def test_stop_strings(server, client):
+    full = client.completions.create(model=server.model, prompt="The meaning of life is",
+                                     max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    r = client.completions.create(model=server.model, prompt="The meaning of life is",
+                                  max_tokens=40, temperature=0, stop=[stop, "\x00never"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40               # finished early, in the core too
+    chunks = list(client.completions.create(
+        model=server.model, prompt="The meaning of life is", max_tokens=40, temperature=0,
+        stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _wait(lambda: _pool_whole(server), 10, "the stopped requests' blocks to return")
+
+
+def test_logprobs(server, client):
+    r = client.completions.create(model=server.model, prompt="Hello", max_tokens=5,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) >= 3
+        assert chosen == pytest.approx(max(top.values()))     # greedy picks the best
+    r = client.chat.completions.create(model=server.model,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+
+
+def test_engine_side_fields(server, client):
+    """Penalties, top_k/min_p, priority: accepted and applied by the engine."""
+    base = dict(model=server.model, prompt="Hello", max_tokens=24, temperature=0)
+    plain = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0]
+    penalized = client.completions.create(
+        **base, frequency_penalty=2.0, presence_penalty=2.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0]
+    assert penalized.text != plain.text
+    r = client.completions.create(**base, extra_body={"ignore_eos": True, "priority": -5,
+                                                      "top_k": 1, "min_p": 0.1})
+    assert r.choices[0].text == plain.text                  # top_k=1 is greedy
+
+
+# --------------------------------------------------------------------------- bad input
+def _post(server, path, body=None, raw=None, headers=None):
+    return httpx.post(server.url + path, json=body, content=raw, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),            # wrong type
+    ({"max_tokens": 3}, 400, "prompt"),                                     # missing field
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),                 # max_tokens < 1
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "max_token": 3}, 400, "max_token"),                   # unknown field
+    ({"prompt": "word " * 400}, 400, "prompt"),                            # > max_model_len
+    ({"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),     # prompt + output
+    ({"prompt": [1, 2, 10 ** 6]}, 400, "prompt"),                          # token id range
+    ({"prompt": "x", "model": "gpt-17"}, 404, "model"),                    # unknown model
+    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),          # not implemented
+])
+def test_bad_completion_requests(server, body, status, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 3}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+])
+def test_bad_chat_requests(server, body, param):
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_json_and_oversized_body(server, client):
+    r = _post(server, "/v1/completions", raw=b'{"prompt": "x", ', headers={
+        "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", raw=b'[1, 2]')
+    assert r.status_code == 400 and "object" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"prompt": "x" * (2 << 20)})
+    assert r.status_code == 413
+    assert "max_request_bytes" in r.json()["error"]["message"]
+    # ...and the server keeps serving
+    assert client.completions.create(model=server.model, prompt="ok", max_tokens=2).choices
+
+
+def test_openai_client_raises_on_bad_input(server, client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=server.model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user",
+                                                                "content": "x"}])
+
+
+# --------------------------------------------------------------------------- disconnects, load
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = server.metrics()["corellm:generation_tokens_total"]
+    body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data: "):
+                seen += 1
+            if seen == 3:
+                break
+        assert server.metrics()["corellm:num_requests_running"] == 1
+    # the connection is closed mid-stream: the request is aborted and its blocks return
+    _wait(lambda: _pool_whole(server), 20, "the aborted request's blocks to return")
+    generated = server.metrics()["corellm:generation_tokens_total"] - before
+    assert generated < MAX_MODEL_LEN - 8, "the request ran to completion for nobody"
+
+    # same for a non-streaming request: the handler is cancelled when the client leaves
+    before = server.metrics()["corellm:generation_tokens_total"]
+    # (32 samples x 248 tokens: far more than the tiny model makes in the 0.15 s we wait)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.15,
+                   json={"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
+                         "n": 32})
+    _wait(lambda: _pool_whole(server), 20, "the abandoned request's blocks to return")
+    assert server.metrics()["corellm:generation_tokens_total"] - before < 32 * (MAX_MODEL_LEN - 8)
+
+
+def test_load_64_concurrent_streams(server):
+    import random
+
+    rng = random.Random(0)
+    jobs = [(f"request {i}: " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"])
+                                         for _ in range(rng.randint(1, 20))),
+             rng.randint(1, 24)) for i in range(320)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                    max_retries=0, timeout=300,
+                                    http_client=openai.DefaultAsyncHttpxClient(
+                                        limits=httpx.Limits(max_connections=64)))
+        gate = asyncio.Semaphore(64)
+
+        async def one(prompt, n_tokens):
+            async with gate:
+                stream = await client.completions.create(
+                    model=server.model, prompt=prompt, max_tokens=n_tokens, temperature=0.8,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True})
+                texts, usage, reason = [], None, None
+                async for chunk in stream:
+                    if chunk.choices:
+                        texts.append(chunk.choices[0].text)
+                        reason = chunk.choices[0].finish_reason or reason
+                    if chunk.usage:
+                        usage = chunk.usage
+                return usage.completion_tokens, reason
+
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(p, n) for p, n in jobs)), timeout=600)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == [n for _, n in jobs]
+    assert all(reason == "length" for _, reason in results)
+    _wait(lambda: _pool_whole(server), 20, "the KV pool to be whole after the load")
+
+
+# --------------------------------------------------------------------------- auth, faults
+@pytest.fixture
+def fragile_server(llama_path, tmp_path):
+    srv = Server(tmp_path, _server_config(llama_path), "--api-key", "sekret")
+    yield srv
+    srv.stop(signal.SIGKILL)
+    if srv.engine_pid and _pid_alive(srv.engine_pid):
+        os.kill(srv.engine_pid, signal.SIGKILL)
+
+
+def test_api_key_then_engine_death(fragile_server):
+    srv = fragile_server
+    body = {"prompt": "Hello", "max_tokens": 4}
+    assert _post(srv, "/v1/completions", body).status_code == 401
+    bad = _post(srv, "/v1/completions", body, headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        srv.client(api_key="wrong").models.list()
+    good = srv.client(api_key="sekret")
+    assert good.completions.create(model=srv.model, prompt="Hi", max_tokens=2).choices
+    assert httpx.get(srv.url + "/health").status_code == 200      # not under /v1: no key
+    assert "corellm:num_requests_running" in httpx.get(srv.url + "/metrics").text
+
+    # Kill the engine while one streaming and one non-streaming request are in flight.
+    long = dict(model=srv.model, prompt="Hello", max_tokens=MAX_MODEL_LEN - 8,
+                extra_body={"ignore_eos": True, "n": 8})
+    stream = good.completions.create(**long, stream=True)
+    first = next(iter(stream))
+    assert first.choices
+    outcome = {}
+
+    def blocking():
+        try:
+            good.completions.create(**long)
+            outcome["result"] = "completed"
+        except openai.APIStatusError as exc:
+            outcome["result"] = exc.status_code
+    t = threading.Thread(target=blocking)
+    t.start()
+    time.sleep(0.5)
+    os.kill(srv.engine_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in stream:
+            pass
+    t.join(30)
+    assert not t.is_alive() and outcome["result"] == 500
+    assert httpx.get(srv.url + "/health").status_code == 503
+    with pytest.raises(openai.APIStatusError) as info:
+        good.completions.create(model=srv.model, prompt="Hi", max_tokens=2)
+    assert info.value.status_code == 503
+    assert "corellm:engine_alive" in httpx.get(srv.url + "/metrics").text
+    assert srv.proc.poll() is None                                # still answering
+    assert any("exited with code" in line for line in srv.log), "".join(srv.log[-20:])
+    assert srv.stop(signal.SIGTERM) == 0
+
+
+def test_engine_exits_when_server_is_killed(llama_path, tmp_path):
+    srv = Server(tmp_path, _server_config(llama_path))
+    try:
+        engine_pid = srv.engine_pid
+        assert _pid_alive(engine_pid)
+        srv.proc.send_signal(signal.SIGKILL)        # no chance to clean up...
+        srv.proc.wait(10)
+        # ...but the engine notices its parent is gone and exits: no orphan
+        _wait(lambda: not _pid_alive(engine_pid), 10, "the orphaned engine to exit")
+    finally:
+        srv.stop(signal.SIGKILL)
+        if _pid_alive(srv.engine_pid):
+            os.kill(srv.engine_pid, signal.SIGKILL)
