@@ -184,6 +184,26 @@ class _MPClientBase(EngineCoreClient):
         if self.process.dead_reason is None:
             self.process.dead_reason = reason
 
+    # Set by subclasses: a queue (queue.Queue or asyncio.Queue) and futures (concurrent or
+    # asyncio); both offer put_nowait / done / set_result / set_exception.
+    outputs: Any
+    _calls: dict[int, tuple[Any, Any]]
+
+    def _dispatch(self, kind: bytes, payload: bytes) -> None:
+        """Route one message from the core (on the thread or loop that owns the futures)."""
+        if kind == ipc.OUTPUTS:
+            self.outputs.put_nowait(ipc.outputs_decoder.decode(payload))
+        elif kind == ipc.UTILITY_RESULT:
+            res = ipc.utility_result_decoder.decode(payload)
+            fut, rtype = self._calls.pop(res.call_id, (None, None))
+            if fut is not None and not fut.done():
+                if res.error is not None:
+                    fut.set_exception(RuntimeError(res.error))
+                else:
+                    fut.set_result(msgspec.msgpack.decode(res.result, type=rtype))
+        elif kind == ipc.DEAD:
+            self._note_dead(ipc.str_decoder.decode(payload))
+
 
 class SyncMPClient(_MPClientBase):
     """Blocking client (the offline ``LLM`` with ``engine_process=True``)."""
@@ -201,8 +221,8 @@ class SyncMPClient(_MPClientBase):
             self._close_sockets()
             self.process.kill()
             raise
-        self._outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
-        self._calls: dict[int, tuple[Future, Any]] = {}
+        self.outputs = queue.Queue()
+        self._calls = {}
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name="corellm-client-output")
@@ -214,22 +234,14 @@ class SyncMPClient(_MPClientBase):
             if not self._out.poll(200):
                 continue
             kind, payload = self._out.recv_multipart()
-            if kind == ipc.OUTPUTS:
-                self._outputs.put(ipc.outputs_decoder.decode(payload))
-            elif kind == ipc.UTILITY_RESULT:
-                res = ipc.utility_result_decoder.decode(payload)
-                fut, rtype = self._calls.pop(res.call_id, (None, None))
-                if fut is not None:
-                    if res.error is not None:
-                        fut.set_exception(RuntimeError(res.error))
-                    else:
-                        fut.set_result(msgspec.msgpack.decode(res.result, type=rtype))
-            elif kind == ipc.DEAD:
-                self._note_dead(ipc.str_decoder.decode(payload))
+            try:
+                self._dispatch(kind, payload)
+            except Exception:
+                logger.exception("dropping an undecodable %r message from the engine core", kind)
 
     def _on_death(self, reason: str) -> None:
         self._note_dead(reason)
-        self._outputs.put(EngineDeadError(self.process.dead_reason or reason))
+        self.outputs.put(EngineDeadError(self.process.dead_reason or reason))
         for fut, _ in list(self._calls.values()):
             fut.set_exception(EngineDeadError(reason))
         self._calls.clear()
@@ -248,9 +260,9 @@ class SyncMPClient(_MPClientBase):
             self._send(ipc.ABORT, list(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self._outputs.get()
+        item = self.outputs.get()
         if isinstance(item, BaseException):
-            self._outputs.put(item)           # every later call fails the same way
+            self.outputs.put(item)           # every later call fails the same way
             raise item
         return item
 
@@ -286,8 +298,8 @@ class AsyncMPClient(_MPClientBase):
         self._in.bind(self.process.input_addr)
         self._out = actx.socket(zmq.PULL)
         self._out.bind(self.process.output_addr)
-        self._calls: dict[int, tuple[asyncio.Future, Any]] = {}
-        self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] = asyncio.Queue()
+        self._calls = {}
+        self.outputs = asyncio.Queue()
         self._reader: asyncio.Task | None = None
 
     @classmethod
@@ -307,18 +319,10 @@ class AsyncMPClient(_MPClientBase):
     async def _read_loop(self) -> None:
         while True:
             kind, payload = await self._out.recv_multipart()
-            if kind == ipc.OUTPUTS:
-                self.outputs.put_nowait(ipc.outputs_decoder.decode(payload))
-            elif kind == ipc.UTILITY_RESULT:
-                res = ipc.utility_result_decoder.decode(payload)
-                fut, rtype = self._calls.pop(res.call_id, (None, None))
-                if fut is not None and not fut.done():
-                    if res.error is not None:
-                        fut.set_exception(RuntimeError(res.error))
-                    else:
-                        fut.set_result(msgspec.msgpack.decode(res.result, type=rtype))
-            elif kind == ipc.DEAD:
-                self._note_dead(ipc.str_decoder.decode(payload))
+            try:
+                self._dispatch(kind, payload)
+            except Exception:            # never let one bad message silence the engine
+                logger.exception("dropping an undecodable %r message from the engine core", kind)
 
     def _on_death(self, reason: str) -> None:
         self._note_dead(reason)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import functools
 import json
 import logging
 import os
@@ -475,31 +474,30 @@ async def _merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
 
 
 # --------------------------------------------------------------------------- the app
-def _cancel_on_disconnect(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Any]:
-    """Run a handler, cancelling it if the client disconnects first (Starlette does this for
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``, cancelling it if the client disconnects first (Starlette does this for
     streaming bodies; a non-streaming request would otherwise generate to the end for nobody).
-    Cancellation closes the engine's iterator, which aborts the request in the core."""
-    @functools.wraps(handler)
-    async def wrapper(request: Request) -> Response:
-        work = asyncio.ensure_future(handler(request))
+    Cancellation closes the request's stream, which aborts it in the core. Call only after the
+    body has been read: from then on the only message left to receive is the disconnect."""
+    task = asyncio.ensure_future(work)
 
-        async def disconnected() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if work in done:
-            return work.result()
-        work.cancel()
-        logger.info("client disconnected from %s; request aborted", request.url.path)
-        return Response(status_code=499)
-    return wrapper
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    logger.info("client disconnected from %s; request aborted", request.url.path)
+    return Response(status_code=499)
 
 
 def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> FastAPI:
@@ -527,7 +525,7 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
         was_dead = engine.is_dead
         try:
             data = await _read_json(request, options.max_request_bytes)
-            return await work(data)
+            return await _until_disconnect(request, work(data))
         except APIError as exc:
             return exc.response()
         except InvalidRequestError as exc:
@@ -540,12 +538,10 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
             return APIError(status, f"engine is dead: {exc}", code="engine_dead").response()
 
     @app.post("/v1/completions")
-    @_cancel_on_disconnect
     async def completions(request: Request) -> Response:
         return await run(request, serving.completions)
 
     @app.post("/v1/chat/completions")
-    @_cancel_on_disconnect
     async def chat_completions(request: Request) -> Response:
         return await run(request, serving.chat)
 
