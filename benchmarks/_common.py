@@ -34,6 +34,48 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 
+def parse_int_list(text: str) -> list[int]:
+    """``N[,N...]`` of positive integers (a sweep: batch sizes, concurrencies)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def summarize(values, percentiles=(50, 90, 99)) -> dict[str, float | None]:
+    """Mean and percentiles of a list of numbers (linear interpolation between the closest
+    ranks, as ``numpy.percentile``); every entry None when the list is empty."""
+    xs = sorted(values)
+    out: dict[str, float | None] = {"mean": sum(xs) / len(xs) if xs else None}
+    for q in percentiles:
+        if not xs:
+            out[f"p{q:g}"] = None
+            continue
+        pos = (len(xs) - 1) * q / 100
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
+
+
+def random_token_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                          seed: int, vocab_size: int, exclude_ids=frozenset(),
+                          ) -> list[dict[str, Any]]:
+    """``num`` random prompts (token ids below ``vocab_size``, none in ``exclude_ids``) and
+    output lengths, uniform in the inclusive ranges: ``{"prompt_token_ids", "output_len"}``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(exclude_ids, dtype=np.int64))
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num)
+    return [{"prompt_token_ids": rng.choice(allowed, size=int(n)).tolist(),
+             "output_len": int(m)} for n, m in zip(in_lens, out_lens)]
+
+
 def model_facts(model: Path) -> dict[str, Any]:
     cfg = json.loads((model / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)

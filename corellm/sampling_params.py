@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from corellm.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_I64 = 1 << 63
 MAX_LOGPROBS = 20
 
 
@@ -65,6 +66,10 @@ class SamplingParams:
                 raise bad(name, f"must be a finite number, got {value!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and not -_I64 <= value < _I64:
+                raise bad(name, f"must fit in 64 bits, got {value!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")

@@ -54,3 +54,48 @@ def test_throughput_benchmark(llama_path, tmp_path):
     assert core["prefill_tokens_computed"] == results["workload"]["prompt_tokens"]
     assert results["agreement"]["corellm vs transformers"]["identical"] == 4
     assert "corellm time split" in bench.format_tables(results)
+
+
+def test_serve_benchmark(llama_path, tmp_path):
+    """benchmarks/serve.py starts the server itself, sweeps two concurrencies, stops it, runs
+    the offline comparison, and leaves no process behind."""
+    import subprocess
+    import sys
+
+    from tests.conftest import engine_config
+
+    cfg = tmp_path / "server.json"
+    cfg.write_text(json.dumps(engine_config(
+        llama_path, scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 256})))
+    out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "serve.py"), "--config", str(cfg), "--num-prompts", "8",
+         "--input-len", "8", "--output-len", "4", "--concurrency", "1,4",
+         "--warmup-requests", "1", "--json", str(out_json), "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "c=4" in proc.stdout and "TTFT" in proc.stdout
+    assert "server exited with status 0" in proc.stderr
+    results = json.loads(out_json.read_text())
+    points = results["points"]
+    assert [p["concurrency"] for p in points] == [1, 4]
+    for p in points:
+        assert p["requests"] == p["completed"] == 8 and p["failed"] == 0 and not p["errors"]
+        assert p["output_tokens"] == 8 * 4 and p["prompt_tokens"] == 8 * 8
+        assert p["server_counters"]["generation_tokens_total"] == 8 * 4
+        for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+            assert p[key] > 0
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            s = p[key]
+            assert 0 < s["p50"] <= s["p99"] and s["mean"] > 0, (key, s)
+        assert p["ttft_s"]["p50"] < p["e2e_s"]["p50"]
+        assert all(r["ok"] and r["chunks"] == 4 for r in p["per_request"])
+        assert p["offline"]["max_num_seqs"] == p["concurrency"]
+        assert p["offline"]["output_tokens"] == 8 * 4
+        assert p["offline_ratio"] == p["output_throughput"] / p["offline"]["output_throughput"]
+        assert p["offline_agreement"]["of"] == 8      # greedy texts compared (batch-dependent)
+    assert results["server"]["started_here"] and results["server"]["engine_core_pid"]
+    for pid in (results["server"]["pid"], results["server"]["engine_core_pid"]):
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z", pid
+    assert out_png.stat().st_size > 0

@@ -486,3 +486,77 @@ def test_engine_exits_when_server_is_killed(llama_path, tmp_path):
         srv.stop(signal.SIGKILL)
         if _pid_alive(srv.engine_pid):
             os.kill(srv.engine_pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- review regressions
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "top_k": 2 ** 63, "temperature": 1}, 400, "top_k"),
+    ({"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ({"prompt": "x", "priority": 2 ** 70}, 400, "priority"),
+    ({"prompt": "x", "n": 10 ** 6}, 400, "n"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+])
+def test_values_that_must_not_reach_the_engine(server, client, body, status, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200        # engine unharmed
+
+
+def test_huge_top_k_is_clamped_not_fatal(server, client):
+    r = client.completions.create(model=server.model, prompt="x", max_tokens=3,
+                                  temperature=1.0, extra_body={"top_k": 10 ** 9})
+    assert r.usage.completion_tokens >= 1
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_client_request_ids_never_collide(server, client):
+    """A client-chosen request_id is echoed, not used as the engine's id: ids that would
+    collide with another request's sample ids (x#1 vs x with n=2) both succeed."""
+    a = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "request_id": "x#1"})
+    b = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "request_id": "x",
+                                          "n": 2})
+    c = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "request_id": "x"})
+    assert [r.status_code for r in (a, b, c)] == [200, 200, 200]
+    assert b.json()["id"] == "x"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_nulls_nesting_templates_and_odd_tokens(server):
+    ok = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": None,
+        "presence_penalty": None, "logprobs": None})
+    assert ok.status_code == 200, ok.text
+    deep = b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    r = _post(server, "/v1/completions", raw=deep)
+    assert r.status_code in (400, 413) and "error" in r.json()
+    r = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"chat_template": "{{ 'PWN' }}"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_sigterm_with_a_live_stream(llama_path, tmp_path):
+    srv = Server(tmp_path, _server_config(llama_path), "--api-key", "key")
+    try:
+        # a non-ASCII bearer token is a 401, not a crash
+        r = _post(srv, "/v1/completions", {"prompt": "x"},
+                  headers={"Authorization": "Bearer \u00e9t\u00e9".encode()})
+        assert r.status_code == 401
+        body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer key"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            for _ in lines:        # the stream ends (cut or finished); it does not hang
+                pass
+        assert srv.proc.wait(60) == 0
+        _wait(lambda: not _pid_alive(srv.engine_pid), 10, "the engine process to exit")
+    finally:
+        srv.stop(signal.SIGKILL)

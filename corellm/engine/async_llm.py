@@ -71,7 +71,8 @@ class AsyncLLM:
 
     @property
     def is_dead(self) -> bool:
-        return self.dead_error is not None or self.client.dead_reason is not None
+        return (self.dead_error is not None or self.client.dead_reason is not None
+                or self._handler.done())
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
@@ -136,16 +137,22 @@ class AsyncLLM:
                         except Exception:
                             logger.exception("finished-request callback failed")
         except EngineDeadError as exc:
-            self.dead_error = exc
-            for state in list(op.requests.values()):
-                if state.queue is not None:
-                    state.queue.put_nowait(exc)
-            op.abort_requests(list(op.requests))
+            self._fail_all(exc)
         except asyncio.CancelledError:
             raise
-        except BaseException:
+        except BaseException as exc:
+            # Nothing would deliver outputs any more: fail loudly rather than hang everyone.
             logger.exception("output handler failed")
+            self._fail_all(EngineDeadError(f"output handler failed: {exc!r}"))
             raise
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        self.dead_error = self.dead_error or exc
+        op = self.output_processor
+        for state in list(op.requests.values()):
+            if state.queue is not None:
+                state.queue.put_nowait(exc)
+        op.abort_requests(list(op.requests))
 
     # ------------------------------------------------------------------ engine utilities
     async def check_health(self, timeout: float = 5.0) -> None:
@@ -162,6 +169,7 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         self._handler.cancel()
+        self._fail_all(EngineDeadError("the engine was shut down"))
         await self.client.shutdown_async()
 
 

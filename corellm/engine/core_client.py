@@ -39,6 +39,8 @@ from corellm.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
+# A send blocks only when the core stopped reading (its queue is full or it is gone).
+SEND_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = float(os.environ.get("CORELLM_ENGINE_STARTUP_TIMEOUT", "600"))
 
 
@@ -202,7 +204,12 @@ class _MPClientBase(EngineCoreClient):
                 else:
                     fut.set_result(msgspec.msgpack.decode(res.result, type=rtype))
         elif kind == ipc.DEAD:
-            self._note_dead(ipc.str_decoder.decode(payload))
+            # The core says its loop is over: fail waiters now, not when the process has
+            # finished exiting.
+            self._on_death(ipc.str_decoder.decode(payload))
+
+    def _on_death(self, reason: str) -> None:
+        raise NotImplementedError
 
 
 class SyncMPClient(_MPClientBase):
@@ -212,6 +219,7 @@ class SyncMPClient(_MPClientBase):
         super().__init__(config)
         ctx = self.process.ctx
         self._in = ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         self._in.bind(self.process.input_addr)
         self._out = ctx.socket(zmq.PULL)
         self._out.bind(self.process.output_addr)
@@ -240,16 +248,23 @@ class SyncMPClient(_MPClientBase):
                 logger.exception("dropping an undecodable %r message from the engine core", kind)
 
     def _on_death(self, reason: str) -> None:
+        first = self.process.dead_reason is None
         self._note_dead(reason)
-        self.outputs.put(EngineDeadError(self.process.dead_reason or reason))
+        if first or self.outputs.empty():
+            self.outputs.put(EngineDeadError(self.process.dead_reason or reason))
         for fut, _ in list(self._calls.values()):
-            fut.set_exception(EngineDeadError(reason))
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self.process.dead_reason or reason))
         self._calls.clear()
 
     def _send(self, kind: bytes, obj: Any) -> None:
         self._check_alive()
         with self._lock:
-            self._in.send_multipart((kind, ipc.encoder.encode(obj)))
+            try:
+                self._in.send_multipart((kind, ipc.encoder.encode(obj)))
+            except zmq.Again:          # nobody reading for SEND_TIMEOUT_S: the core is gone
+                raise EngineDeadError(self.process.dead_reason or "engine core stopped "
+                                      "receiving requests") from None
 
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         for r in requests:
@@ -270,8 +285,11 @@ class SyncMPClient(_MPClientBase):
         fut: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (fut, ipc.UTILITY_RESULT_TYPES[method])
-        self._send(ipc.UTILITY, ipc.UtilityCall(call_id, method, list(args)))
-        return fut.result(timeout)
+        try:
+            self._send(ipc.UTILITY, ipc.UtilityCall(call_id, method, list(args)))
+            return fut.result(timeout)
+        finally:
+            self._calls.pop(call_id, None)
 
     def _close_sockets(self) -> None:
         self._in.close(linger=0)
@@ -325,9 +343,11 @@ class AsyncMPClient(_MPClientBase):
                 logger.exception("dropping an undecodable %r message from the engine core", kind)
 
     def _on_death(self, reason: str) -> None:
+        first = self.process.dead_reason is None
         self._note_dead(reason)
         err = EngineDeadError(self.process.dead_reason or reason)
-        self.outputs.put_nowait(err)
+        if first or self.outputs.empty():
+            self.outputs.put_nowait(err)
         for fut, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -335,7 +355,12 @@ class AsyncMPClient(_MPClientBase):
 
     async def _send(self, kind: bytes, obj: Any) -> None:
         self._check_alive()
-        await self._in.send_multipart((kind, ipc.encoder.encode(obj)))
+        try:
+            await asyncio.wait_for(self._in.send_multipart((kind, ipc.encoder.encode(obj))),
+                                   SEND_TIMEOUT_S)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise EngineDeadError(self.process.dead_reason or "engine core stopped receiving "
+                                  "requests") from None
 
     async def add_requests_async(self, requests: Iterable[EngineCoreRequest]) -> None:
         for r in requests:
@@ -381,7 +406,7 @@ class AsyncMPClient(_MPClientBase):
         try:
             if self.process.proc is not None and self.process.proc.is_alive() \
                     and self.process.dead_reason is None:
-                await self._in.send_multipart((ipc.SHUTDOWN, ipc.encoder.encode(None)))
+                await self._send(ipc.SHUTDOWN, None)
         except Exception:
             pass
         try:

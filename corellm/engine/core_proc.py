@@ -103,7 +103,13 @@ class EngineCoreProc:
 
     def _handle(self, kind: bytes, payload: Any) -> None:
         if kind == ipc.ADD:
-            self.engine.add_request(payload)
+            try:
+                self.engine.add_request(payload)
+            except Exception as exc:    # one bad request (a duplicate id...) is not fatal
+                logger.error("rejected request %s: %s", payload.request_id, exc)
+                self._send_outputs([EngineCoreOutput(payload.request_id, [],
+                                                     finish_reason="error",
+                                                     stop_reason=str(exc))])
         elif kind == ipc.ABORT:
             outputs = self.engine.abort_requests(payload)
             if outputs:
@@ -138,7 +144,8 @@ class EngineCoreProc:
         self.outputs.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        self.ctx.term()
+        if not any(t.is_alive() for t in self._threads):
+            self.ctx.term()        # else: a stuck socket; process exit reclaims it
 
 
 def _watch_parent(parent_pid: int) -> None:

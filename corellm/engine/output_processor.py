@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from corellm.errors import InvalidRequestError
 from corellm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics,
                              RequestOutput)
 from corellm.request import EngineCoreRequest
@@ -174,11 +175,11 @@ class RequestState:
         params = self.params
         if not params.stop or len(s.token_ids) < params.min_tokens:
             return False
-        # Only a window that includes the new text can hold a new match.
-        lo = max(0, start - (max(map(len, params.stop)) - 1))
         best = None
         for stop in params.stop:
-            i = s.text.find(stop, lo)
+            # Only a match that ends in the new text is new (one wholly in older text came
+            # before min_tokens, and must not be found just because a longer stop string exists).
+            i = s.text.find(stop, max(0, start - len(stop) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
@@ -262,9 +263,10 @@ class OutputProcessor:
                     kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
                     queue: Any = None) -> RequestState:
         """Register a request; send ``state.core_requests`` to the engine core."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
         state = RequestState(request_id, prompt, core_request, self.tokenizer, kind, queue)
+        if request_id in self.requests or any(c in self._children for c in state.child_ids):
+            raise InvalidRequestError("request_id", f"{request_id!r} (or one of its samples' "
+                                      "ids) is already in flight")
         self.requests[request_id] = state
         for j, cid in enumerate(state.child_ids):
             self._children[cid] = (state, j)
@@ -295,6 +297,8 @@ class OutputProcessor:
             if owner is None:
                 continue                         # aborted by the caller meanwhile
             state, index = owner
+            if state.samples[index].finished:
+                continue                         # e.g. the core's echo of a stop-string abort
             if state.update(index, out, now):
                 to_abort.append(out.request_id)
             touched.setdefault(state.request_id, (state, []))[1].append(index)

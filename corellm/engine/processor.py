@@ -69,6 +69,9 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got "
                                       f"{type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not -(1 << 63) <= priority < (1 << 63):
+            raise InvalidRequestError("priority", f"must be a 64-bit integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:

@@ -255,7 +255,7 @@ class ModelRunner:
             temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
                                        dtype=torch.float32, device=self.device)
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
+                top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
                                      dtype=torch.int64, device=self.device)
             if any(p.top_p < 1.0 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32,

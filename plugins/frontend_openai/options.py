@@ -15,7 +15,7 @@ class OpenAIServerOptions(FrontendOptions):
                                                "to the network.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     api_key: str | None = Field(
-        None, description=f"Require 'Authorization: Bearer <key>' on every /v1 route "
+        None, min_length=1, description=f"Require 'Authorization: Bearer <key>' on every /v1 route "
                           f"(also read from ${API_KEY_ENV}).")
     served_model_name: str | None = Field(
         None, description="The model name clients send; default: the checkpoint directory's "

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+# The most samples one request may ask for (each is an engine request).
+MAX_N = 128
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI clients send explicit nulls for "not set": treat them as absent.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -24,7 +35,7 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     seed: StrictInt | None = None
@@ -86,7 +97,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None    # only {"type": "text"}
     tools: list[Any] | None = None                   # not implemented: only null / []
-    tool_choice: Any = None
-    parallel_tool_calls: StrictBool | None = None
+    tool_choice: Any = None                          # only "none" / "auto"
+    parallel_tool_calls: StrictBool | None = None    # meaningless without tools
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -98,6 +98,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         data = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     return data
@@ -111,6 +113,13 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- the serving logic
+# Keys a request may not pass to apply_chat_template: they would replace the template (running
+# the caller's Jinja on the event loop) or change what the call returns.
+_RESERVED_TEMPLATE_KEYS = {"chat_template", "tokenize", "return_dict", "return_tensors",
+                           "conversation", "messages", "add_generation_prompt", "tools",
+                           "documents", "continue_final_message", "tokenizer_kwargs"}
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> None:
         self.engine = engine
@@ -127,13 +136,22 @@ class OpenAIServing:
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
     def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
-                        logprobs: int | None, max_tokens_field: str) -> SamplingParams:
-        unsupported = {"logit_bias": bool(req.logit_bias)}
+                        logprobs: int | None, max_tokens_field: str,
+                        logprobs_field: str = "logprobs") -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed with stream: true",
+                           param="stream_options")
+        unsupported = {"logit_bias": bool(req.logit_bias),
+                       "stream_options.continuous_usage_stats": bool(
+                           req.stream_options and req.stream_options.continuous_usage_stats)}
         if isinstance(req, CompletionRequest):
             unsupported |= {"echo": req.echo, "suffix": req.suffix is not None,
                             "best_of": req.best_of is not None and req.best_of != req.n}
         else:
             unsupported |= {"tools": bool(req.tools),
+                            "tool_choice": req.tool_choice not in (None, "none", "auto"),
+                            "chat_template_kwargs": bool(
+                                set(req.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KEYS),
                             "response_format": bool(req.response_format)
                             and req.response_format.get("type") != "text"}
         for field, used in unsupported.items():
@@ -161,7 +179,8 @@ class OpenAIServing:
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as exc:
-            raise _invalid(exc, {"max_tokens": max_tokens_field}) from None
+            raise _invalid(exc, {"max_tokens": max_tokens_field,
+                                 "logprobs": logprobs_field}) from None
 
     def tokenize_prompt(self, prompt: str | list[int], field: str) -> list[int]:
         try:
@@ -214,11 +233,12 @@ class OpenAIServing:
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, "max_tokens")
                   for ids in token_ids]
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid   # never collides
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         gens = []
         try:
             for i, (ids, p) in enumerate(zip(token_ids, params)):
-                gens.append(await self._submit(ids, p, f"{rid}-{i}", req.priority, kind))
+                gens.append(await self._submit(ids, p, f"{internal}-{i}", req.priority, kind))
         except BaseException:
             for g in gens:
                 g.close()
@@ -320,10 +340,12 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens, field = req.max_tokens, "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, len(ids), logprobs, field)
+        params = self.sampling_params(req, max_tokens, len(ids), logprobs, field,
+                                      "top_logprobs")
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        gen = await self._submit(ids, params, rid, req.priority, kind)
+        gen = await self._submit(ids, params, internal, req.priority, kind)
         if req.stream:
             return self._sse(self._stream_chat(req, rid, gen, len(ids)), [gen])
         try:
@@ -512,7 +534,8 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
         if api_key is not None and request.url.path.startswith("/v1"):
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                    token.strip().encode(), api_key.encode()):
                 return APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                      "<key>'", code="invalid_api_key").response()
         try:
@@ -536,6 +559,10 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
             status = 503 if was_dead else 500
             logger.error("request failed: %s", exc)
             return APIError(status, f"engine is dead: {exc}", code="engine_dead").response()
+        except Exception as exc:        # a bug: still an OpenAI-shaped answer, and logged
+            logger.exception("request to %s failed", request.url.path)
+            return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                            code="internal_error").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
