@@ -560,3 +560,21 @@ def test_sigterm_with_a_live_stream(llama_path, tmp_path):
         _wait(lambda: not _pid_alive(srv.engine_pid), 10, "the engine process to exit")
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_port_in_use_is_reported_before_loading(llama_path, tmp_path):
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(_server_config(llama_path)))
+    try:
+        r = subprocess.run([sys.executable, "-m", "corellm", "serve", "--config", str(cfg),
+                            "--port", str(taken.getsockname()[1])],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode == 2
+    assert "frontend.port: cannot listen" in r.stderr
+    assert "engine core process started" not in r.stderr       # nothing was loaded

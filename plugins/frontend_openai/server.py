@@ -623,18 +623,24 @@ class OpenAIServer(Frontend):
         import uvicorn
 
         opts = self.options
-        engine = await AsyncLLM.create(self.config)
+        # Bind first: a port in use is reported before minutes of model loading, not after.
+        sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((opts.host, opts.port))
-            except OSError as exc:
-                raise CorellmError(f"frontend.port: cannot listen on {opts.host}:{opts.port}: "
-                                   f"{exc.strerror}") from None
-            sock.listen(2048)
-            sock.setblocking(False)
-            port = sock.getsockname()[1]
+            sock.bind((opts.host, opts.port))
+        except OSError as exc:
+            sock.close()
+            raise CorellmError(f"frontend.port: cannot listen on {opts.host}:{opts.port}: "
+                               f"{exc.strerror}") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        try:
+            engine = await AsyncLLM.create(self.config)
+        except BaseException:
+            sock.close()
+            raise
+        try:
             app = build_app(engine, opts, self.model_name)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
             server = uvicorn.Server(uvicorn.Config(
