@@ -43,8 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (Clock, agreement, count_params, environment,  # noqa: E402
-                     model_facts, parse_range, prompt_id_space, pyplot, report,
-                     warn_if_busy)
+                     model_facts, parse_range, prompt_id_space, pyplot,
+                     random_token_requests, report, warn_if_busy)
 
 # The benchmark process is ours, as under the `corellm` command: corellm's CPU workers may tune
 # the allocator (corellm/worker/cpu.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
@@ -124,25 +124,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
-                  vocab_size: int, exclude_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
-    """Random prompts (token ids) and output lengths, uniform in the inclusive ranges."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(exclude_ids, dtype=np.int64))
-    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num)
-    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num)
-    return [{"prompt_token_ids": rng.choice(allowed, size=int(n)).tolist(),
-             "output_len": int(m)} for n, m in zip(in_lens, out_lens)]
-
-
 # ----------------------------------------------------------------------------- engines
 
 
 def _warmup_requests(args: argparse.Namespace, vocab: int, special: set[int]) -> list[dict]:
     n = args.warmup_requests
-    return make_requests(n, (32, 32), (16, 16), seed=args.seed + 1, vocab_size=vocab,
+    return random_token_requests(n, (32, 32), (16, 16), seed=args.seed + 1, vocab_size=vocab,
                          exclude_ids=special) if n else []
 
 
@@ -490,7 +477,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         raise SystemExit("give --model PATH or --make-model DIR")
     facts = model_facts(model)
     id_space, special = prompt_id_space(model, facts["vocab_size"])
-    requests = make_requests(args.num_requests, args.input_len, args.output_len, args.seed,
+    requests = random_token_requests(args.num_requests, args.input_len, args.output_len, args.seed,
                              id_space, special)
     warmup = _warmup_requests(args, id_space, special)
     longest = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests + warmup)

@@ -208,8 +208,9 @@ class _MPClientBase(EngineCoreClient):
             # finished exiting.
             self._on_death(ipc.str_decoder.decode(payload))
 
+    @abstractmethod
     def _on_death(self, reason: str) -> None:
-        raise NotImplementedError
+        """Fail every waiter with EngineDeadError (idempotent)."""
 
 
 class SyncMPClient(_MPClientBase):
