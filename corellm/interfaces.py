@@ -8,7 +8,7 @@ implementations need (the batching scheduler, the block pool) lives in the core 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
                                  SchedulerStats)
     from corellm.request import Request
     from corellm.sampling import SamplerOutput, SamplingMetadata
+    from corellm.scheduling.queue import SchedulingContext, WaitingQueue
 
 
 class Scheduler(ABC):
@@ -56,30 +57,74 @@ class Scheduler(ABC):
 
 
 class SchedulingPolicy(ABC):
-    """The decisions a scheduling policy makes; the core's ``BatchScheduler`` does the rest.
+    """The decisions of a scheduling policy; the core's ``BatchScheduler`` does the rest.
 
-    A policy cannot leak a KV block or lose a request: it only orders and chooses, and the
-    mechanism owns every state transition.
+    A policy decides four things, each with the live state in ``ctx`` (a
+    ``corellm.scheduling.SchedulingContext``: the time, the running requests, lazily looked-up
+    cached-prefix lengths):
+
+    * **order**: ``waiting_key`` ranks a request when it enters the waiting queue (a heap, so
+      static orders cost O(log n)); ``select`` picks the request to admit next, by default the
+      best key, and may re-rank a few candidates with live state;
+    * **admission**: ``can_admit`` may hold the chosen request back while others run;
+    * **preemption under pressure**: ``choose_victim`` picks the running request to preempt when
+      KV blocks run out;
+    * **preemption for a waiting request**: ``preempt_for`` may name a running request to make
+      room for the chosen waiting one when the batch or the KV pool is full.
+
+    The mechanism owns every state transition and block: whatever a policy returns, no block
+    leaks and no request is lost, and with nothing running the best waiting request is
+    admitted whatever the policy says, so a policy cannot stall the engine. An answer that is
+    not one of the offered requests is an error that names the policy.
     """
 
     @abstractmethod
-    def waiting_key(self, request: Request) -> Any:
-        """Sort key of the waiting queue: the smallest key is admitted first.
+    def waiting_key(self, request: Request, ctx: SchedulingContext) -> Any:
+        """Sort key of ``request`` in the waiting queue: the smallest key is admitted first.
 
+        Called each time the request enters the queue (on arrival and after a preemption).
         Keys must be comparable among themselves; ties are broken by arrival order.
-        Preempted requests rejoin the queue under the same key.
         """
 
     @abstractmethod
-    def choose_victim(self, running: Sequence[Request]) -> Request:
+    def choose_victim(self, running: Sequence[Request], ctx: SchedulingContext) -> Request:
         """Pick the request to preempt when KV blocks run out. ``running`` is a read-only
-        snapshot (a tuple) in admission order; returning anything not in it is an error."""
+        snapshot (a tuple) in admission order; the answer must be one of it."""
 
-    def can_admit(self, request: Request, running: Sequence[Request]) -> bool:
-        """Whether the head of the waiting queue may start now, given the running requests.
-        Default: whenever it fits. Consulted only while something is running, so a policy can
-        delay a request but never stall the engine."""
+    def queue_group(self, request: Request) -> Hashable:
+        """Partition of the waiting queue ``request`` joins (e.g. its tenant), so ``select`` can
+        see each group's best request with ``waiting.heads()`` in O(groups). Default: one
+        group."""
+        return None
+
+    def select(self, waiting: WaitingQueue, ctx: SchedulingContext) -> Request | None:
+        """The waiting request to consider for admission next (called while ``waiting`` is not
+        empty); None admits nothing more this step. Default: the best key, ``waiting.first()``.
+
+        A live-state policy re-ranks a bounded set of candidates here, such as
+        ``waiting.best(k)`` or ``waiting.heads()``, with ``ctx.cached_tokens`` or ``ctx.now``.
+        """
+        return waiting.first()
+
+    def can_admit(self, request: Request, ctx: SchedulingContext) -> bool:
+        """Whether the selected request may start now, given ``ctx.running``. Default: whenever
+        it fits. Consulted only while something is running, so a policy can delay a request but
+        never stall the engine."""
         return True
+
+    def preempt_for(self, request: Request, running: Sequence[Request],
+                    ctx: SchedulingContext) -> Request | None:
+        """The selected waiting ``request`` does not fit (``max_num_seqs`` running, or too few
+        free KV blocks): return a request of ``running`` to preempt for it, or None to wait.
+        Called again after each preemption until it fits or the answer is None. Default: None.
+        """
+        return None
+
+    def on_scheduled(self, scheduled: Sequence[tuple[Request, int]],
+                     ctx: SchedulingContext) -> None:
+        """After each ``schedule()``, the requests planned for the step and how many tokens each
+        computes (accounting such as tokens served per tenant). Not called when not
+        overridden."""
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
-    priority: int = 0
+    priority: int = 0               # lower runs first under a priority policy (vLLM's convention)
+    user: str | None = None         # tenant / end user (OpenAI's `user` field)
+    session_id: str | None = None   # conversation the request continues, for session-aware policies
 
 
 _arrival_counter = itertools.count()
@@ -74,7 +76,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "eos_token_id",
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
         "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
-        "first_scheduled_time",
+        "first_scheduled_time", "user", "session_id",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -86,6 +88,8 @@ class Request:
         self.arrival_time = core_request.arrival_time
         self.arrival_seq = next(_arrival_counter)  # total order for ties, cheaper than floats
         self.priority = core_request.priority
+        self.user = core_request.user
+        self.session_id = core_request.session_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from corellm import __version__
 from corellm.cli import main
 from tests.conftest import engine_config
 
@@ -54,7 +55,7 @@ def test_generate_reports_errors_cleanly(tmp_path, capsys):
 def test_plugins_listing(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "scheduler" in out and "fcfs" in out and "corellm 0.2.0" in out
+    assert "scheduler" in out and "fcfs" in out and f"corellm {__version__}" in out
     assert "max_num_seqs: int = 64" in out
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["components"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import corellm
 from corellm.cli import main
 from corellm.components import SchedulerOptions
 from corellm.config import EngineConfig, config_schema, load_config
@@ -108,7 +109,7 @@ def test_plugin_enforces_its_own_bounds(registry):
 
 def test_unknown_plugin_lists_choices(registry):
     p = problems({"scheduler": {"name": "fcsf"}}, registry)
-    assert "unknown scheduler 'fcsf'; available: fcfs; did you mean 'fcfs'?" in p["scheduler.name"]
+    assert "unknown scheduler 'fcsf'; available: fcfs, priority; did you mean 'fcfs'?" in p["scheduler.name"]
 
 
 def test_section_must_be_a_mapping(registry):
@@ -140,9 +141,10 @@ def test_engine_config_passthrough(registry):
 def test_schema_covers_installed_plugins(registry):
     schema = config_schema(registry)
     sched = schema["properties"]["scheduler"]["oneOf"]
-    assert [v["properties"]["name"]["const"] for v in sched] == ["fcfs"]
+    assert [v["properties"]["name"]["const"] for v in sched] == ["fcfs", "priority"]
     assert "max_num_seqs" in sched[0]["properties"]
-    assert "corellm 0.2.0" in sched[0]["description"]
+    assert "preempt_lower_priority" in sched[1]["properties"]
+    assert f"corellm {corellm.__version__}" in sched[0]["description"]
     assert schema["properties"]["model"]["properties"]["max_model_len"]
 
 

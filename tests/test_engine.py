@@ -392,10 +392,10 @@ def test_a_policy_cannot_lose_a_request(llama_path):
     from corellm.interfaces import SchedulingPolicy
 
     class Rogue(SchedulingPolicy):
-        def waiting_key(self, request):
+        def waiting_key(self, request, ctx):
             return request.arrival_seq
 
-        def choose_victim(self, running):
+        def choose_victim(self, running, ctx):
             return object()                      # not a running request
 
     cfg = tight_pool_config(llama_path, scheduler={"name": "rogue"})
@@ -425,13 +425,13 @@ def test_a_policy_cannot_stall_the_engine(llama_path):
     from corellm.interfaces import SchedulingPolicy
 
     class Refuse(SchedulingPolicy):
-        def waiting_key(self, request):
+        def waiting_key(self, request, ctx):
             return request.arrival_seq
 
-        def choose_victim(self, running):
+        def choose_victim(self, running, ctx):
             return running[-1]
 
-        def can_admit(self, request, running):
+        def can_admit(self, request, ctx):
             return False
 
     llm = LLM(engine_config(llama_path, scheduler={"name": "refuse"}), plugins=[policy_plugin("refuse", Refuse)])
@@ -445,10 +445,10 @@ def test_a_policy_mutating_running_cannot_lose_requests(llama_path):
     from corellm.interfaces import SchedulingPolicy
 
     class Mutator(SchedulingPolicy):
-        def waiting_key(self, request):
+        def waiting_key(self, request, ctx):
             return request.arrival_seq
 
-        def choose_victim(self, running):
+        def choose_victim(self, running, ctx):
             return running.pop()                         # running is a tuple: this raises
 
     cfg = tight_pool_config(llama_path, scheduler={"name": "mutator"})

@@ -103,8 +103,8 @@ def test_in_process_plugin_preempts_longest_prompt(spf_module, llama_path):
         choose = policy.choose_victim
         victims = []
 
-        def spy(running):
-            victim = choose(running)
+        def spy(running, ctx):
+            victim = choose(running, ctx)
             victims.append((victim.num_prompt_tokens, max(r.num_prompt_tokens for r in running)))
             return victim
 

@@ -42,10 +42,10 @@ def test_every_hook_is_documented_and_tested():
 
 # --------------------------------------------------------------------------- schedulers
 class LIFOPolicy(SchedulingPolicy):
-    def waiting_key(self, request):
+    def waiting_key(self, request, ctx):
         return -request.arrival_seq
 
-    def choose_victim(self, running):
+    def choose_victim(self, running, ctx):
         return running[0]
 
 

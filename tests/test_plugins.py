@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import corellm
 from corellm.errors import ConfigError, PluginError
 from corellm.plugins import load_registry
 from tests.plugin_fixtures import install_fake_dist
@@ -84,7 +85,7 @@ def test_duplicate_of_a_builtin_name(site):
                       {"fake_c": "fake_c"})
     with pytest.raises(PluginError, match="fake-c 1.0") as info:
         load_registry()
-    assert "from corellm 0.2.0" in str(info.value)
+    assert f"from corellm {corellm.__version__}" in str(info.value)
 
 
 def test_duplicate_architecture(site):

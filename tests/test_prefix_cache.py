@@ -206,9 +206,9 @@ def test_preempting_a_request_that_holds_shared_blocks(llama_path):
     scheduler, kv = llm.engine.scheduler, llm.engine.kv_cache_manager
     preempt = scheduler._preempt
 
-    def spy(request):
+    def spy(request, *args):
         preempted_shared.append(max(kv.pool.ref_cnt[b] for b in kv.get_block_ids(request)) > 1)
-        preempt(request)
+        preempt(request, *args)
     scheduler._preempt = spy
     out = run(llm, prompts, params)
 

@@ -271,15 +271,16 @@ def test_logprobs(server, client):
 
 
 def test_engine_side_fields(server, client):
-    """Penalties, top_k/min_p, priority: accepted and applied by the engine."""
+    """Penalties, top_k/min_p, priority, user, session_id: accepted and applied by the engine."""
     base = dict(model=server.model, prompt="Hello", max_tokens=24, temperature=0)
     plain = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0]
     penalized = client.completions.create(
         **base, frequency_penalty=2.0, presence_penalty=2.0,
         extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0]
     assert penalized.text != plain.text
-    r = client.completions.create(**base, extra_body={"ignore_eos": True, "priority": -5,
-                                                      "top_k": 1, "min_p": 0.1})
+    r = client.completions.create(**base, user="tenant-a",
+                                  extra_body={"ignore_eos": True, "priority": -5, "top_k": 1,
+                                              "min_p": 0.1, "session_id": "chat-1"})
     assert r.choices[0].text == plain.text                  # top_k=1 is greedy
 
 
@@ -493,6 +494,8 @@ def test_engine_exits_when_server_is_killed(llama_path, tmp_path):
     ({"prompt": "x", "top_k": 2 ** 63, "temperature": 1}, 400, "top_k"),
     ({"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
     ({"prompt": "x", "priority": 2 ** 70}, 400, "priority"),
+    ({"prompt": "x", "user": "u" * 300}, 400, "user"),
+    ({"prompt": "x", "session_id": ""}, 400, "session_id"),
     ({"prompt": "x", "n": 10 ** 6}, 400, "n"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ])

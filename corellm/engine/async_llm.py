@@ -77,6 +77,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
+                       user: str | None = None, session_id: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        ) -> AsyncIterator[RequestOutput]:
         """Submit one request and iterate over its outputs (deltas by default).
@@ -86,6 +87,7 @@ class AsyncLLM:
         early (a client that went away) aborts the request, freeing its KV blocks.
         """
         stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
+                                        user=user, session_id=session_id,
                                         output_kind=output_kind)
         try:
             async for out in stream:
@@ -95,6 +97,7 @@ class AsyncLLM:
 
     async def add_request(self, prompt: PromptType, sampling_params: SamplingParams,
                           request_id: str | None = None, *, priority: int = 0,
+                          user: str | None = None, session_id: str | None = None,
                           output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                           ) -> RequestStream:
         """Validate and submit a request now; return the iterator of its outputs. A server uses
@@ -102,7 +105,8 @@ class AsyncLLM:
         if self.is_dead:
             raise self.dead_error or EngineDeadError(self.client.dead_reason or "engine is dead")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        text, core_request = self.processor.process(rid, prompt, sampling_params, priority)
+        text, core_request = self.processor.process(rid, prompt, sampling_params, priority,
+                                                    user=user, session_id=session_id)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         state = self.output_processor.add_request(rid, text, core_request, output_kind, queue)
         try:

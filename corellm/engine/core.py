@@ -53,8 +53,11 @@ class EngineCore:
             self.kv_cache_manager: KVCacheManager = kv_entry.spec.factory(config.kv_cache, ctx)
             _check_kv_cache_manager(self.kv_cache_manager, kv_entry.plugin.describe())
             ctx.kv_cache_manager = self.kv_cache_manager
-            self.scheduler: Scheduler = registry.get(
-                "scheduler", config.scheduler.name).spec.factory(config.scheduler, ctx)
+            sched_entry = registry.get("scheduler", config.scheduler.name)
+            try:
+                self.scheduler: Scheduler = sched_entry.spec.factory(config.scheduler, ctx)
+            except PluginError as exc:
+                raise PluginError(f"{sched_entry.plugin.describe()}: {exc}") from exc
         except BaseException:
             self.executor.shutdown()
             raise

@@ -50,6 +50,16 @@ def build_config(config: EngineConfig | Mapping[str, Any] | str | Path | None,
     return load_config(data, registry=registry), registry
 
 
+def _per_prompt(name: str, value: Any, n: int, scalar: type | tuple[type, ...]) -> list[Any]:
+    """One value for every prompt, or a sequence of one per prompt."""
+    if isinstance(value, scalar) or not isinstance(value, Sequence):
+        return [value] * n
+    if len(value) != n:
+        raise InvalidRequestError(name, f"got {len(value)} for {n} prompts (give one, or one "
+                                  "per prompt)")
+    return list(value)
+
+
 class LLM:
     """Offline generation.
 
@@ -89,8 +99,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] = 0,
+                 user: str | None | Sequence[str | None] = None,
+                 session_id: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Generate completions; returns one RequestOutput per prompt, in input order.
+
+        ``priority`` (lower runs first under the ``priority`` scheduler), ``user`` (a tenant)
+        and ``session_id`` are scheduling attributes for the policy: one value for every
+        prompt, or one per prompt.
 
         Every prompt is validated before any is scheduled: a bad one raises
         ``InvalidRequestError`` naming the field and leaves the engine untouched.
@@ -100,19 +116,17 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(prompts):
-            raise InvalidRequestError("sampling_params", f"got {len(params)} for "
-                                      f"{len(prompts)} prompts (give one, or one per prompt)")
-        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
-        if len(priorities) != len(prompts):
-            raise InvalidRequestError("priority", f"got {len(priorities)} for {len(prompts)} prompts")
+        params = _per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams)
+        priorities = _per_prompt("priority", priority, len(prompts), int)
+        users = _per_prompt("user", user, len(prompts), (str, type(None)))
+        sessions = _per_prompt("session_id", session_id, len(prompts), (str, type(None)))
 
         processed = []
-        for i, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities)):
+        for i, (prompt, sp, prio, u, sid) in enumerate(zip(prompts, params, priorities, users,
+                                                            sessions)):
             try:
-                processed.append(self.processor.process(str(next(self._ids)), prompt, sp, prio))
+                processed.append(self.processor.process(str(next(self._ids)), prompt, sp, prio,
+                                                        user=u, session_id=sid))
             except InvalidRequestError as exc:
                 if len(prompts) > 1:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc

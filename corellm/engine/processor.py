@@ -65,13 +65,20 @@ class Processor:
         return text, ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+                priority: int = 0, *, user: str | None = None, session_id: str | None = None,
+                ) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant)
+        and ``session_id`` are scheduling attributes: policies read them, the model never does."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got "
                                       f"{type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int) \
                 or not -(1 << 63) <= priority < (1 << 63):
             raise InvalidRequestError("priority", f"must be a 64-bit integer, got {priority!r}")
+        for name, value in (("user", user), ("session_id", session_id)):
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+                raise InvalidRequestError(name, f"must be a string of 1 to 256 characters or "
+                                          f"None, got {value!r:.80}")
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:
@@ -83,4 +90,5 @@ class Processor:
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids])
         return text, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                        sampling_params=params, eos_token_id=self.eos_token_id,
-                                       arrival_time=time.time(), priority=priority)
+                                       arrival_time=time.time(), priority=priority,
+                                       user=user, session_id=session_id)

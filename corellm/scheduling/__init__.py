@@ -1,6 +1,7 @@
 """Shared scheduling mechanism: continuous batching with one token budget, chunked prefill and
-recompute preemption. Scheduler plugins compose ``BatchScheduler`` with a ``SchedulingPolicy``;
-``policy_scheduler`` turns a policy class into the spec a plugin yields."""
+recompute preemption. Scheduler plugins compose ``BatchScheduler`` with a ``SchedulingPolicy``,
+which decides with a ``SchedulingContext`` and the ``WaitingQueue``; ``policy_scheduler`` turns a
+policy class into the spec a plugin yields."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import Callable
 from corellm.components import BuildContext, SchedulerOptions, SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.scheduling.batch_scheduler import BatchScheduler
+from corellm.scheduling.queue import SchedulingContext, WaitingQueue
 
-__all__ = ["BatchScheduler", "SchedulingPolicy", "policy_scheduler"]
+__all__ = ["BatchScheduler", "SchedulingContext", "SchedulingPolicy", "WaitingQueue",
+           "policy_scheduler"]
 
 
 def policy_scheduler(name: str, policy: Callable[[SchedulerOptions], SchedulingPolicy], *,

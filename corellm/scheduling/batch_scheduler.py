@@ -9,29 +9,71 @@ A waiting request starts at its longest cached prefix (``find_cached_prefix``): 
 ``num_computed_tokens`` begins at the cached length and only the rest is computed. After each step
 the KV-cache manager registers the blocks the step completed (``cache_computed_blocks``).
 
-When the pool cannot hold a running request's next tokens, the policy picks a victim, which is
-preempted by recomputation: its blocks are freed and it rejoins the waiting queue with
-``num_computed_tokens = 0``. The policy decides only order and victims; every state transition,
-block allocation and release happens here, so a policy can neither leak a block nor lose a request.
+When the pool cannot hold a running request's next tokens, the policy picks a victim
+(``choose_victim``), which is preempted by recomputation: its blocks are freed and it rejoins the
+waiting queue with ``num_computed_tokens = 0``. When the request the policy selects for admission
+does not fit (the batch is full, or the pool is short), the policy may name a running request to
+preempt for it (``preempt_for``). The policy decides only order, admission and victims; every
+state transition, block allocation and release happens here, so a policy can neither leak a block
+nor lose a request.
 """
 
 from __future__ import annotations
 
-import heapq
+import inspect
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass, field
 
 from corellm.components import SchedulerOptions
-from corellm.interfaces import KVCacheManager, Scheduler, SchedulingPolicy
+from corellm.errors import PluginError
+from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
+from corellm.scheduling.queue import SchedulingContext, WaitingQueue
+
+
+def _overrides(policy: SchedulingPolicy, name: str) -> bool:
+    return getattr(type(policy), name) is not getattr(SchedulingPolicy, name)
+
+
+def check_policy(policy: SchedulingPolicy) -> None:
+    """Fail at start-up, not at the first step, when a policy was written against another
+    version of the interface (0.3 added the ``ctx`` argument to every decision)."""
+    if not isinstance(policy, SchedulingPolicy):
+        raise PluginError(f"{type(policy).__qualname__} does not implement "
+                          "corellm.interfaces.SchedulingPolicy")
+    arity = {"waiting_key": 2, "choose_victim": 2, "queue_group": 1, "select": 2,
+             "can_admit": 2, "preempt_for": 3, "on_scheduled": 2}
+    for name, n in arity.items():
+        method = getattr(policy, name)
+        try:
+            inspect.signature(method).bind(*[None] * n)
+        except TypeError:
+            expected = inspect.signature(getattr(SchedulingPolicy, name))
+            raise PluginError(
+                f"{type(policy).__qualname__}.{name}{inspect.signature(method)} does not take the "
+                f"arguments corellm passes: {name}{expected} (the policy interface changed in "
+                "corellm 0.3: every decision receives a SchedulingContext; see docs/plugins.md, "
+                "'A scheduling policy')") from None
+
+
+@dataclass
+class _Plan:
+    """The step being planned: undone piece by piece when a scheduled request is preempted."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)   # running requests only
+    admitted: list[Request] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 class BatchScheduler(Scheduler):
     def __init__(self, options: SchedulerOptions, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy) -> None:
+        check_policy(policy)
         self.max_num_seqs = options.max_num_seqs
         self.max_num_batched_tokens = options.max_num_batched_tokens
         self.enable_chunked_prefill = options.enable_chunked_prefill
@@ -39,34 +81,39 @@ class BatchScheduler(Scheduler):
         self.policy = policy
         self.requests: dict[str, Request] = {}      # every unfinished request
         self.running: list[Request] = []            # in admission order
-        self._waiting: list[tuple[Any, int, Request]] = []   # heap; aborted entries skipped lazily
-        self._num_waiting = 0
+        self.waiting = WaitingQueue()               # waiting and preempted requests
         self._finished_ids: set[str] = set()        # to tell the workers at the next step
         self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
+        self._notify = _overrides(policy, "on_scheduled")
+        self._grouped = _overrides(policy, "queue_group")
+        self.num_schedules = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_prefill_tokens = 0
 
+    def _context(self) -> SchedulingContext:
+        return SchedulingContext(time.time(), self.num_schedules, self._running_snapshot,
+                                 self.kv, self.waiting.__len__)
+
+    def _running_snapshot(self) -> tuple[Request, ...]:
+        return tuple(self.running)
+
+    def _policy_error(self, method: str, answer: object, what: str) -> RuntimeError:
+        return RuntimeError(f"{type(self.policy).__name__}.{method} returned {answer!r:.200}, "
+                            f"which is not {what}")
+
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._push_waiting(request, self._context())    # the policy may raise: nothing held yet
         self.requests[request.request_id] = request
-        self._push_waiting(request)
 
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (self.policy.waiting_key(request), request.arrival_seq,
-                                       request))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting:
-            request = self._waiting[0][2]
-            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                return request
-            heapq.heappop(self._waiting)        # aborted while waiting
-        return None
+    def _push_waiting(self, request: Request, ctx: SchedulingContext) -> None:
+        key = self.policy.waiting_key(request, ctx)
+        group = self.policy.queue_group(request) if self._grouped else None
+        self.waiting.push(request, key, group)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -81,7 +128,7 @@ class BatchScheduler(Scheduler):
                 if request in self.running:
                     self.running.remove(request)
             else:
-                self._num_waiting -= 1
+                self.waiting.remove(request)
             self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason))
         return outputs
@@ -92,14 +139,28 @@ class BatchScheduler(Scheduler):
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        self._preempted.append(request)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+    def _preempt(self, victim: Request, plan: _Plan, ctx: SchedulingContext) -> None:
+        """Preempt a running request by recomputation, undoing its place in this step's plan."""
+        self.running.remove(victim)
+        rid = victim.request_id
+        if rid in plan.num_scheduled:
+            plan.budget += plan.num_scheduled.pop(rid)
+            plan.new_blocks.pop(rid, None)
+            if victim in plan.admitted:
+                plan.admitted.remove(victim)
+        plan.preempted.add(rid)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._push_waiting(request)
+        self._preempted.append(victim)
+        self._push_waiting(victim, ctx)
+
+    def _running_victim(self, method: str, answer: object) -> Request:
+        if not any(answer is r for r in self.running):
+            raise self._policy_error(method, answer, "running")
+        return answer  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -108,71 +169,75 @@ class BatchScheduler(Scheduler):
             if request.status == RequestStatus.PREEMPTED:
                 request.status = RequestStatus.WAITING
         self._preempted.clear()
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+        self.num_schedules += 1
+        ctx = self._context()
+        plan = _Plan(budget=self.max_num_batched_tokens)
 
         # 1. Running requests, in admission order.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while True:
-                blocks = self.kv.allocate_slots(request, n)
-                if blocks is not None:
-                    break
-                victim = self.policy.choose_victim(tuple(self.running))
-                try:
-                    v = self.running.index(victim)
-                except ValueError:
-                    raise RuntimeError(f"{type(self.policy).__name__}.choose_victim returned "
-                                       f"{victim!r}, which is not running") from None
-                self.running.pop(v)
-                if victim.request_id in num_scheduled:     # undo its place in this step's plan
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_blocks.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if v < i:
+            n = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            blocks = self.kv.allocate_slots(request, n)
+            while blocks is None:
+                victim = self._running_victim("choose_victim", self.policy.choose_victim(
+                    tuple(self.running), ctx))
+                if self.running.index(victim) < i:
                     i -= 1
+                self._preempt(victim, plan, ctx)
                 if victim is request:
                     break
+                blocks = self.kv.allocate_slots(request, n)
             if blocks is None:
                 continue                               # `request` itself was preempted
-            num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = blocks
-            budget -= n
+            plan.num_scheduled[request.request_id] = n
+            plan.new_blocks[request.request_id] = blocks
+            plan.budget -= n
             i += 1
-        cached = [CachedRequestData(rid, new_blocks[rid],
-                                    self.requests[rid].num_computed_tokens)
-                  for rid in num_scheduled]
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
-        new: list[NewRequestData] = []
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._peek_waiting()
+        if not plan.preempted:
+            self._admit(plan, ctx)
+
+        cached = [CachedRequestData(rid, blocks, self.requests[rid].num_computed_tokens)
+                  for rid, blocks in plan.new_blocks.items()]
+        new = [NewRequestData(
+            req_id=r.request_id, token_ids=list(r.all_token_ids),
+            num_prompt_tokens=r.num_prompt_tokens, block_ids=list(self.kv.get_block_ids(r)),
+            num_computed_tokens=r.num_computed_tokens, sampling_params=r.sampling_params,
+            eos_token_id=r.eos_token_id) for r in plan.admitted]
+        if self._notify:
+            self.policy.on_scheduled(
+                [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
+            finished_req_ids=finished, preempted_req_ids=plan.preempted)
+
+    def _admit(self, plan: _Plan, ctx: SchedulingContext) -> None:
+        while plan.budget > 0 and self.waiting:
+            request = self.policy.select(self.waiting, ctx)
             if request is None:
-                break
-            # With nothing running, the head is admitted whatever the policy says: otherwise a
-            # policy could stall the engine forever.
-            if self.running and not self.policy.can_admit(request, tuple(self.running)):
-                break
-            prefix = self.kv.find_cached_prefix(request)
-            if prefix.pending:
-                # Its next block is being computed by a request in this step: admitted next
-                # step, it finds that block cached instead of computing a copy. Admission stops
-                # here, like for any head that does not fit, so the policy's order holds.
-                break
-            n = request.num_tokens - prefix.num_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            if self.kv.allocate_slots(request, n, prefix) is None:
-                break
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+                if self.running:
+                    return
+                # With nothing running the best waiting request is admitted whatever the policy
+                # says: otherwise a policy could stall the engine forever.
+                request = self.waiting.first()
+            elif request not in self.waiting:
+                raise self._policy_error("select", request, "waiting")
+            if request.request_id in plan.preempted:
+                return                                 # not back in the step that preempted it
+            if self.running and not self.policy.can_admit(request, ctx):
+                return
+            fit = self._fit(request, plan, ctx)
+            if fit is None:
+                # Admission stops at a request that does not fit (or whose next block another
+                # request is computing this step), so the policy's order holds.
+                return
+            prefix, n = fit
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
             if request.num_cached_tokens < 0:          # first admission
@@ -180,21 +245,32 @@ class BatchScheduler(Scheduler):
                 request.first_scheduled_time = time.time()
                 self.num_prompt_tokens += request.num_prompt_tokens
             self.running.append(request)
-            num_scheduled[request.request_id] = n
-            budget -= n
-            new.append(NewRequestData(
-                req_id=request.request_id, token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                block_ids=list(self.kv.get_block_ids(request)),
-                num_computed_tokens=request.num_computed_tokens,
-                sampling_params=request.sampling_params, eos_token_id=request.eos_token_id))
+            plan.num_scheduled[request.request_id] = n
+            plan.admitted.append(request)
+            plan.budget -= n
 
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=finished, preempted_req_ids=preempted)
+    def _fit(self, request: Request, plan: _Plan, ctx: SchedulingContext,
+             ) -> tuple[CachedPrefix, int] | None:
+        """Allocate a seat and KV blocks for a waiting request, preempting the running requests
+        the policy names (``preempt_for``) until it fits; None when it cannot fit this step."""
+        while True:
+            prefix = self.kv.find_cached_prefix(request)
+            if prefix.pending:
+                # Its next block is being computed by a request in this step: admitted next
+                # step, it finds that block cached instead of computing a copy.
+                return None
+            n = request.num_tokens - prefix.num_tokens
+            if n > plan.budget:
+                if not self.enable_chunked_prefill:
+                    return None
+                n = plan.budget
+            if len(self.running) < self.max_num_seqs \
+                    and self.kv.allocate_slots(request, n, prefix) is not None:
+                return prefix, n
+            answer = self.policy.preempt_for(request, tuple(self.running), ctx)
+            if answer is None:
+                return None
+            self._preempt(self._running_victim("preempt_for", answer), plan, ctx)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -246,7 +322,7 @@ class BatchScheduler(Scheduler):
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=self._num_waiting,
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.kv.num_free_blocks,
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,

@@ -44,7 +44,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None                          # accepted, not used
+    user: str | None = None                          # tenant, for scheduling policies
     logit_bias: dict[str, float] | None = None       # not implemented: only empty accepted
     # vLLM's extensions
     top_k: StrictInt | None = None
@@ -56,6 +56,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: StrictInt = 0
+    session_id: str | None = None                    # corellm's: for session-aware policies
     cache_salt: str | None = None
     request_id: str | None = None
 

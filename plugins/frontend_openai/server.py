@@ -34,7 +34,7 @@ from corellm.sampling_params import SamplingParams
 
 from .metrics import EngineMetrics
 from .options import API_KEY_ENV, OpenAIServerOptions
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 logger = logging.getLogger("corellm.server")
 
@@ -195,11 +195,13 @@ class OpenAIServing:
         return ids
 
     async def _submit(self, ids: list[int], params: SamplingParams, request_id: str,
-                      priority: int, kind: RequestOutputKind) -> RequestStream:
-        """Validate and queue the request now, so bad input is a 400 even when streaming."""
+                      req: _SamplingFields, kind: RequestOutputKind) -> RequestStream:
+        """Validate and queue the request now, so bad input is a 400 even when streaming.
+        ``req`` carries the scheduling attributes: priority, user (tenant), session_id."""
         try:
             return await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
-                                                 priority=priority, output_kind=kind)
+                                                 priority=req.priority, user=req.user,
+                                                 session_id=req.session_id, output_kind=kind)
         except InvalidRequestError as exc:
             raise _invalid(exc) from None
 
@@ -238,7 +240,7 @@ class OpenAIServing:
         gens = []
         try:
             for i, (ids, p) in enumerate(zip(token_ids, params)):
-                gens.append(await self._submit(ids, p, f"{internal}-{i}", req.priority, kind))
+                gens.append(await self._submit(ids, p, f"{internal}-{i}", req, kind))
         except BaseException:
             for g in gens:
                 g.close()
@@ -345,7 +347,7 @@ class OpenAIServing:
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        gen = await self._submit(ids, params, internal, req.priority, kind)
+        gen = await self._submit(ids, params, internal, req, kind)
         if req.stream:
             return self._sse(self._stream_chat(req, rid, gen, len(ids)), [gen])
         try:

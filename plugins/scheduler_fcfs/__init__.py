@@ -8,14 +8,14 @@ from corellm import hookimpl
 from corellm.components import SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.request import Request
-from corellm.scheduling import policy_scheduler
+from corellm.scheduling import SchedulingContext, policy_scheduler
 
 
 class FCFSPolicy(SchedulingPolicy):
-    def waiting_key(self, request: Request) -> int:
+    def waiting_key(self, request: Request, ctx: SchedulingContext) -> int:
         return request.arrival_seq
 
-    def choose_victim(self, running: Sequence[Request]) -> Request:
+    def choose_victim(self, running: Sequence[Request], ctx: SchedulingContext) -> Request:
         return running[-1]
 
 

@@ -13,9 +13,9 @@ from corellm import hookimpl
 from corellm.components import SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.request import Request
-from corellm.scheduling import policy_scheduler
+from corellm.scheduling import SchedulingContext, policy_scheduler
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 class ShortestPromptFirstPolicy(SchedulingPolicy):
@@ -28,11 +28,11 @@ class ShortestPromptFirstPolicy(SchedulingPolicy):
     matters.
     """
 
-    def waiting_key(self, request: Request) -> int:
+    def waiting_key(self, request: Request, ctx: SchedulingContext) -> int:
         # BatchScheduler breaks ties between equal keys by arrival order.
         return request.num_prompt_tokens
 
-    def choose_victim(self, running: Sequence[Request]) -> Request:
+    def choose_victim(self, running: Sequence[Request], ctx: SchedulingContext) -> Request:
         """Preempt the running request this policy ranks last: the longest prompt, and of
         equally long prompts the one that arrived last.
 

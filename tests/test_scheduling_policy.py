@@ -1,0 +1,339 @@
+"""The policy interface (0.3): the waiting queue, the scheduling context, the priority scheduler,
+and the mechanism's guarantee that no policy answer can leak a block or lose a request."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from corellm import LLM, SamplingParams
+from corellm.errors import InvalidRequestError, PluginError
+from corellm.interfaces import SchedulingPolicy
+from corellm.request import EngineCoreRequest, Request, RequestStatus
+from corellm.scheduling import WaitingQueue
+from tests.conftest import assert_pool_whole, engine_config
+from tests.test_engine import policy_plugin, tight_pool_config
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def make_request(rid: str, n: int = 4, priority: int = 0, user: str | None = None) -> Request:
+    core = EngineCoreRequest(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=4), None,
+                             time.time(), priority=priority, user=user)
+    return Request(core, max_model_len=512)
+
+
+# --------------------------------------------------------------------------- the waiting queue
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "remove", "take"]), st.integers(0, 5),
+                          st.integers(0, 2)), max_size=120))
+def test_waiting_queue_matches_a_sorted_list(ops):
+    """Against a plain list model: first(), best(k) and heads() agree with sorting the live
+    requests by (key, arrival), across pushes, lazy removals, re-pushes and rebuilds."""
+    WaitingQueue._REBUILD_MIN = 4        # exercise rebuilds in small queues too
+    try:
+        queue, model = WaitingQueue(), {}          # rid -> (key, seq, group, request)
+        pool = [make_request(f"r{i}") for i in range(30)]
+        for op, key, group in ops:
+            if op == "push":
+                free = [r for r in pool if r.request_id not in model]
+                if free:
+                    r = free[key % len(free)]
+                    queue.push(r, key, group)
+                    model[r.request_id] = (key, r.arrival_seq, group, r)
+            elif model:
+                rid = sorted(model)[key % len(model)] if op == "remove" else None
+                if op == "take":       # what admission does: remove the best
+                    rid = min(model.values(), key=lambda e: e[:2])[3].request_id
+                assert queue.remove(model.pop(rid)[3])
+            live = sorted(model.values(), key=lambda e: e[:2])
+            assert len(queue) == len(live)
+            assert queue.first() is (live[0][3] if live else None)
+            assert queue.best(3) == [e[3] for e in live[:3]]
+            heads = {}
+            for e in live:
+                heads.setdefault(e[2], e[3])
+            assert queue.heads() == heads
+            assert set(queue) == {e[3] for e in live}
+    finally:
+        WaitingQueue._REBUILD_MIN = 256
+
+
+def test_waiting_queue_refuses_a_duplicate_and_ignores_unknown_removal():
+    queue, r = WaitingQueue(), make_request("a")
+    queue.push(r, 0)
+    with pytest.raises(ValueError, match="already waiting"):
+        queue.push(r, 1)
+    assert not queue.remove(make_request("b"))
+    assert r in queue and make_request("a") not in queue     # identity, not id
+
+
+# --------------------------------------------------------------------------- the context
+class Recorder(SchedulingPolicy):
+    """FCFS that records what every decision saw."""
+
+    seen: list = []
+
+    def waiting_key(self, request, ctx):
+        Recorder.seen.append(("key", request.request_id, request.priority, request.user,
+                              request.session_id, ctx.cached_tokens(request), ctx.now))
+        return request.arrival_seq
+
+    def choose_victim(self, running, ctx):
+        return running[-1]
+
+    def select(self, waiting, ctx):
+        Recorder.seen.append(("select", len(waiting), len(ctx.running), ctx.num_waiting))
+        return waiting.first()
+
+
+def test_attributes_and_live_state_reach_the_policy(llama_path):
+    Recorder.seen = []
+    cfg = engine_config(llama_path, scheduler={"name": "recorder"})
+    llm = LLM(cfg, plugins=[policy_plugin("recorder", Recorder)])
+    prefix = list(range(100, 148))                   # 3 whole blocks
+    t0 = time.time()
+    llm.generate({"prompt_token_ids": prefix + [5]}, GREEDY, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prefix + [6]}, {"prompt_token_ids": [7, 8]}], GREEDY,
+                 priority=[3, -1], user=["acme", None], session_id="s1", use_tqdm=False)
+    keys = [s for s in Recorder.seen if s[0] == "key"]
+    assert [k[1:5] for k in keys] == [("0", 0, None, None), ("1", 3, "acme", "s1"),
+                                      ("2", -1, None, "s1")]
+    assert keys[0][5] == 0 and keys[1][5] == 48 and keys[2][5] == 0   # lazily looked-up hits
+    assert all(t0 <= k[6] <= time.time() for k in keys)
+    assert ("select", 2, 0, 2) in Recorder.seen
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"user": "x" * 300}, "user"), ({"session_id": ""}, "session_id"),
+    ({"user": 5}, "user"), ({"priority": 1.5}, "priority"),
+    ({"user": ["a", "b", "c"]}, "user"),
+])
+def test_bad_scheduling_attributes_name_the_field(llama_path, kwargs, field):
+    llm = LLM(engine_config(llama_path))
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, **kwargs)
+    assert info.value.field.endswith(field)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_attributes_cross_the_process_boundary():
+    from corellm.engine import ipc
+    req = EngineCoreRequest("r", [1, 2], SamplingParams(), 0, 1.0, priority=-2, user="t",
+                            session_id="s")
+    back = ipc.request_decoder.decode(ipc.encoder.encode(req))
+    assert (back.priority, back.user, back.session_id) == (-2, "t", "s")
+
+
+def test_a_policy_of_the_old_interface_fails_at_start_up(llama_path):
+    class Old(SchedulingPolicy):
+        def waiting_key(self, request):                       # 0.2: no ctx
+            return request.arrival_seq
+
+        def choose_victim(self, running):
+            return running[-1]
+
+    with pytest.raises(PluginError, match=r"Old.waiting_key\(request\) does not take .*0\.3"):
+        LLM(engine_config(llama_path, scheduler={"name": "old"}),
+            plugins=[policy_plugin("old", Old)])
+
+
+# --------------------------------------------------------------------------- priority
+def finish_order(llm, requests) -> list[str]:
+    for rid, n, prio in requests:
+        _, core = llm.processor.process(rid, {"prompt_token_ids": list(range(10, 10 + n))},
+                                        GREEDY, prio)
+        llm.engine.add_request(core)
+    order = []
+    while llm.engine.has_unfinished_requests():
+        order += [o.request_id for o in llm.engine.step() if o.finished]
+    return order
+
+
+def test_priority_order_step_by_step(llama_path):
+    """One request at a time: admitted by (priority, arrival); FCFS ignores priority."""
+    reqs = [("a", 5, 2), ("b", 5, 0), ("c", 5, 1), ("d", 5, 0), ("e", 5, -3)]
+    for name, expected in (("priority", ["e", "b", "d", "c", "a"]),
+                           ("fcfs", ["a", "b", "c", "d", "e"])):
+        llm = LLM(engine_config(llama_path, scheduler={"name": name, "max_num_seqs": 1}))
+        assert finish_order(llm, reqs) == expected, name
+        assert_pool_whole(llm)
+
+
+def _arrive_into_full_batch(llm, max_tokens=30):
+    """Two low-priority requests fill the batch; after 3 steps a high-priority one arrives."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prompts = {"low0": list(range(10, 50)), "low1": list(range(60, 100)),
+               "high": list(range(200, 240))}
+    for rid in ("low0", "low1"):
+        llm.engine.add_request(llm.processor.process(rid, {"prompt_token_ids": prompts[rid]},
+                                                     params, 5)[1])
+    steps, events, tokens = 0, [], {rid: [] for rid in prompts}
+    while llm.engine.has_unfinished_requests() or steps <= 3:
+        if steps == 3:
+            llm.engine.add_request(llm.processor.process(
+                "high", {"prompt_token_ids": prompts["high"]}, params, 0)[1])
+        for out in llm.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        sched = llm.engine.scheduler
+        events.append({r.request_id: r.status for r in sched.requests.values()})
+    return prompts, tokens, events
+
+
+@pytest.mark.parametrize("pressure", ["seats", "kv_blocks"])
+def test_high_priority_arrival_preempts_a_low_priority_request(llama_path, pressure):
+    """The batch (max_num_seqs=2) or the KV pool (8 blocks: two requests' 70 tokens need 10)
+    is full of low-priority work when a high-priority request arrives: it preempts the worse
+    (later) low-priority request at once, and every output equals an unpreempted run."""
+    sched = {"name": "priority", "max_num_seqs": 2 if pressure == "seats" else 8}
+    kv = {"num_blocks": 8} if pressure == "kv_blocks" else {}
+    cfg = engine_config(llama_path, scheduler=sched, kv_cache=kv, model={"max_model_len": 70})
+    llm = LLM(cfg)
+    prompts, tokens, events = _arrive_into_full_batch(llm)
+    # The step the high-priority request arrived in admitted it, and preempted low1.
+    assert events[3]["high"] == RequestStatus.RUNNING
+    assert events[3]["low1"] == RequestStatus.PREEMPTED
+    assert events[3]["low0"] == RequestStatus.RUNNING or pressure == "kv_blocks"
+    assert llm.get_stats().num_preemptions >= 1
+    assert_pool_whole(llm)
+    reference = LLM(engine_config(llama_path, scheduler={"max_num_seqs": 8}))
+    for rid, ids in prompts.items():
+        expected = reference.generate({"prompt_token_ids": ids}, SamplingParams(
+            max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        assert tokens[rid] == expected.outputs[0].token_ids, rid
+
+
+def test_priority_preemption_can_be_switched_off(llama_path):
+    cfg = engine_config(llama_path, scheduler={"name": "priority", "max_num_seqs": 2,
+                                               "preempt_lower_priority": False})
+    llm = LLM(cfg)
+    _, tokens, events = _arrive_into_full_batch(llm)
+    assert events[3]["high"] == RequestStatus.WAITING
+    assert llm.get_stats().num_preemptions == 0
+    assert all(len(t) == 30 for t in tokens.values())
+    assert_pool_whole(llm)
+
+
+def test_equal_priority_never_preempts(llama_path):
+    cfg = engine_config(llama_path, scheduler={"name": "priority", "max_num_seqs": 1})
+    llm = LLM(cfg)
+    assert finish_order(llm, [("a", 5, 1), ("b", 5, 1), ("c", 5, 1)]) == ["a", "b", "c"]
+    assert llm.get_stats().num_preemptions == 0
+
+
+# --------------------------------------------------------------------------- rogue policies
+class RandomPolicy(SchedulingPolicy):
+    """Every decision drawn at random from the answers the interface allows."""
+
+    rng = random.Random(0)
+    calls: dict[str, int] = {}
+
+    def _count(self, name):
+        RandomPolicy.calls[name] = RandomPolicy.calls.get(name, 0) + 1
+
+    def waiting_key(self, request, ctx):
+        return self.rng.random()
+
+    def queue_group(self, request):
+        return self.rng.randrange(3)
+
+    def select(self, waiting, ctx):
+        if self.rng.random() < 0.1:
+            return None
+        pool = waiting.best(self.rng.randint(1, 4)) + list(waiting.heads().values())
+        return self.rng.choice(pool)
+
+    def can_admit(self, request, ctx):
+        return self.rng.random() < 0.8
+
+    def choose_victim(self, running, ctx):
+        self._count("choose_victim")
+        return self.rng.choice(running)
+
+    def preempt_for(self, request, running, ctx):
+        if running and self.rng.random() < 0.5:
+            self._count("preempt_for")
+            return self.rng.choice(running)
+        return None
+
+    def on_scheduled(self, scheduled, ctx):
+        assert all(n > 0 for _, n in scheduled)
+
+
+@pytest.fixture(scope="module")
+def random_policy_llm(llama_path):
+    cfg = tight_pool_config(llama_path, scheduler={"name": "random", "max_num_seqs": 3,
+                                                   "max_num_batched_tokens": 48})
+    llm = LLM(cfg, plugins=[policy_plugin("random", RandomPolicy)])
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(llama_path):
+    llm = LLM(engine_config(llama_path))
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([60, 7, 33, 60, 18, 41])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(2, 6))
+def test_no_policy_answer_can_corrupt_state(random_policy_llm, reference_outputs, seed, count):
+    """Random keys, groups, selections, admission answers, victims and preemptions for waiting
+    requests, in a pool where three requests cannot all fit: every request still finishes
+    with the tokens of an unpreempted run, and every block returns."""
+    RandomPolicy.rng = random.Random(seed)
+    prompts, expected = reference_outputs
+    outs = random_policy_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:count]],
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:count]
+    assert_pool_whole(random_policy_llm)
+
+
+def test_the_random_policy_run_is_not_vacuous(random_policy_llm, reference_outputs):
+    """The property above really preempts both ways (a derandomized witness)."""
+    RandomPolicy.rng, RandomPolicy.calls = random.Random(0), {}
+    prompts, expected = reference_outputs
+    before = random_policy_llm.get_stats().num_preemptions
+    outs = random_policy_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                      SamplingParams(max_tokens=40, temperature=0,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert RandomPolicy.calls.get("choose_victim", 0) > 0
+    assert RandomPolicy.calls.get("preempt_for", 0) > 0
+    assert random_policy_llm.get_stats().num_preemptions - before == sum(
+        RandomPolicy.calls.values())
+
+
+@pytest.mark.parametrize("method, answer, message", [
+    ("select", lambda self, waiting, ctx: make_request("stranger"), "select returned .* not waiting"),
+    ("preempt_for", lambda self, request, running, ctx: request,
+     "preempt_for returned .* not running"),
+])
+def test_an_answer_outside_the_offer_is_an_error_and_loses_nothing(llama_path, method, answer,
+                                                                   message):
+    class Rogue(SchedulingPolicy):
+        def waiting_key(self, request, ctx):
+            return request.arrival_seq
+
+        def choose_victim(self, running, ctx):
+            return running[-1]
+
+    setattr(Rogue, method, answer)
+    cfg = engine_config(llama_path, scheduler={"name": "rogue", "max_num_seqs": 1})
+    llm = LLM(cfg, plugins=[policy_plugin("rogue", Rogue)])
+    with pytest.raises(RuntimeError, match=message):
+        llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_pool_whole(llm)
+    assert llm.engine.scheduler.waiting.first() is None
