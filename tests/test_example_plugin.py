@@ -216,8 +216,9 @@ def test_installed_plugin_in_fresh_venv(tmp_path, llama_path):
     assert listing["broken"] == []
     rows = {(r["kind"], r["name"]): r for r in listing["components"]}
     spf = rows[("scheduler", SPF)]
+    example = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     assert (spf["plugin"], spf["distribution"], spf["version"]) == (
-        EXAMPLE_ENTRY_POINT, "corellm-spf-scheduler", "0.1.0")
+        EXAMPLE_ENTRY_POINT, "corellm-spf-scheduler", example["version"])
     assert {o["name"] for o in spf["options"]} >= {"max_num_seqs", "max_num_batched_tokens"}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     builtin_plugins = set(project["entry-points"]["corellm"])
