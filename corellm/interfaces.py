@@ -60,8 +60,8 @@ class SchedulingPolicy(ABC):
     """The decisions of a scheduling policy; the core's ``BatchScheduler`` does the rest.
 
     A policy decides four things, each with the live state in ``ctx`` (a
-    ``corellm.scheduling.SchedulingContext``: the time, the running requests, lazily looked-up
-    cached-prefix lengths):
+    ``corellm.scheduling.SchedulingContext``: the time, the running and waiting requests, this
+    round's admissions and remaining token budget, lazily looked-up cached prefixes):
 
     * **order**: ``waiting_key`` ranks a request when it enters the waiting queue (a heap, so
       static orders cost O(log n)); ``select`` picks the request to admit next, by default the
@@ -125,6 +125,10 @@ class SchedulingPolicy(ABC):
         """After each ``schedule()``, the requests planned for the step and how many tokens each
         computes (accounting such as tokens served per tenant). Not called when not
         overridden."""
+
+    def on_finished(self, request: Request, ctx: SchedulingContext) -> None:
+        """``request`` left the scheduler for good (finished, aborted or failed): drop any state
+        kept for it. Not called when not overridden."""
 
 
 @dataclass(frozen=True)

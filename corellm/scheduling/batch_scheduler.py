@@ -45,7 +45,7 @@ def check_policy(policy: SchedulingPolicy) -> None:
         raise PluginError(f"{type(policy).__qualname__} does not implement "
                           "corellm.interfaces.SchedulingPolicy")
     arity = {"waiting_key": 2, "choose_victim": 2, "queue_group": 1, "select": 2,
-             "can_admit": 2, "preempt_for": 3, "on_scheduled": 2}
+             "can_admit": 2, "preempt_for": 3, "on_scheduled": 2, "on_finished": 2}
     for name, n in arity.items():
         method = getattr(policy, name)
         try:
@@ -85,6 +85,7 @@ class BatchScheduler(Scheduler):
         self._finished_ids: set[str] = set()        # to tell the workers at the next step
         self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
         self._notify = _overrides(policy, "on_scheduled")
+        self._notify_finished = _overrides(policy, "on_finished")
         self._grouped = _overrides(policy, "queue_group")
         self.num_schedules = 0
         self.num_preemptions = 0
@@ -92,12 +93,10 @@ class BatchScheduler(Scheduler):
         self.num_generation_tokens = 0
         self.num_prefill_tokens = 0
 
-    def _context(self) -> SchedulingContext:
-        return SchedulingContext(time.time(), self.num_schedules, self._running_snapshot,
-                                 self.kv, self.waiting.__len__)
-
-    def _running_snapshot(self) -> tuple[Request, ...]:
-        return tuple(self.running)
+    def _context(self, plan: _Plan | None = None) -> SchedulingContext:
+        # Between rounds, decisions belong to the next round.
+        step = self.num_schedules if plan is not None else self.num_schedules + 1
+        return SchedulingContext(time.time(), step, self, plan)
 
     def _policy_error(self, method: str, answer: object, what: str) -> RuntimeError:
         return RuntimeError(f"{type(self.policy).__name__}.{method} returned {answer!r:.200}, "
@@ -138,6 +137,8 @@ class BatchScheduler(Scheduler):
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self._notify_finished:
+            self.policy.on_finished(request, self._context())
 
     def _preempt(self, victim: Request, plan: _Plan, ctx: SchedulingContext) -> None:
         """Preempt a running request by recomputation, undoing its place in this step's plan."""
@@ -170,8 +171,8 @@ class BatchScheduler(Scheduler):
                 request.status = RequestStatus.WAITING
         self._preempted.clear()
         self.num_schedules += 1
-        ctx = self._context()
         plan = _Plan(budget=self.max_num_batched_tokens)
+        ctx = self._context(plan)
 
         # 1. Running requests, in admission order.
         i = 0

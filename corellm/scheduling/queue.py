@@ -7,12 +7,13 @@ answers; it never changes a request's state or a block.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from corellm.interfaces import KVCacheManager
+    from corellm.interfaces import CachedPrefix
     from corellm.request import Request
+    from corellm.scheduling.batch_scheduler import BatchScheduler, _Plan
 
 # A heap item: (policy key, arrival_seq, request). arrival_seq is unique, so comparison never
 # reaches the request, and equal keys are served in arrival order.
@@ -140,52 +141,77 @@ class WaitingQueue:
 
 class SchedulingContext:
     """The live state a policy decides with, built by the mechanism for each decision round
-    (once per ``schedule()``, and for each request entering the queue).
+    (once per ``schedule()``, and for each request entering the queue or finishing).
 
-    ``now`` is ``time.time()`` when the round began (the clock of ``Request.arrival_time``).
-    ``running`` is a fresh read-only snapshot (a tuple, in admission order) on every access.
-    ``cached_tokens(request)`` asks the KV-cache manager how many of the request's leading
-    tokens are in the prefix cache now: looked up only when a policy asks, and memoized for the
-    round, so a policy that looks at a few candidates pays for a few lookups, not for the whole
-    queue.
+    * ``now``: ``time.time()`` when the round began (the clock of ``Request.arrival_time``);
+      ``waited(request)`` is ``now - arrival_time``.
+    * ``step``: the ``schedule()`` round the decision belongs to (1 for the first); a request
+      that arrives between rounds N-1 and N is keyed in round N.
+    * ``running``: a fresh read-only snapshot (a tuple, in admission order) on every access.
+    * ``waiting``: the waiting queue (read it, never change it).
+    * ``admitted``: ``(request, num_tokens)`` of the requests this round admitted so far, and
+      ``token_budget``: the round's tokens still unplanned (outside ``schedule()``: none and the
+      whole budget).
+    * ``cached_prefix(request)`` / ``cached_tokens(request)``: the prefix-cache lookup of a
+      waiting request, done only when a policy asks and memoized for the round, so a policy that
+      looks at a few candidates pays for a few lookups, not for the whole queue. ``pending`` in
+      the result means the next block is being computed in this round: admitting the request
+      now would stop admission for the round (it waits one step to find that block cached).
     """
 
-    __slots__ = ("now", "step", "_running", "_kv", "_num_waiting", "_memo")
+    __slots__ = ("now", "step", "_scheduler", "_plan", "_memo")
 
-    def __init__(self, now: float, step: int, running: Callable[[], tuple[Request, ...]],
-                 kv_cache_manager: KVCacheManager, num_waiting: Callable[[], int]) -> None:
+    def __init__(self, now: float, step: int, scheduler: BatchScheduler,
+                 plan: _Plan | None = None) -> None:
         self.now = now
         self.step = step
-        self._running = running
-        self._kv = kv_cache_manager
-        self._num_waiting = num_waiting
-        self._memo: dict[str, int] = {}
+        self._scheduler = scheduler
+        self._plan = plan
+        self._memo: dict[str, CachedPrefix] = {}
 
     @property
     def running(self) -> tuple[Request, ...]:
-        return self._running()
+        return tuple(self._scheduler.running)
+
+    @property
+    def waiting(self) -> WaitingQueue:
+        return self._scheduler.waiting
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting()
+        return len(self._scheduler.waiting)
+
+    @property
+    def admitted(self) -> tuple[tuple[Request, int], ...]:
+        if self._plan is None:
+            return ()
+        return tuple((r, self._plan.num_scheduled[r.request_id]) for r in self._plan.admitted)
+
+    @property
+    def token_budget(self) -> int:
+        return self._scheduler.max_num_batched_tokens if self._plan is None else self._plan.budget
 
     @property
     def num_free_blocks(self) -> int:
-        return self._kv.num_free_blocks
+        return self._scheduler.kv.num_free_blocks
 
     @property
     def block_size(self) -> int:
-        return self._kv.block_size
+        return self._scheduler.kv.block_size
+
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        """The prefix-cache lookup of a *waiting* request (no side effects)."""
+        prefix = self._memo.get(request.request_id)
+        if prefix is None:
+            prefix = self._memo[request.request_id] = \
+                self._scheduler.kv.find_cached_prefix(request)
+        return prefix
 
     def cached_tokens(self, request: Request) -> int:
         """Leading tokens of a *waiting* request found in the prefix cache (0 without prefix
         caching). A running request's computed tokens are ``request.num_computed_tokens``."""
-        n = self._memo.get(request.request_id)
-        if n is None:
-            n = self._memo[request.request_id] = self._kv.find_cached_prefix(request).num_tokens
-        return n
+        return self.cached_prefix(request).num_tokens
 
     def waited(self, request: Request) -> float:
         """Seconds since the request arrived."""
         return self.now - request.arrival_time
-
