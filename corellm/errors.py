@@ -7,19 +7,27 @@ class CorellmError(Exception):
     """Base class of every error corellm raises on purpose."""
 
 
-class ConfigError(CorellmError, ValueError):
-    """The engine configuration is invalid.
+class ProblemsError(CorellmError, ValueError):
+    """Base of the errors that list every problem of a document, each at its key path.
 
     ``problems`` holds one ``(key_path, message)`` pair per problem, e.g.
     ``("scheduler.max_num_seq", "unknown option; did you mean max_num_seqs?")``.
     """
 
+    what = "document"
+
     def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
         self.problems = list(problems)
         self.source = source
-        head = f"invalid corellm config{f' ({source})' if source else ''}"
+        head = f"invalid {self.what}{f' ({source})' if source else ''}"
         lines = [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in self.problems]
         super().__init__(head + ":\n" + "\n".join(lines))
+
+
+class ConfigError(ProblemsError):
+    """The engine configuration is invalid."""
+
+    what = "corellm config"
 
 
 class PluginError(CorellmError):
