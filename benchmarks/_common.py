@@ -1,37 +1,26 @@
-"""Helpers shared by the benchmark scripts: workload parsing, the environment record, timing
-with CPU-utilization checks, and output agreement. Not part of the corellm package."""
+"""Helpers shared by the benchmark scripts: workload parsing, timing with CPU-utilization checks,
+and output agreement. Not part of the corellm package; the environment record and the load
+average come from the ``corellm bench`` harness (``corellm.bench.env``), re-exported here."""
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from corellm.bench.env import environment, loadavg  # noqa: F401  (re-exported)
+from corellm.bench.workload_cli import parse_range  # noqa: F401  (re-exported)
+from corellm.bench.runner import prompt_token_space
 
 
 def logger(tag: str):
     def log(msg: str) -> None:
         print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
     return log
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    try:
-        a, b = int(lo), int(hi if sep else lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
-    if a < 1 or b < a:
-        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
-    return a, b
-
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -43,22 +32,6 @@ def parse_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
-
-
-def summarize(values, percentiles=(50, 90, 99)) -> dict[str, float | None]:
-    """Mean and percentiles of a list of numbers (linear interpolation between the closest
-    ranks, as ``numpy.percentile``); every entry None when the list is empty."""
-    xs = sorted(values)
-    out: dict[str, float | None] = {"mean": sum(xs) / len(xs) if xs else None}
-    for q in percentiles:
-        if not xs:
-            out[f"p{q:g}"] = None
-            continue
-        pos = (len(xs) - 1) * q / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return out
 
 
 def random_token_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
@@ -85,13 +58,9 @@ def model_facts(model: Path) -> dict[str, Any]:
 
 def prompt_id_space(model: Path, vocab_size: int) -> tuple[int, set[int]]:
     """Ids to draw prompts from: what both the model and its tokenizer know, minus specials
-    (bos/eos/pad would change the meaning of a random prompt for no benchmark benefit)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
-    return min(vocab_size, len(tok)), special
-
+    (the ``corellm bench`` harness's rule, so every benchmark draws prompts alike)."""
+    _, vocab, special = prompt_token_space(model)
+    return min(vocab_size, vocab), special
 
 
 def count_params(model: Path) -> int | None:
@@ -111,13 +80,6 @@ def count_params(model: Path) -> int | None:
 
 
 
-def loadavg() -> float | None:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class Clock:
     """Wall and process CPU time of a timed run. ``cpu_util`` = CPU seconds / (wall x torch
     threads): well below 1 while the CPU-bound phases run means another process took cores."""
@@ -134,57 +96,6 @@ class Clock:
         cpu = time.process_time() - self.cpu0
         return wall, {"cpu_s": cpu, "cpu_util": cpu / (wall * torch.get_num_threads()),
                       "loadavg_1min_before": self.load_before, "loadavg_1min_after": loadavg()}
-
-
-
-def environment() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    simd: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                simd = sorted(f for f in flags if f in {
-                    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
-                break
-    except OSError:
-        pass
-    env: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-    }
-    env["thread_env"] = {k: os.environ[k] for k in ("CORELLM_MALLOC_TUNING", "OMP_NUM_THREADS",
-                                                     "MKL_NUM_THREADS",
-                                                     "KMP_AFFINITY", "LD_PRELOAD")
-                         if k in os.environ}
-    try:
-        env["cpu_affinity"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        pass
-    for mod in ("transformers", "corellm", "numpy"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
-            env[mod] = None
-    try:
-        root = Path(__file__).resolve().parent.parent
-        env["git_commit"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-            timeout=10).stdout.strip() or None
-        # Uncommitted changes (engine files edited since the commit change what was measured).
-        env["git_status"] = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-            timeout=10).stdout.splitlines()[:50]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return env
 
 
 

@@ -13,7 +13,11 @@ so every request generates exactly its output length) and measures, per point:
 * ITL: every gap between two consecutive token-carrying chunks of a request;
 * E2E: request sent to the end of its stream;
 
-each as mean, p50, p90 and p99. Output tokens are counted from the usage chunk, and every request
+each as mean, median, std, p90 and p99 under ``vllm bench serve``'s key names (``mean_ttft_ms``,
+``p99_itl_ms``, ...). This script is a thin sweep over the ``corellm bench`` harness: the client,
+the server process, the metrics and the offline engine runs are ``corellm.bench.runner`` and
+``corellm.bench.metrics``, shared with ``corellm bench``. Output tokens are counted from the
+usage chunk, and every request
 must get exactly the expected number: a request that errors, ends early or gets a different
 count is a failure, counted and reported (its latencies are left out of the statistics), never
 dropped silently.
@@ -24,8 +28,9 @@ sends every request at once); with both, each rate runs at each concurrency.
 
 Offline comparison (``--offline``, the default when the script starts the server itself): once
 the server has been stopped -- the two never share the CPU -- the same prompts of each point run
-through ``LLM.generate`` in this process, with ``scheduler.max_num_seqs`` = the point's
-concurrency and the server's config otherwise (engine built and warmed up outside the timing).
+through an in-process engine (the harness's offline target), with ``scheduler.max_num_seqs`` =
+the point's concurrency and the server's config otherwise (engine built and warmed up outside
+the timing).
 The table reports server / offline output throughput; the target for the demo model is >= 0.9.
 (Offline, a point's requests are all submitted at once; against a ``--request-rate`` point that
 makes the ratio a lower bound on how close the server gets.)
@@ -48,26 +53,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import copy
 import json
 import math
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (Clock, environment, logger, loadavg, model_facts,  # noqa: E402
-                     parse_int_list, parse_range, prompt_id_space, pyplot,
-                     random_token_requests, report, summarize, warn_if_busy)
+from _common import (logger, model_facts, parse_int_list, parse_range, pyplot,  # noqa: E402
+                     random_token_requests, report, warn_if_busy)
+
+from corellm.bench.cli import HelpFormatter, positive_int  # noqa: E402
+from corellm.bench.env import environment, loadavg, proc_cpu_seconds  # noqa: E402
+from corellm.bench.metrics import RequestRecord, summarize  # noqa: E402
+from corellm.bench.runner import (RunOptions, ServerProcess, Target, drive_server,  # noqa: E402
+                                  http_clients, run_engine, scrape_counters, server_info,
+                                  warmup_workload)
+from corellm.bench.workload import BenchRequest, Workload  # noqa: E402
 
 # As under the `corellm` command (and in the other benchmarks): corellm's CPU workers may tune
 # the allocator. Inherited by the server this script starts, so both sides run alike.
@@ -76,151 +85,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 log = logger("serve")
 OFFLINE_TARGET = 0.9
-READY = re.compile(r"serving '(?P<name>.*)' on (?P<url>https?://\S+) "
-                   r"\(engine core pid (?P<pid>\d+)\)")
-SERVER_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "engine_steps_total",
-                   "num_preemptions_total", "prefix_cache_queries_total",
-                   "prefix_cache_hits_total")
-
-
-# ----------------------------------------------------------------------------- the server
-def proc_cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc), or None."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-class ServerProcess:
-    """``python -m corellm serve`` as a child in its own session: started, waited for (the
-    "serving ... on URL" log line), and stopped with SIGINT (then SIGTERM, then SIGKILL to its
-    process group, so its engine core cannot outlive it either)."""
-
-    def __init__(self, config: str | None, timeout: float, log_file: str | None) -> None:
-        self.cmd = [sys.executable, "-m", "corellm", "serve", "--host", "127.0.0.1",
-                    "--port", "0"] + (["--config", config] if config else [])
-        self.timeout = timeout
-        self.log_file = open(log_file, "w") if log_file else None
-        self.tail: collections.deque[str] = collections.deque(maxlen=60)
-        self.ready = threading.Event()
-        self.proc: subprocess.Popen | None = None
-        self.url = self.model_name = None
-        self.engine_pid: int | None = None
-        self._reader: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            if self.log_file:
-                self.log_file.write(line + "\n")
-                self.log_file.flush()
-            m = READY.search(line)
-            if m and not self.ready.is_set():
-                self.url, self.model_name = m["url"], m["name"]
-                self.engine_pid = int(m["pid"])
-                self.ready.set()
-            elif any(w in line for w in ("WARNING", "ERROR", "CRITICAL", "Traceback")):
-                log(f"server: {line}")
-
-    def start(self) -> None:
-        log(f"starting the server: {' '.join(self.cmd)}")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        while not self.ready.wait(0.1):
-            if self.proc.poll() is not None:
-                self._reader.join(5)
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} "
-                                   f"before it was ready; its last output:\n{self.log_tail()}")
-            if time.perf_counter() - t0 > self.timeout:
-                raise RuntimeError(f"the server was not ready after {self.timeout:.0f} s "
-                                   f"(--server-timeout); its last output:\n{self.log_tail()}")
-        log(f"server ready in {time.perf_counter() - t0:.1f} s: {self.model_name!r} on "
-            f"{self.url} (server pid {self.proc.pid}, engine core pid {self.engine_pid})")
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(f"    {line}" for line in list(self.tail)[-n:]) or "    (no output)"
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            log("stopping the server (SIGINT)...")
-            for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10)):
-                try:
-                    proc.send_signal(sig)
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    log(f"the server did not exit within {wait} s of {sig.name}")
-            else:
-                self._kill_group()
-                proc.wait(10)
-            log(f"server exited with status {proc.returncode}")
-        else:
-            log(f"the server had already exited with status {proc.returncode}")
-        # Its engine core must go with it; it is in the server's process group (our session).
-        deadline = time.monotonic() + 10
-        while self.engine_pid and _alive(self.engine_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self.engine_pid and _alive(self.engine_pid):
-            log(f"the engine core (pid {self.engine_pid}) outlived the server; killing it")
-            self._kill_group()
-        if self._reader:
-            self._reader.join(5)
-        if self.log_file:
-            self.log_file.close()
-            self.log_file = None
-
-    def _kill_group(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def scrape_counters(client, url: str) -> dict[str, float] | None:
-    """The server's cumulative counters from /metrics (summed over label sets), or None."""
-    import httpx
-    try:
-        text = client.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0].split(":", 1)[-1].strip()     # corellm:NAME{labels}
-        if name in SERVER_COUNTERS:
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-    return out
+PERCENTILES = (90.0, 99.0)
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -283,164 +148,53 @@ def _rates(text: str) -> list[float]:
     return values
 
 
-# ----------------------------------------------------------------------------- the client
-def payload(req: dict[str, Any], model: str | None, temperature: float, salt: str,
-            ) -> dict[str, Any]:
-    return {"model": model,
-            "prompt": req.get("prompt") or req["prompt_token_ids"],
-            "max_tokens": req["output_len"], "temperature": temperature, "ignore_eos": True,
-            "cache_salt": salt, "stream": True, "stream_options": {"include_usage": True}}
+
+# ----------------------------------------------------------------------------- the load
+def point_workload(reqs: list[dict[str, Any]], rate: float, seed: int, label: str) -> Workload:
+    """A point's requests as a harness workload: Poisson arrivals at ``rate`` (seeded), or all
+    at once for ``inf``."""
+    gaps = random.Random(seed)
+    t, out = 0.0, []
+    for i, r in enumerate(reqs):
+        out.append(BenchRequest(index=i, prompt_token_ids=r["prompt_token_ids"],
+                                output_len=r["output_len"], delay_s=t))
+        if rate != math.inf:
+            t += gaps.expovariate(rate)
+    return Workload(out, f"{label}: {len(out)} requests")
 
 
-async def send(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streaming completion; timings from the moment it is sent."""
-    import httpx
-
-    rec: dict[str, Any] = {"ok": False, "ttft": None, "e2e": None, "itl": [], "chunks": 0,
-                           "output_tokens": None, "prompt_tokens": None, "text": "",
-                           "error": None}
-    expected = body["max_tokens"]
-    t0 = time.perf_counter()
-    last = t0
-    usage, finished, done = None, None, False
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    msg = json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    msg = raw[:200].decode(errors="replace")
-                rec["error"] = f"HTTP {resp.status_code}: {msg}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec["error"] = f"error event: {obj['error'].get('message')}"
-                    continue
-                choices = obj.get("choices")
-                if choices:
-                    if rec["ttft"] is None:
-                        rec["ttft"] = now - t0
-                    else:
-                        rec["itl"].append(now - last)
-                    last = now
-                    rec["chunks"] += 1
-                    rec["text"] += choices[0].get("text") or ""
-                    finished = choices[0].get("finish_reason") or finished
-                if obj.get("usage"):
-                    usage = obj["usage"]
-        rec["e2e"] = time.perf_counter() - t0
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        # a broken connection, a timeout, or a chunk that is not the JSON it should be: this
-        # request failed, the others go on
-        rec["error"] = rec["error"] or f"{type(exc).__name__}: {exc}"
-        return rec
-    if usage:
-        rec["output_tokens"] = usage.get("completion_tokens")
-        rec["prompt_tokens"] = usage.get("prompt_tokens")
-    if rec["error"]:
-        pass
-    elif not done:
-        rec["error"] = "stream ended without data: [DONE]"
-    elif usage is None:
-        rec["error"] = "no usage chunk"
-    elif rec["ttft"] is None:
-        rec["error"] = "no chunk carried tokens"
-    elif rec["output_tokens"] != expected:
-        rec["error"] = (f"got {rec['output_tokens']} output tokens, expected {expected} "
-                        f"(finish_reason {finished})")
-    else:
-        rec["ok"] = True
-    return rec
-
-
-async def run_point(client, url: str, model: str | None, reqs: list[dict[str, Any]],
-                    concurrency: int | None, rate: float, args: argparse.Namespace, salt: str,
-                    label: str) -> tuple[list[dict[str, Any]], float]:
-    """Send ``reqs`` at one load point; returns the per-request records and the duration."""
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
-    gaps = random.Random(args.seed)
-    n = len(reqs)
-    records: list[dict[str, Any] | None] = [None] * n
-    done = failed = 0
-    step = max(1, math.ceil(n / 4))
-    t0 = time.perf_counter()
-
-    async def one(i: int) -> None:
-        nonlocal done, failed
-        body = payload(reqs[i], model, args.temperature, salt)
-        if sem is None:
-            rec = await send(client, url, body)
-        else:
-            async with sem:
-                rec = await send(client, url, body)
-        records[i] = rec
-        done += 1
-        failed += not rec["ok"]
-        if done % step == 0 or done == n:
-            log(f"{label}: {done}/{n} requests done ({failed} failed), "
-                f"{time.perf_counter() - t0:.1f} s")
-
-    tasks = []
-    for i in range(n):
-        tasks.append(asyncio.create_task(one(i)))
-        if rate != math.inf and i + 1 < n:
-            await asyncio.sleep(gaps.expovariate(rate))
-    await asyncio.gather(*tasks)
-    return records, time.perf_counter() - t0
-
-
-def point_metrics(records: list[dict[str, Any]], duration: float) -> dict[str, Any]:
-    ok = [r for r in records if r["ok"]]
-    out_tokens = sum(r["output_tokens"] for r in ok)
-    prompt_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
-    errors = collections.Counter(r["error"] for r in records if not r["ok"])
-    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
-            if r["output_tokens"] > 1]
-    chunks = sum(r["chunks"] for r in ok)
+def point_metrics(records: list[RequestRecord], duration: float) -> dict[str, Any]:
+    """The harness's summary (vLLM key names) plus what this sweep reports besides."""
+    ok = [r for r in records if r.ok]
+    chunks = sum(len(r.chunk_times_s) for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
-        "errors": dict(errors.most_common()),
-        "duration_s": duration, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (prompt_tokens + out_tokens) / duration,
-        "ttft_s": summarize([r["ttft"] for r in ok]),
-        "tpot_s": summarize(tpot),
-        "itl_s": summarize([g for r in ok for g in r["itl"]]),
-        "e2e_s": summarize([r["e2e"] for r in ok]),
+        "requests": len(records), **summarize(records, duration, percentiles=PERCENTILES),
         # > 1: the server sent several tokens in one chunk (the API process fell behind).
         "tokens_per_chunk": out_tokens / chunks if chunks else None,
-        "per_request": [{"ok": r["ok"], "ttft_s": r["ttft"], "e2e_s": r["e2e"],
-                         "prompt_tokens": r["prompt_tokens"],
-                         "output_tokens": r["output_tokens"], "chunks": r["chunks"],
-                         **({"error": r["error"]} if r["error"] else {})} for r in records],
+        "per_request": [{"ok": r.ok, "ttft_s": r.ttft, "e2el_s": r.e2el,
+                         "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                         "chunks": len(r.chunk_times_s),
+                         **({"error": r.error} if r.error else {})} for r in records],
     }
 
 
 async def sweep(url: str, model: str | None, reqs: list[dict[str, Any]],
-                warmup: list[dict[str, Any]], args: argparse.Namespace,
-                server: ServerProcess | None, run_id: str) -> list[dict[str, Any]]:
-    import httpx
-
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+                args: argparse.Namespace, server: ServerProcess | None, run_id: str,
+                ) -> list[dict[str, Any]]:
+    options = RunOptions(temperature=args.temperature, request_timeout=args.request_timeout,
+                         progress=False, keep_outputs=True)
     points = []
-    with httpx.Client(trust_env=False) as sync_client:
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            if warmup:
-                log(f"warm-up: {len(warmup)} requests...")
-                recs = await asyncio.gather(*(send(client, url, payload(
-                    w, model, args.temperature, f"{run_id}-warmup")) for w in warmup))
-                bad = [r["error"] for r in recs if not r["ok"]]
+    sync_client, client = http_clients(args.request_timeout)
+    with sync_client:
+        async with client:
+            if args.warmup_requests:
+                log(f"warm-up: {args.warmup_requests} requests...")
+                warm = warmup_workload(point_workload(reqs, math.inf, args.seed, "warm-up"),
+                                       args.warmup_requests, 16)
+                recs, _ = await drive_server(client, url, model, warm, options,
+                                             salt=f"{run_id}-warmup")
+                bad = [r.error for r in recs if not r.ok]
                 if bad:
                     raise RuntimeError(f"warm-up requests failed: {bad[0]}")
             for concurrency, rate in points_of(args):
@@ -452,8 +206,9 @@ async def sweep(url: str, model: str | None, reqs: list[dict[str, Any]],
                         "server_api": proc_cpu_seconds(server.pid if server else None),
                         "engine_core": proc_cpu_seconds(server.engine_pid if server else None)}
                 load0 = loadavg()
-                records, duration = await run_point(client, url, model, mine, concurrency,
-                                                    rate, args, f"{run_id}-{label}", label)
+                records, duration = await drive_server(
+                    client, url, model, point_workload(mine, rate, args.seed, label),
+                    replace(options, max_concurrency=concurrency), salt=f"{run_id}-{label}")
                 cpu1 = {"client": time.process_time(),
                         "server_api": proc_cpu_seconds(server.pid if server else None),
                         "engine_core": proc_cpu_seconds(server.engine_pid if server else None)}
@@ -467,77 +222,57 @@ async def sweep(url: str, model: str | None, reqs: list[dict[str, Any]],
                                          and cpu1[k] is not None}
                 row["loadavg_1min_before"], row["loadavg_1min_after"] = load0, loadavg()
                 if counters0 and counters1:
-                    delta = {k: counters1.get(k, 0) - counters0.get(k, 0)
-                             for k in SERVER_COUNTERS}
+                    delta = {k: counters1.get(k, 0) - counters0.get(k, 0) for k in counters1}
                     row["server_counters"] = delta
-                    steps = delta.get("engine_steps_total") or 0
+                    steps = delta.get("engine_steps") or 0
                     row["server_tokens_per_step"] = (
-                        delta.get("generation_tokens_total", 0) / steps if steps else None)
-                row["_texts"] = [r["text"] if r["ok"] else None for r in records]
+                        delta.get("generation_tokens", 0) / steps if steps else None)
+                row["_texts"] = [r.output_text if r.ok else None for r in records]
                 log(f"{label}: {row['completed']}/{row['requests']} ok in {duration:.2f} s: "
                     f"{row['output_throughput']:.1f} output tok/s, TTFT p50 "
-                    f"{_ms(row['ttft_s']['p50'])} ms, TPOT p50 {_ms(row['tpot_s']['p50'])} ms")
-                for err, count in row["errors"].items():
+                    f"{_ms(row['median_ttft_ms'])} ms, TPOT p50 {_ms(row['median_tpot_ms'])} ms")
+                for err, count in row["failed_reasons"].items():
                     log(f"{label}: {count} request(s) failed: {err}")
                 points.append(row)
     return points
 
 
 def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{1e3 * x:.1f}"
+    return "n/a" if x is None else f"{x:.1f}"
 
 
 # ----------------------------------------------------------------------------- offline
-def llm_prompt(req: dict[str, Any]) -> Any:
-    return req["prompt"] if "prompt" in req else {"prompt_token_ids": req["prompt_token_ids"]}
-
-
 def run_offline(base: dict[str, Any], max_num_seqs: int | None, reqs: list[dict[str, Any]],
-                warmup: list[dict[str, Any]], args: argparse.Namespace, salt: str,
-                ) -> dict[str, Any]:
-    """The same requests through ``LLM.generate`` in this process, timed without the engine's
-    construction and warm-up."""
-    from corellm import LLM, SamplingParams
+                args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """The same requests, all submitted at once, through the harness's in-process engine
+    target (built, warmed up and shut down outside the timing)."""
+    import torch
 
     config = copy.deepcopy(base)
     config.pop("frontend", None)
     if max_num_seqs:
         config["scheduler"] = {**(config.get("scheduler") or {}), "max_num_seqs": max_num_seqs}
-
-    def params(r: dict[str, Any], s: str) -> SamplingParams:
-        return SamplingParams(max_tokens=r["output_len"], temperature=args.temperature,
-                              ignore_eos=True, cache_salt=s)
-
-    t0 = time.perf_counter()
-    llm = LLM(config)
-    load_s = time.perf_counter() - t0
-    try:
-        if warmup:
-            llm.generate([llm_prompt(w) for w in warmup],
-                         [params(w, f"{salt}-warmup") for w in warmup], use_tqdm=False)
-        before = llm.get_stats()
-        clock = Clock()
-        outs = llm.generate([llm_prompt(r) for r in reqs], [params(r, salt) for r in reqs],
-                            use_tqdm=False)
-        wall, cpu = clock.stop()
-        after = llm.get_stats()
-    finally:
-        llm.shutdown()
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    options = RunOptions(temperature=args.temperature, warmup_requests=args.warmup_requests,
+                         progress=False, keep_outputs=True)
+    run = run_engine(Target(f"offline-{max_num_seqs}", config=config),
+                     point_workload(reqs, math.inf, args.seed, "offline"), options)
+    s = summarize(run.records, run.duration)
     expected = sum(r["output_len"] for r in reqs)
-    if out_tokens != expected:
-        log(f"WARNING: offline run produced {out_tokens} output tokens, expected {expected}")
-    steps = after.num_steps - before.num_steps
-    return {"max_num_seqs": max_num_seqs or (config.get("scheduler") or {}).get("max_num_seqs"),
-            "requests": len(reqs), "wall_s": wall, "load_s": load_s,
-            "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
-            "output_throughput": out_tokens / wall,
-            "total_token_throughput": (prompt_tokens + out_tokens) / wall,
-            "request_throughput": len(reqs) / wall, "num_steps": steps,
-            "tokens_per_step": out_tokens / steps if steps else None,
-            "num_preemptions": after.num_preemptions - before.num_preemptions, **cpu,
-            "_texts": [o.outputs[0].text for o in outs]}
+    if s["total_output_tokens"] != expected:
+        log(f"WARNING: offline run produced {s['total_output_tokens']} output tokens, "
+            f"expected {expected}")
+    steps = run.counters["engine_steps"]
+    return {"max_num_seqs": run.info["max_num_seqs"], "requests": len(reqs),
+            "wall_s": run.duration, "load_s": run.info["load_s"],
+            "output_tokens": s["total_output_tokens"], "prompt_tokens": s["total_input_tokens"],
+            "output_throughput": s["output_throughput"],
+            "total_token_throughput": s["total_token_throughput"],
+            "request_throughput": s["request_throughput"], "num_steps": steps,
+            "tokens_per_step": s["total_output_tokens"] / steps if steps else None,
+            "num_preemptions": run.counters["num_preemptions"], "cpu_s": run.info["cpu_s"],
+            "cpu_util": run.info["cpu_s"] / (run.duration * torch.get_num_threads()),
+            "_texts": [tokenizer.decode(r.output_token_ids or [], skip_special_tokens=True)
+                       for r in run.records]}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -551,19 +286,21 @@ COLUMNS = [  # group, header, width, value(row) -> str
      if r.get("offline") else "-"),
     ("", "ratio", 5, lambda r: f"{r['offline_ratio']:.2f}"
      if r.get("offline_ratio") is not None else "-"),
-    ("TTFT ms", "mean", 7, lambda r: _ms(r["ttft_s"]["mean"])),
-    ("", "p50", 7, lambda r: _ms(r["ttft_s"]["p50"])),
-    ("", "p99", 7, lambda r: _ms(r["ttft_s"]["p99"])),
-    ("TPOT ms", "mean", 6, lambda r: _ms(r["tpot_s"]["mean"])),
-    ("", "p50", 6, lambda r: _ms(r["tpot_s"]["p50"])),
-    ("", "p99", 6, lambda r: _ms(r["tpot_s"]["p99"])),
-    ("ITL ms", "p50", 6, lambda r: _ms(r["itl_s"]["p50"])),
-    ("", "p99", 6, lambda r: _ms(r["itl_s"]["p99"])),
-    ("E2E s", "mean", 6, lambda r: "n/a" if r["e2e_s"]["mean"] is None
-     else f"{r['e2e_s']['mean']:.2f}"),
-    ("", "p99", 6, lambda r: "n/a" if r["e2e_s"]["p99"] is None
-     else f"{r['e2e_s']['p99']:.2f}"),
+    ("TTFT ms", "mean", 7, lambda r: _ms(r["mean_ttft_ms"])),
+    ("", "p50", 7, lambda r: _ms(r["median_ttft_ms"])),
+    ("", "p99", 7, lambda r: _ms(r["p99_ttft_ms"])),
+    ("TPOT ms", "mean", 6, lambda r: _ms(r["mean_tpot_ms"])),
+    ("", "p50", 6, lambda r: _ms(r["median_tpot_ms"])),
+    ("", "p99", 6, lambda r: _ms(r["p99_tpot_ms"])),
+    ("ITL ms", "p50", 6, lambda r: _ms(r["median_itl_ms"])),
+    ("", "p99", 6, lambda r: _ms(r["p99_itl_ms"])),
+    ("E2E s", "mean", 6, lambda r: _seconds(r["mean_e2el_ms"])),
+    ("", "p99", 6, lambda r: _seconds(r["p99_e2el_ms"])),
 ]
+
+
+def _seconds(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms / 1e3:.2f}"
 
 
 def format_tables(results: dict[str, Any]) -> str:
@@ -623,7 +360,7 @@ def format_tables(results: dict[str, Any]) -> str:
         lines.append("CPU utilization of the offline runs (process CPU s / wall s / threads): "
                      + ", ".join(off))
     for r in results["points"]:
-        for err, count in r["errors"].items():
+        for err, count in r["failed_reasons"].items():
             lines.append(f"FAILED {r['label']}: {count} request(s): {err}")
     return "\n".join(lines)
 
@@ -651,10 +388,11 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     ax.set_title("throughput (label: server / offline)", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    for ax, key, title in ((axes[1], "ttft_s", "time to first token"),
-                           (axes[2], "tpot_s", "time per output token")):
-        for q, style in (("p50", "-"), ("p99", "--")):
-            ax.plot(xs, [1e3 * p[key][q] if p[key][q] is not None else math.nan for p in pts],
+    for ax, metric, title in ((axes[1], "ttft", "time to first token"),
+                              (axes[2], "tpot", "time per output token")):
+        for q, stat, style in (("p50", "median", "-"), ("p99", "p99", "--")):
+            ax.plot(xs, [math.nan if p[f"{stat}_{metric}_ms"] is None
+                         else p[f"{stat}_{metric}_ms"] for p in pts],
                     style, marker="o", color="#3b75af", label=f"server {q}")
         ax.set_ylabel("ms")
         ax.set_title(title, fontsize=9)
@@ -673,27 +411,8 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- driver
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None (those options' help says what happens without them)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     s = p.add_argument_group("server")
     s.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); default: start "
                    "`python -m corellm serve` with --config on a free port, stop it at the end")
@@ -706,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: kept in memory, its tail shown on errors)")
     s.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
     w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=_positive, default=None, help="requests per load point "
+    w.add_argument("--num-prompts", type=positive_int, default=None, help="requests per load point "
                    "(default: max(32, 4 x concurrency); 128 without a concurrency limit). Each "
                    "point sends the first N prompts of one list")
     w.add_argument("--input-len", type=parse_range, default="128", metavar="N|LO:HI",
@@ -719,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (server and offline texts are then compared too)")
     w.add_argument("--warmup-requests", type=int, choices=range(0, 1025), metavar="N", default=2,
-                   help="untimed requests sent at once before the sweep (16 output tokens)")
+                   help="untimed requests sent at once before the sweep and before each "
+                        "offline run (the first N prompts, 16 output tokens)")
     ld = p.add_argument_group("load")
     ld.add_argument("--concurrency", type=parse_int_list, default=None, metavar="N[,N...]",
                     help="maximum requests in flight (default 1,4,16,64, or no limit when only "
@@ -753,15 +473,18 @@ def base_config(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
+    from corellm.bench.runner import prompt_token_space
+
     if args.offline is None:
         args.offline = args.url is None
     config, model = base_config(args)
     facts = model_facts(model)
-    vocab, special = prompt_id_space(model, facts["vocab_size"])
+    tokenizer, vocab, special = prompt_token_space(model)
     points = points_of(args)
     n_max = max(requests_per_point(args, c) for c, _ in points)
     if args.dataset:
-        reqs = load_dataset(args.dataset, n_max, args.output_len, args.seed)
+        reqs = [{"prompt_token_ids": tokenizer.encode(r["prompt"]), "output_len": r["output_len"]}
+                for r in load_dataset(args.dataset, n_max, args.output_len, args.seed)]
         description = (f"{len(reqs)} prompts from {args.dataset}, "
                        f"{sum(r['output_len'] for r in reqs)} output tokens")
     else:
@@ -769,8 +492,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                      special)
         description = (f"random prompts, in {_range(args.input_len)}, out "
                        f"{_range(args.output_len)} tokens")
-    warmup = random_token_requests(args.warmup_requests, (min(32, args.input_len[0]),) * 2,
-                                   (16, 16), args.seed + 1, vocab, special)
     run_id = f"serve-bench-{uuid.uuid4().hex[:8]}"
     results: dict[str, Any] = {
         "environment": environment(), "command": None,
@@ -796,11 +517,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             url = server.url
         else:
             url = args.url.rstrip("/")
-        with httpx.Client(trust_env=False, timeout=30) as c:
-            if c.get(f"{url}/health").status_code != 200:
-                raise RuntimeError(f"{url}/health did not answer 200")
-            info = c.get(f"{url}/v1/models").json()["data"][0]
-        model_name, max_model_len = info["id"], info.get("max_model_len")
+        with httpx.Client(trust_env=False, timeout=30) as sync_client:
+            info = server_info(sync_client, url)
+        model_name, max_model_len = info["model_name"], info["max_model_len"]
         results["server"].update(url=url, model_name=model_name, max_model_len=max_model_len,
                                  pid=server.pid if server else None,
                                  engine_core_pid=server.engine_pid if server else None)
@@ -809,8 +528,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if longest > max_model_len:
                 raise SystemExit(f"--input-len + --output-len can reach {longest} tokens; the "
                                  f"server's max_model_len is {max_model_len}")
-        results["points"] = asyncio.run(sweep(url, model_name, reqs, warmup, args, server,
-                                              run_id))
+        results["points"] = asyncio.run(sweep(url, model_name, reqs, args, server, run_id))
     except Exception:
         if server and server.proc is not None:
             log(f"the server's last output:\n{server.log_tail(15)}")
@@ -833,7 +551,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if c not in done:
                 mine = reqs[:row["requests"]]
                 log(f"offline, max_num_seqs {c or 'as configured'}: {len(mine)} requests...")
-                done[c] = run_offline(config, c, mine, warmup, args, f"{run_id}-offline-{c}")
+                done[c] = run_offline(config, c, mine, args, tokenizer)
                 log(f"offline, max_num_seqs {c or 'as configured'}: "
                     f"{done[c]['output_throughput']:.1f} output tok/s in "
                     f"{done[c]['wall_s']:.2f} s (engine built in {done[c]['load_s']:.1f} s)")

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name clients use (default: the checkpoint directory's name)")
     serve.set_defaults(func=cmd_serve)
 
+    from corellm.bench.cli import add_bench_subcommand
+    add_bench_subcommand(sub)
+
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=cmd_plugins)

@@ -1,0 +1,318 @@
+"""``corellm bench``: one seeded workload against one or more targets, side by side.
+
+The synthetic workload takes ``vllm bench serve``'s flags unchanged (``--dataset-name random
+--random-input-len --random-output-len --random-range-ratio --num-prompts --request-rate
+--burstiness --seed``, ``--goodput``, ``--save-result --result-filename --result-dir``,
+``--percentile-metrics --metric-percentiles``, ``--max-concurrency``, ``--num-warmups``); only
+the defaults are smaller than vLLM's (1000 prompts of 1024 + 128 tokens) so a default run fits a
+CPU. ``--workload FILE.yaml`` describes richer workloads instead (priority classes, tenants,
+multi-turn sessions, shared prefixes; see ``corellm bench workload``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+targets (each repeatable; NAME=VALUE names a column, default: the file's stem / host:port):
+  --config fcfs=a.yaml --config priority=b.yaml   in-process engines (A/B)
+  --url http://127.0.0.1:8000                     a running server
+  (none)                                          the demo model with the default config
+
+multi-turn workloads against a server: the API returns text, not token ids, so a follow-up's
+history is the previous reply re-tokenized with the model's tokenizer (--tokenizer); offline
+it is the exact output ids.
+
+examples:
+  corellm bench --num-prompts 32 --random-input-len 64 --random-output-len 32
+  corellm bench --config fcfs=fcfs.yaml --config prio=prio.yaml --workload w.yaml \\
+      --repeats 3 --goodput ttft:200 tpot:50 --save-result --result-filename ab.json \\
+      --plot ab.png
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except None/False/[] (those options' help says what happens without
+    them); descriptions and epilogs keep their line breaks. Also used by benchmarks/serve.py."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
+            ) -> Callable[[str], Any]:
+    """An argparse ``type`` that converts with ``cast`` and accepts what ``ok`` allows, else
+    reports ``expected ..., got '...'`` (argparse prints it with the option's name)."""
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    parse.__name__ = expected      # argparse names the type in some messages
+    return parse
+
+
+positive_int = checked(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = checked(int, lambda v: v >= 0, "an integer >= 0")
+request_rate = checked(float, lambda v: v > 0, "requests/s > 0 or inf")
+
+
+def _slo(text: str) -> str:
+    from corellm.bench.metrics import parse_goodput
+    try:
+        parse_goodput([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < 100 or v == 100 for v in values):
+        raise argparse.ArgumentTypeError(f"expected percentiles in (0, 100], e.g. 90,99; got "
+                                         f"{text!r}")
+    return values
+
+
+def _metric_list(text: str) -> list[str]:
+    from corellm.bench.metrics import LATENCY_METRICS
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in LATENCY_METRICS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
+                                         f"{','.join(LATENCY_METRICS)}; got {text!r}")
+    return names
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("targets")
+    t.add_argument("--config", "-c", action="append", default=[], metavar="[NAME=]FILE",
+                   help="an engine config (YAML/TOML/JSON) run in this process; repeat for A/B")
+    t.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+                   help="a running OpenAI-compatible server; repeatable")
+    t.add_argument("--start-server", action="store_true",
+                   help="run each --config through `corellm serve` started here (stopped after "
+                        "each run) instead of in this process")
+    t.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's tokenizer directory, for random prompt ids and for "
+                        "re-tokenizing a server's replies in multi-turn workloads (default: the "
+                        "first --config's model, else the demo model)")
+    t.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per server request")
+    t.add_argument("--server-timeout", type=float, default=300.0,
+                   help="seconds for a started server to become ready")
+    t.add_argument("--server-log", metavar="FILE", help="write started servers' output here")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", metavar="FILE.yaml",
+                   help="a workload spec (see `corellm bench workload`); otherwise the random "
+                        "workload of the flags below")
+    w.add_argument("--dataset-name", choices=["random"], default="random",
+                   help="vLLM's flag; only the synthetic random dataset")
+    w.add_argument("--num-prompts", type=positive_int, default=64, help="requests per run")
+    w.add_argument("--random-input-len", type=positive_int, default=128,
+                   help="prompt tokens (random ids from the model's vocabulary)")
+    w.add_argument("--random-output-len", type=positive_int, default=64,
+                   help="output tokens per request (sent with ignore_eos)")
+    w.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)]")
+    w.add_argument("--input-len", type=positive_int, help="alias of --random-input-len")
+    w.add_argument("--output-len", type=positive_int, help="alias of --random-output-len")
+    w.add_argument("--request-rate", type=request_rate, default=math.inf,
+                   help="arrivals per second (Poisson, or gamma with --burstiness); inf: all "
+                        "at once")
+    w.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times: 1 Poisson, < 1 burstier")
+    w.add_argument("--seed", type=int, default=None,
+                   help="workload seed (default 0, or the --workload file's own); repeat r "
+                        "uses seed + r")
+    w.add_argument("--max-concurrency", type=positive_int,
+                   help="at most N requests in flight (a client-side limit, as in vLLM)")
+    w.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, so every run of a config computes the same tokens")
+    w.add_argument("--num-warmups", type=non_negative_int, default=1,
+                   help="untimed requests before every run")
+
+    r = p.add_argument_group("runs and results")
+    r.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs per target, with seeds seed, seed+1, ...; interleaved A,B,A,B")
+    r.add_argument("--goodput", nargs="+", type=_slo, metavar="KEY:MS",
+                   help="SLOs for goodput (ttft, tpot, e2el in ms): a request is good when it "
+                        "meets all of them")
+    r.add_argument("--percentile-metrics", type=_metric_list,
+                   default="ttft,tpot,itl,e2el", metavar="M[,M...]",
+                   help="metrics to report")
+    r.add_argument("--metric-percentiles", type=_float_list, default="90,99",
+                   metavar="Q[,Q...]", help="percentiles reported besides mean, median and std")
+    r.add_argument("--save-result", action="store_true",
+                   help="write the JSON result (also implied by --result-filename)")
+    r.add_argument("--result-filename", metavar="FILE.json",
+                   help="default: corellm-bench-{rate}qps-{model}-{date}.json")
+    r.add_argument("--result-dir", metavar="DIR", help="directory for the JSON result")
+    r.add_argument("--plot", metavar="FILE.png",
+                   help="CDFs of TTFT and E2E latency per target (and per priority class)")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``corellm bench`` (and ``corellm bench workload`` when available)."""
+    p = subparsers.add_parser(
+        "bench", help="benchmark configs or servers on one seeded workload (A/B)",
+        description=__doc__, epilog=EPILOG, formatter_class=HelpFormatter)
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    try:
+        from corellm.bench.workload_cli import add_workload_subcommand
+    except ImportError:       # the workload tools are not needed to run a benchmark
+        return p
+    sub = p.add_subparsers(dest="bench_command", metavar="{workload}",
+                           title="sub-commands (without one, `corellm bench` runs a benchmark)")
+    add_workload_subcommand(sub)
+    return p
+
+
+# ----------------------------------------------------------------------------- running
+def build_targets(args: argparse.Namespace) -> list[Any]:
+    from corellm.bench.runner import Target, default_label, parse_target, unique_labels
+
+    specs = []
+    for text in args.config:
+        name, path = parse_target(text, "config")
+        specs.append((name or default_label(path, "config"), {"config": path,
+                                                              "start_server": args.start_server}))
+    for text in args.url:
+        name, url = parse_target(text, "url")
+        specs.append((name or default_label(url, "url"), {"url": url}))
+    if not specs:
+        specs.append(("demo", {"config": None, "start_server": args.start_server}))
+    labels = unique_labels([label for label, _ in specs])
+    return [Target(label, **kw) for label, (_, kw) in zip(labels, specs)]
+
+
+def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
+                   exclude_ids: set[int], max_model_len: int | None = None,
+                   ) -> tuple[Any, int]:
+    """A function seed -> Workload, and the base seed. With ``max_model_len`` a workload whose
+    sessions outgrow the context is refused before anything runs."""
+    from corellm.bench import workload as wl
+
+    if args.workload:
+        spec = wl.load_workload_spec(args.workload)
+        base = args.seed if args.seed is not None else getattr(spec, "seed", None)
+        base = 0 if base is None else base
+
+        def make(seed: int) -> Any:
+            return wl.build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
+                                     seed=seed, tokenizer=tokenizer,
+                                     max_model_len=max_model_len)
+        return make, base
+
+    base = 0 if args.seed is None else args.seed
+
+    def make_random(seed: int) -> Any:
+        spec = wl.spec_from_vllm_args(
+            input_len=args.input_len or args.random_input_len,
+            output_len=args.output_len or args.random_output_len,
+            range_ratio=args.random_range_ratio, num_prompts=args.num_prompts,
+            request_rate=args.request_rate, burstiness=args.burstiness, seed=seed)
+        return wl.build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
+                                 seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
+    return make_random, base
+
+
+def result_path(args: argparse.Namespace, model_name: str, date: _dt.datetime) -> Path | None:
+    if not (args.save_result or args.result_filename):
+        return None
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    name = args.result_filename or (f"corellm-bench-{rate}qps-{model_name}-"
+                                    f"{date.strftime('%Y%m%d-%H%M%S')}.json")
+    return Path(args.result_dir) / name if args.result_dir else Path(name)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so servers started here are stopped either way.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _bench(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from corellm.bench.env import environment, loadavg
+    from corellm.bench.metrics import parse_goodput
+    from corellm.bench.report import build_results, format_report, write_json, write_plot
+    from corellm.bench.runner import (RunOptions, config_max_model_len, config_model_dir, log,
+                                      prompt_token_space, run_ab)
+
+    goodput = parse_goodput(args.goodput or [])
+    targets = build_targets(args)
+    first_config = next((t.config for t in targets if t.url is None), None)
+    model_dir = Path(args.tokenizer) if args.tokenizer else config_model_dir(first_config)
+    models = {str(config_model_dir(t.config, tokenizer=False)) for t in targets if t.url is None}
+    if len(models) > 1:
+        log(f"WARNING: the targets run different models ({', '.join(sorted(models))}); prompts "
+            f"are drawn from the vocabulary of {model_dir}")
+    if first_config is None and not args.tokenizer and any(t.url for t in targets):
+        log(f"WARNING: no --tokenizer: prompt ids are drawn from {model_dir}'s vocabulary; give "
+            "the served model's tokenizer directory if the server runs another model")
+    tokenizer, vocab, special = prompt_token_space(model_dir)
+    lens = [config_max_model_len(t.config) for t in targets if t.url is None]
+    make, base_seed = workload_maker(args, tokenizer, vocab, special,
+                                     min((n for n in lens if n), default=None))
+    options = RunOptions(temperature=args.temperature, warmup_requests=args.num_warmups,
+                         max_concurrency=args.max_concurrency,
+                         request_timeout=args.request_timeout,
+                         server_timeout=args.server_timeout, progress=not args.disable_tqdm,
+                         server_log=args.server_log)
+    load = loadavg()
+    if load is not None and load > 0.5:
+        log(f"WARNING: 1-min load average is {load:.2f} before starting: other processes are "
+            "using the CPU and the numbers will be noisy")
+    env = environment()
+    try:
+        runs, workloads = run_ab(targets, make, options, repeats=args.repeats, seed=base_seed,
+                                 tokenizer=tokenizer)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if args.workload:        # the workload file's arrivals apply, not the vLLM flags
+        rate = burstiness = num_prompts = None
+    else:
+        rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+        burstiness, num_prompts = args.burstiness, args.num_prompts
+    settings = {"num_prompts": num_prompts, "request_rate": rate, "burstiness": burstiness,
+                "max_concurrency": args.max_concurrency,
+                "repeats": args.repeats, "seed": base_seed, "temperature": args.temperature,
+                "num_warmups": args.num_warmups, "workload_file": args.workload,
+                "tokenizer": str(model_dir), "command": " ".join(sys.argv)}
+    results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
+                            percentiles=args.metric_percentiles,
+                            metrics=args.percentile_metrics, environment=env)
+    results["model_id"] = model_dir.name
+    print(format_report(results), flush=True)
+    path = result_path(args, model_dir.name, _dt.datetime.now())
+    if path is not None:
+        write_json(results, path)
+    if args.plot:
+        write_plot(results, args.plot)
+    failed = sum(not r.ok for run in runs for r in run.records)
+    if failed:
+        log(f"{failed} request(s) failed")
+        return 1
+    return 0

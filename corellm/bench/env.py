@@ -1,0 +1,93 @@
+"""What a benchmark result was measured on: hardware, software versions, thread settings and the
+code's git state. Stored with every result so two numbers are only compared when they are
+comparable (a different torch, another process on the cores, uncommitted engine edits)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+_SIMD_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}
+_THREAD_VARS = ("CORELLM_MALLOC_TUNING", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_AFFINITY",
+                "LD_PRELOAD")
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average (Linux), or None: above ~0.5 before a run, something else is
+    using the CPU and the numbers will be noisy."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def proc_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), or None."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _git_root() -> Path | None:
+    """The corellm source checkout this code runs from, if it is one (an editable install)."""
+    root = Path(__file__).resolve().parent.parent.parent
+    return root if (root / ".git").exists() else None
+
+
+def environment() -> dict[str, Any]:
+    """The machine and software a result was measured with (JSON-serializable)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    simd: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                simd = sorted(set(line.split(":", 1)[1].split()) & _SIMD_FLAGS)
+                break
+    except OSError:
+        pass
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+    }
+    if env["cuda"]:
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    env["thread_env"] = {k: os.environ[k] for k in _THREAD_VARS if k in os.environ}
+    try:
+        env["cpu_affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    for mod in ("transformers", "corellm", "numpy"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            env[mod] = None
+    root = _git_root()
+    if root is not None:
+        try:
+            env["git_commit"] = subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                timeout=10).stdout.strip() or None
+            # Uncommitted changes (engine files edited since the commit change what was measured).
+            env["git_status"] = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain"], capture_output=True,
+                text=True, timeout=10).stdout.splitlines()[:50]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
