@@ -403,7 +403,8 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
         ax.set_xlabel("load point (concurrency, request rate)")
     w = results["workload"]
     fig.suptitle(f"corellm serve: {results['server']['model_name']}, {w['description']}, "
-                 f"{results['environment']['cpu_count']} CPUs", fontsize=10)
+                 f"{results['environment']['cpu_model']}, {results['environment']['cpu_count']} "
+                 "CPUs", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -314,7 +314,9 @@ def test_cli_with_vllm_flags(llama_path, tmp_path, capsys):
                "--result-filename", "out.json"])
     assert rc == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[3].split() == ["overall", "A"] and "TTFT p99 ms" in table
+    lines = table.splitlines()
+    assert lines[2].startswith("machine: ") and " CPUs, torch " in lines[2]
+    assert lines[4].split() == ["overall", "A"] and "TTFT p99 ms" in table
     res = json.loads(out.read_text())
     assert res["completed"] == 6 and res["failed"] == 0          # one run: vLLM keys on top
     assert res["total_input_tokens"] == 6 * 16 and res["total_output_tokens"] == 6 * 4

@@ -449,9 +449,16 @@ def test_example_configs_validate_and_options_are_checked(examples):
 
     registry = load_registry(disable=[e for _, e in EXAMPLES.values()],
                              plugins=list(examples.values()))
+    workloads = REPO / "examples" / "workloads"
     for module, (folder, _) in EXAMPLES.items():
+        name = examples[module].SCHEDULER_NAME
         config = load_config(folder / "config.yaml", registry=registry)
-        assert config.scheduler.name == examples[module].SCHEDULER_NAME
+        assert config.scheduler.name == name
+        # The A/B config beside the example workloads: the same policy, fcfs.yaml's settings.
+        ab = load_config(workloads / f"{name.replace('_', '-')}.yaml", registry=registry)
+        fcfs = load_config(workloads / "fcfs.yaml", registry=registry)
+        assert ab.scheduler.name == name and ab.kv_cache == fcfs.kv_cache
+        assert ab.scheduler.max_num_seqs == fcfs.scheduler.max_num_seqs
     for bad in ({"name": "residual_sjf", "rerank_window": 0},
                 {"name": "residual_sjf", "aging_tokens_per_s": -1},
                 {"name": "fair_share", "tenant_weights": {"x": 0}},

@@ -304,7 +304,12 @@ def format_report(results: Mapping[str, Any]) -> str:
                                       + (f", {t['config_file']}" if t.get("config_file") else "")
                                       + (f", {t['url']}" if t.get("url") else "") + ")"
                                       for t in results["targets"])
-             + f"; runs per target: {max(n_runs.values())}", ""]
+             + f"; runs per target: {max(n_runs.values())}"]
+    env = results.get("environment") or {}
+    if env:
+        lines.append(f"machine: {env.get('cpu_model')}, {env.get('cpu_count')} CPUs, torch "
+                     f"{env.get('torch')} ({env.get('torch_threads')} threads), {env.get('date')}")
+    lines.append("")
     lines += _table("overall", labels, results["aggregate"], results["comparisons"], rows)
     for section, name in (("per_priority", "priority"), ("per_tenant", "tenant")):
         for cls, comparisons in results["class_comparisons"].get(section, {}).items():
@@ -392,7 +397,8 @@ def write_plot(results: Mapping[str, Any], path: str | Path) -> bool:
     fig.suptitle(f"corellm bench: {results['workload']['description']}"
                  + (f" (runs with seeds {seeds[0]}..{seeds[-1]} pooled)" if len(seeds) > 1
                     else "")
-                 + (f", {env['cpu_count']} CPUs" if env.get("cpu_count") else ""), fontsize=10)
+                 + (f"\n{env.get('cpu_model', 'CPU')}, {env['cpu_count']} CPUs, {env.get('date', '')}"
+                    if env.get("cpu_count") else ""), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
