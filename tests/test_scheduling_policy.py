@@ -209,6 +209,30 @@ def test_high_priority_arrival_preempts_a_low_priority_request(llama_path, press
         assert tokens[rid] == expected.outputs[0].token_ids, rid
 
 
+def test_priority_does_not_preempt_when_that_cannot_make_room(llama_path):
+    """8 blocks: A (priority 0, 4 blocks) and B (priority 5, 3 blocks) run when H (priority 1,
+    70 tokens = 5 blocks) arrives. Preempting B, the only worse request, would free 3 blocks
+    next to the 1 free: not enough, so B keeps its work and H waits for A to finish."""
+    cfg = engine_config(llama_path, scheduler={"name": "priority"}, kv_cache={"num_blocks": 8},
+                        model={"max_model_len": 128})
+    llm = LLM(cfg)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for rid, start, n, prio in (("A", 10, 60, 0), ("B", 100, 40, 5)):
+        llm.engine.add_request(llm.processor.process(
+            rid, {"prompt_token_ids": list(range(start, start + n))}, params, prio)[1])
+    llm.engine.step()
+    assert [r.request_id for r in llm.engine.scheduler.running] == ["A", "B"]
+    assert llm.get_stats().kv_blocks_free == 1
+    llm.engine.add_request(llm.processor.process(
+        "H", {"prompt_token_ids": list(range(300, 370))}, params, 1)[1])
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        finished += [o.request_id for o in llm.engine.step() if o.finished]
+    assert llm.get_stats().num_preemptions == 0
+    assert finished.index("A") < finished.index("H")
+    assert_pool_whole(llm)
+
+
 def test_priority_preemption_can_be_switched_off(llama_path):
     cfg = engine_config(llama_path, scheduler={"name": "priority", "max_num_seqs": 2,
                                                "preempt_lower_priority": False})
@@ -278,7 +302,11 @@ def random_policy_llm(llama_path):
 @pytest.fixture(scope="module")
 def reference_outputs(llama_path):
     llm = LLM(engine_config(llama_path))
-    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([60, 7, 33, 60, 18, 41])]
+    # Half the prompts share a 32-token prefix: cache hits, shared blocks held by several
+    # requests (and by victims), and `pending` blocks all occur under the random policy.
+    shared = list(range(500, 532))
+    prompts = [(shared if i % 2 else []) + list(range(3 + i, 3 + i + n))
+               for i, n in enumerate([60, 7, 33, 28, 18, 41])]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                         use_tqdm=False)
@@ -313,6 +341,42 @@ def test_the_random_policy_run_is_not_vacuous(random_policy_llm, reference_outpu
     assert RandomPolicy.calls.get("preempt_for", 0) > 0
     assert random_policy_llm.get_stats().num_preemptions - before == sum(
         RandomPolicy.calls.values())
+
+
+@pytest.mark.parametrize("hook", ["on_finished", "on_scheduled", "waiting_key"])
+def test_a_policy_that_raises_loses_nothing(llama_path, hook):
+    """A policy callback that raises fails the step (or the call) it ran in; every request still
+    ends, finished or with an error, every block returns, and the engine serves on."""
+    calls = {"n": 0}
+
+    class Raising(SchedulingPolicy):
+        def waiting_key(self, request, ctx):
+            if hook == "waiting_key" and request.num_preemptions:      # on re-queue only
+                raise ValueError("boom in waiting_key")
+            return request.arrival_seq
+
+        def choose_victim(self, running, ctx):
+            return running[-1]
+
+        def on_scheduled(self, scheduled, ctx):
+            calls["n"] += 1
+            if hook == "on_scheduled" and calls["n"] == 3:
+                raise ValueError("boom in on_scheduled")
+
+        def on_finished(self, request, ctx):
+            if hook == "on_finished":
+                raise ValueError("boom in on_finished")
+
+    cfg = tight_pool_config(llama_path, scheduler={"name": "raising"})
+    llm = LLM(cfg, plugins=[policy_plugin("raising", Raising)])
+    with pytest.raises(ValueError, match=f"boom in {hook}"):
+        llm.generate([{"prompt_token_ids": list(range(3 + i, 63 + i))} for i in range(3)],
+                      SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    sched = llm.engine.scheduler
+    assert not sched.requests and not sched.running and not sched.waiting
+    assert_pool_whole(llm)
+    if hook != "on_finished":
+        assert llm.generate("again", GREEDY, use_tqdm=False)[0].finished
 
 
 @pytest.mark.parametrize("method, answer, message", [

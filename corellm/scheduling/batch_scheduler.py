@@ -24,6 +24,7 @@ import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from corellm.components import SchedulerOptions
 from corellm.errors import PluginError
@@ -68,6 +69,7 @@ class _Plan:
     new_blocks: dict[str, list[int]] = field(default_factory=dict)   # running requests only
     admitted: list[Request] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    changes: int = 0        # admissions and preemptions so far (they change the prefix cache)
 
 
 class BatchScheduler(Scheduler):
@@ -86,6 +88,7 @@ class BatchScheduler(Scheduler):
         self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
         self._notify = _overrides(policy, "on_scheduled")
         self._notify_finished = _overrides(policy, "on_finished")
+        self._finished_notices: list[Request] = []
         self._grouped = _overrides(policy, "queue_group")
         self.num_schedules = 0
         self.num_preemptions = 0
@@ -130,6 +133,7 @@ class BatchScheduler(Scheduler):
                 self.waiting.remove(request)
             self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason))
+        self._deliver_finished()
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -138,7 +142,20 @@ class BatchScheduler(Scheduler):
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         if self._notify_finished:
-            self.policy.on_finished(request, self._context())
+            self._finished_notices.append(request)
+
+    def _deliver_finished(self) -> None:
+        """Tell the policy which requests finished, once every state change is done: a policy
+        that raises here cannot leave a finished request half-removed."""
+        error = None
+        while self._finished_notices:
+            request = self._finished_notices.pop(0)
+            try:
+                self.policy.on_finished(request, self._context())
+            except Exception as exc:           # the others are still told
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _preempt(self, victim: Request, plan: _Plan, ctx: SchedulingContext) -> None:
         """Preempt a running request by recomputation, undoing its place in this step's plan."""
@@ -150,6 +167,7 @@ class BatchScheduler(Scheduler):
             if victim in plan.admitted:
                 plan.admitted.remove(victim)
         plan.preempted.add(rid)
+        plan.changes += 1
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -200,6 +218,12 @@ class BatchScheduler(Scheduler):
         if not plan.preempted:
             self._admit(plan, ctx)
 
+        now = time.time()
+        for request in plan.admitted:                  # recorded once the admission holds
+            if request.num_cached_tokens < 0:          # first admission
+                request.num_cached_tokens = request.num_computed_tokens
+                request.first_scheduled_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
         cached = [CachedRequestData(rid, blocks, self.requests[rid].num_computed_tokens)
                   for rid, blocks in plan.new_blocks.items()]
         new = [NewRequestData(
@@ -241,13 +265,10 @@ class BatchScheduler(Scheduler):
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
-            if request.num_cached_tokens < 0:          # first admission
-                request.num_cached_tokens = prefix.num_tokens
-                request.first_scheduled_time = time.time()
-                self.num_prompt_tokens += request.num_prompt_tokens
             self.running.append(request)
             plan.num_scheduled[request.request_id] = n
             plan.admitted.append(request)
+            plan.changes += 1
             plan.budget -= n
 
     def _fit(self, request: Request, plan: _Plan, ctx: SchedulingContext,
@@ -278,7 +299,16 @@ class BatchScheduler(Scheduler):
         row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         lp = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
-        finished_any = False
+        try:
+            self._update(scheduler_output, runner_output, row_of, lp, outputs)
+        finally:
+            # Even when the update raised part-way, no finished request stays in `running`.
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self._deliver_finished()
+        return outputs
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput]) -> None:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -304,15 +334,11 @@ class BatchScheduler(Scheduler):
                                          [lp.sampled_ranks[row]])
             if status is not None:
                 self._finish(request, status)
-                finished_any = True
             outputs.append(EngineCoreOutput(rid, [token], logprobs,
                                             finish_reason=status.finish_reason if status else None,
                                             stop_reason=request.stop_reason,
                                             num_cached_tokens=max(request.num_cached_tokens, 0),
                                             first_scheduled_time=request.first_scheduled_time))
-        if finished_any:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        return outputs
 
     # ------------------------------------------------------------------ introspection
     def has_unfinished_requests(self) -> bool:

@@ -154,12 +154,13 @@ class SchedulingContext:
       whole budget).
     * ``cached_prefix(request)`` / ``cached_tokens(request)``: the prefix-cache lookup of a
       waiting request, done only when a policy asks and memoized for the round, so a policy that
-      looks at a few candidates pays for a few lookups, not for the whole queue. ``pending`` in
+      looks at a few candidates pays for a few lookups, not for the whole queue (the memo is
+      dropped at each admission or preemption of the round, which change the cache). ``pending`` in
       the result means the next block is being computed in this round: admitting the request
       now would stop admission for the round (it waits one step to find that block cached).
     """
 
-    __slots__ = ("now", "step", "_scheduler", "_plan", "_memo")
+    __slots__ = ("now", "step", "_scheduler", "_plan", "_memo", "_memo_at")
 
     def __init__(self, now: float, step: int, scheduler: BatchScheduler,
                  plan: _Plan | None = None) -> None:
@@ -168,6 +169,7 @@ class SchedulingContext:
         self._scheduler = scheduler
         self._plan = plan
         self._memo: dict[str, CachedPrefix] = {}
+        self._memo_at = 0                 # the plan's changes the memo was filled at
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -201,6 +203,11 @@ class SchedulingContext:
 
     def cached_prefix(self, request: Request) -> CachedPrefix:
         """The prefix-cache lookup of a *waiting* request (no side effects)."""
+        if self._plan is not None and self._plan.changes != self._memo_at:
+            # An admission or preemption since the memo was filled may have evicted or pinned
+            # blocks, or announced pending ones: look up again.
+            self._memo.clear()
+            self._memo_at = self._plan.changes
         prefix = self._memo.get(request.request_id)
         if prefix is None:
             prefix = self._memo[request.request_id] = \
