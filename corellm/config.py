@@ -132,7 +132,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     problems: list[tuple[str, str]] = []
     for key in data:
         if key not in SECTIONS:
-            problems.append((str(key), "unknown section" + _suggest(str(key), SECTIONS)))
+            problems.append((str(key), "unknown section" + did_you_mean(str(key), SECTIONS)))
 
     values: dict[str, Any] = {}
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
@@ -183,7 +183,7 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
             path = ".".join([section, *(str(p) for p in err["loc"])])
             if err["type"] == "extra_forbidden":
                 key = str(err["loc"][-1])
-                msg = "unknown option" + _suggest(key, fields)
+                msg = "unknown option" + did_you_mean(key, fields)
                 if owner:
                     names = [f for f in fields if f != "name"]
                     msg += (f" (options of {owner}: {', '.join(names)})" if names
@@ -194,7 +194,8 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
         return None
 
 
-def _suggest(key: str, choices: list[str]) -> str:
+def did_you_mean(key: str, choices: list[str]) -> str:
+    """``"; did you mean X?"`` for the closest of ``choices`` to a misspelt ``key``, or ``""``."""
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
 

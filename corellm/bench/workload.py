@@ -33,7 +33,6 @@ writes commented examples), ``build_workload`` (spec + seed -> ``Workload``),
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections import Counter
@@ -47,6 +46,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
                       ValidationError, ValidationInfo, model_validator)
 
+from corellm.config import did_you_mean
 from corellm.errors import ProblemsError
 
 
@@ -664,9 +664,7 @@ def _problems(exc: ValidationError, data: Any) -> list[tuple[str, str]]:
             path = ".".join(p for p in (path, cause.key) if p)
             msg = cause.message
         elif kind == "extra_forbidden":
-            key = str(err["loc"][-1])
-            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-            msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
+            msg = "unknown key" + did_you_mean(str(err["loc"][-1]), keys)
         elif kind == "missing":
             msg = "required"
         elif kind == "too_short" and ctx.get("min_length") == 1:
@@ -684,9 +682,8 @@ def _problems(exc: ValidationError, data: Any) -> list[tuple[str, str]]:
             disc = ctx.get("discriminator", "").strip("'")
             tag = str(ctx.get("tag", ""))
             expected = str(ctx.get("expected_tags", "")).replace("'", "")
-            close = difflib.get_close_matches(tag, [t.strip() for t in expected.split(",")],
-                                              n=1, cutoff=0.6)
-            msg = (f"unknown {disc} {tag!r}" + (f"; did you mean {close[0]}?" if close else "")
+            msg = (f"unknown {disc} {tag!r}"
+                   + did_you_mean(tag, [t.strip() for t in expected.split(",")])
                    + f" (expected one of: {expected})")
             path = ".".join(p for p in (path, disc) if p)
         else:
