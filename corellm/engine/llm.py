@@ -13,7 +13,7 @@ from corellm.engine.core_client import InprocClient, SyncMPClient
 from corellm.engine.output_processor import OutputProcessor
 from corellm.engine.processor import Processor, PromptType
 from corellm.errors import CheckpointError, InvalidRequestError
-from corellm.model_config import checkpoint_dir, load_generation_eos_ids
+from corellm.model_config import load_generation_eos_ids, tokenizer_path
 from corellm.outputs import EngineStats, RequestOutput
 from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
@@ -22,9 +22,9 @@ from corellm.worker.worker import model_path
 
 def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
     from transformers import AutoTokenizer
-    checkpoint_dir(path, key=key)       # a local directory: nothing is fetched from a hub
+    local = tokenizer_path(path, key=key)   # a local directory: nothing is fetched from a hub
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(str(local))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
 
@@ -138,6 +138,35 @@ class LLM:
             order.append(core_request.request_id)
         results = self._run(order, use_tqdm)
         return [results[rid] for rid in order]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             priority: int | Sequence[int] = 0,
+             user: str | None | Sequence[str | None] = None,
+             session_id: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        to several (a list of such lists), applying the model's chat template (or
+        ``chat_template``); vLLM's ``LLM.chat``. Returns one RequestOutput per conversation.
+        """
+        from corellm.engine.chat import render_chat
+
+        if not messages or isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            field = "messages" if len(conversations) == 1 else f"messages[{i}]"
+            ids = render_chat(self.tokenizer, conversation, chat_template=chat_template,
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
+                              chat_template_kwargs=chat_template_kwargs, field=field)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             user=user, session_id=session_id)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm

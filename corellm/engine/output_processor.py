@@ -150,6 +150,8 @@ class RequestState:
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now
+            elif now != m.last_token_time:    # n > 1: samples of one step arrive together
+                m.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
             m.num_generation_tokens += len(out.new_token_ids)
             s.token_ids.extend(out.new_token_ids)

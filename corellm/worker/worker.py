@@ -15,11 +15,11 @@ from corellm.worker.model_runner import ModelRunner, resolve_model
 
 
 def model_path(config: EngineConfig) -> str:
-    """The checkpoint directory the config names, or the built-in demo model (built on first use)."""
+    """The checkpoint the config names, or the default model (``corellm.demo.default_model``)."""
     if config.model.path is not None:
         return config.model.path
-    from corellm.demo import ensure_demo_model
-    return str(ensure_demo_model())
+    from corellm.demo import default_model
+    return str(default_model()[0])
 
 
 class Worker:

@@ -5,6 +5,10 @@ preemptions, token counters) are read from the engine core at scrape time (one `
 call between two steps), so they are exact and cost nothing while nobody scrapes. Latency
 histograms are observed in this process as requests finish. Each server has its own
 ``CollectorRegistry``: nothing global, so several servers (or tests) never collide.
+
+``frontend.metrics_prefix: vllm`` names every metric as vLLM's V1 engine does (``vllm:*``, labels
+``model_name`` and ``engine``), so dashboards written for vLLM work unchanged. Only metrics with
+an honest counterpart here are exposed; corellm-only ones are left out in that mode.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from prometheus_client.registry import Collector
 
 from corellm.engine.output_processor import RequestState
 
+PREFIXES = ("corellm", "vllm")
+# vLLM's label names, and the value of its "engine" label (corellm runs one engine core).
+VLLM_LABELS = ("model_name", "engine")
+VLLM_ENGINE = "0"
+
 logger = logging.getLogger("corellm.server")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -34,6 +43,9 @@ class _EngineCollector(Collector):
         self.owner = owner
 
     def collect(self) -> Iterator[Any]:
+        if self.owner.prefix == "vllm":
+            yield from self._collect_vllm()
+            return
         labels = ["model_name"]
         value = [self.owner.model_name]
         alive = GaugeMetricFamily("corellm:engine_alive", "1 while the engine core answers, "
@@ -80,14 +92,65 @@ class _EngineCollector(Collector):
                       s.num_generation_tokens)
         yield counter("corellm:engine_steps", "Engine steps run.", s.num_steps)
 
+    def _collect_vllm(self) -> Iterator[Any]:
+        s = self.owner.stats
+        if s is None:                 # dead or stuck engine: no gauges rather than stale ones
+            return
+        labels = list(VLLM_LABELS)
+        value = [self.owner.model_name, VLLM_ENGINE]
+
+        def family(cls: type, name: str, doc: str, v: float) -> Any:
+            f = cls(name, doc, labels=labels)
+            f.add_metric(value, v)
+            return f
+
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield family(g, "vllm:num_requests_running", "Requests in the running batch.",
+                     s.num_running_reqs)
+        yield family(g, "vllm:num_requests_waiting", "Requests waiting (or preempted) for "
+                     "admission.", s.num_waiting_reqs)
+        used = s.kv_blocks_total - s.kv_blocks_free
+        yield family(g, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by "
+                     "requests; 1 means full.", used / s.kv_blocks_total if s.kv_blocks_total
+                     else 0.0)
+        yield family(c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                     "cache.", s.prefix_cache_queries)
+        yield family(c, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     s.prefix_cache_hits)
+        yield family(c, "vllm:num_preemptions", "Requests preempted for KV-cache space.",
+                     s.num_preemptions)
+        yield family(c, "vllm:prompt_tokens", "Prompt tokens of admitted requests.",
+                     s.num_prompt_tokens)
+        yield family(c, "vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens)
+
+
+def _token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len``: buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
 
 class EngineMetrics:
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Any, model_name: str, prefix: str = "corellm",
+                 max_model_len: int | None = None) -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.engine = engine
         self.model_name = model_name
+        self.prefix = prefix
         self.stats: Any = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(self))
+        if prefix == "vllm":
+            if max_model_len is None:
+                max_model_len = engine.model_info.max_model_len
+            self._init_vllm(max_model_len)
+            return
         labels = ["model_name"]
         r = self.registry
         self.ttft = Histogram("corellm:time_to_first_token_seconds",
@@ -105,7 +168,49 @@ class EngineMetrics:
         self.success = Counter("corellm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
 
+    def _init_vllm(self, max_model_len: int) -> None:
+        r, labels, value = self.registry, list(VLLM_LABELS), (self.model_name, VLLM_ENGINE)
+
+        def hist(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*value)
+
+        lat, tokens = _LATENCY_BUCKETS, _token_buckets(max_model_len)
+        self.v_ttft = hist("vllm:time_to_first_token_seconds",
+                           "Time from arrival to the first generated token.", lat)
+        self.v_e2e = hist("vllm:e2e_request_latency_seconds",
+                          "Time from arrival until the request finished.", lat)
+        self.v_queue = hist("vllm:request_queue_time_seconds",
+                            "Time from arrival until the engine first scheduled the request.",
+                            lat)
+        self.v_prefill = hist("vllm:request_prefill_time_seconds",
+                              "Time from first scheduled to the first generated token.", lat)
+        self.v_decode = hist("vllm:request_decode_time_seconds",
+                             "Time from the first generated token to the last.", lat)
+        self.v_inference = hist("vllm:request_inference_time_seconds",
+                                "Time from first scheduled to the last generated token.", lat)
+        self.v_tpot = hist("vllm:request_time_per_output_token_seconds",
+                           "Per request: decode time / (generated tokens - 1); 0 for requests "
+                           "of one token.", _TPOT_BUCKETS)
+        self.v_itl = hist("vllm:inter_token_latency_seconds",
+                          "Time between consecutive arrivals of a request's new tokens.",
+                          _TPOT_BUCKETS)
+        self.v_prompt_tokens = hist("vllm:request_prompt_tokens",
+                                    "Prompt tokens, per finished sample.", tokens)
+        self.v_gen_tokens = hist("vllm:request_generation_tokens",
+                                 "Generated tokens, per finished sample.", tokens)
+        self.v_max_gen_tokens = hist("vllm:request_max_num_generation_tokens",
+                                     "Generated tokens of the longest of a request's n samples.",
+                                     tokens)
+        self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                 [*labels, "finished_reason"], registry=r)
+        for reason in ("stop", "length"):         # present (at 0) before the first request
+            self.v_success.labels(*value, reason)
+
     def observe_finished(self, states: list[RequestState]) -> None:
+        if self.prefix == "vllm":
+            for st in states:
+                self._observe_vllm(st)
+            return
         for st in states:
             m = st.metrics
             if m.time_to_first_token is not None:
@@ -118,6 +223,34 @@ class EngineMetrics:
                 self.queue.observe(max(m.queue_time, 0.0))
             for s in st.samples:
                 self.success.labels(self.model_name, s.finish_reason or "unknown").inc()
+
+    def _observe_vllm(self, st: RequestState) -> None:
+        """vLLM's per-request histograms from the request's timestamps. Counts are per sample,
+        as vLLM counts each of n samples; corellm keeps one set of timestamps per request, so the
+        timings are observed once per request (identical to vLLM for n = 1)."""
+        m = st.metrics
+        for s in st.samples:
+            self.v_success.labels(self.model_name, VLLM_ENGINE, s.finish_reason or "unknown").inc()
+            self.v_prompt_tokens.observe(len(st.prompt_token_ids))
+            self.v_gen_tokens.observe(len(s.token_ids))
+        self.v_max_gen_tokens.observe(max(len(s.token_ids) for s in st.samples))
+        if m.latency is not None:
+            self.v_e2e.observe(max(m.latency, 0.0))
+        if m.time_to_first_token is not None:
+            self.v_ttft.observe(max(m.time_to_first_token, 0.0))
+        sched, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
+        if sched is not None:
+            self.v_queue.observe(max(sched - m.arrival_time, 0.0))
+        if first is not None and last is not None:
+            if sched is not None:
+                self.v_prefill.observe(max(first - sched, 0.0))
+                self.v_inference.observe(max(last - sched, 0.0))
+            self.v_decode.observe(max(last - first, 0.0))
+            for gap in m.inter_token_latencies:
+                self.v_itl.observe(gap)
+            if len(st.samples) == 1:       # n > 1: tokens of parallel samples interleave
+                k = m.num_generation_tokens
+                self.v_tpot.observe(max(last - first, 0.0) / (k - 1) if k > 1 else 0.0)
 
     async def render(self) -> tuple[bytes, str]:
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from corellm.components import FrontendOptions
@@ -26,3 +28,6 @@ class OpenAIServerOptions(FrontendOptions):
         5.0, gt=0, description="/health answers 503 when the engine loop does not respond "
                                "within this time.")
     log_level: str = Field("info", description="uvicorn log level.")
+    metrics_prefix: Literal["corellm", "vllm"] = Field(
+        "corellm", description="Names on /metrics: corellm:* (default), or vLLM's own vllm:* "
+                               "names and labels, so vLLM's Grafana dashboard works unchanged.")

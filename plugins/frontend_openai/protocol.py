@@ -102,3 +102,30 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None    # meaningless without tools
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- vLLM's extras
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a ``prompt``: the ids the model would see for it."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` with ``messages``: rendered by the chat template, as
+    /v1/chat/completions renders them."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False           # only false: the template writes them
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None                   # not implemented: only null / []
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[StrictInt]

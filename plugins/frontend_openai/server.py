@@ -15,7 +15,6 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,16 +24,19 @@ from pydantic import BaseModel, ValidationError
 import corellm
 from corellm.components import BuildContext
 from corellm.engine.async_llm import AsyncLLM, RequestStream
+from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat
 from corellm.engine.ipc import EngineDeadError
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import CorellmError, InvalidRequestError
 from corellm.interfaces import Frontend
+from corellm.model_config import checkpoint_name
 from corellm.outputs import CompletionOutput, RequestOutput
 from corellm.sampling_params import SamplingParams
 
 from .metrics import EngineMetrics
 from .options import API_KEY_ENV, OpenAIServerOptions
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
 
 logger = logging.getLogger("corellm.server")
 
@@ -113,13 +115,6 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- the serving logic
-# Keys a request may not pass to apply_chat_template: they would replace the template (running
-# the caller's Jinja on the event loop) or change what the call returns.
-_RESERVED_TEMPLATE_KEYS = {"chat_template", "tokenize", "return_dict", "return_tensors",
-                           "conversation", "messages", "add_generation_prompt", "tools",
-                           "documents", "continue_final_message", "tokenizer_kwargs"}
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> None:
         self.engine = engine
@@ -151,7 +146,7 @@ class OpenAIServing:
             unsupported |= {"tools": bool(req.tools),
                             "tool_choice": req.tool_choice not in (None, "none", "auto"),
                             "chat_template_kwargs": bool(
-                                set(req.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KEYS),
+                                set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS),
                             "response_format": bool(req.response_format)
                             and req.response_format.get("type") != "text"}
         for field, used in unsupported.items():
@@ -315,21 +310,13 @@ class OpenAIServing:
                                                  num_cached)})
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "messages: this model's tokenizer has no chat template; use "
-                                "/v1/completions", param="messages")
+    def render_chat(self, req: ChatCompletionRequest,
+                    continue_final_message: bool = False) -> list[int]:
         messages = [{"role": m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}))
-        except Exception as exc:       # jinja errors: the template refused these messages
-            raise APIError(400, f"messages: the chat template failed: {exc}",
-                           param="messages") from None
-        # The template writes the special tokens (BOS) itself.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = render_chat(self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=continue_final_message,
+                          chat_template_kwargs=req.chat_template_kwargs)
         return self.tokenize_prompt(ids, "messages")
 
     async def chat(self, data: dict[str, Any]) -> Response:
@@ -400,6 +387,57 @@ class OpenAIServing:
         if req.stream_options and req.stream_options.include_usage:
             yield _sse_data({**base, "choices": [],
                              "usage": self.usage(num_prompt, num_completion, num_cached)})
+
+    # ------------------------------------------------------------------ /tokenize, /detokenize
+    async def tokenize(self, data: dict[str, Any]) -> Response:
+        """vLLM's ``POST /tokenize``: a ``prompt`` as /v1/completions tokenizes it, or
+        ``messages`` as /v1/chat/completions renders and tokenizes them."""
+        req: TokenizeCompletionRequest | TokenizeChatRequest
+        if "messages" in data:
+            req = _parse(TokenizeChatRequest, data)
+            self.check_model(req.model)
+            ids = self.render_chat(self._chat_for_tokenize(req),
+                                   continue_final_message=req.continue_final_message)
+        elif "prompt" in data:
+            req = _parse(TokenizeCompletionRequest, data)
+            self.check_model(req.model)
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "prompt: field required (or messages, to tokenize a chat)",
+                           param="prompt")
+        return JSONResponse({
+            "count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+            "token_strs": self.tokenizer.convert_ids_to_tokens(ids)
+            if req.return_token_strs else None})
+
+    def _chat_for_tokenize(self, req: TokenizeChatRequest) -> ChatCompletionRequest:
+        """The chat request whose rendering (``render_chat``) /tokenize returns."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message: cannot be combined with "
+                                "add_generation_prompt: true", param="continue_final_message")
+        if req.add_special_tokens:
+            raise APIError(400, "add_special_tokens: only false with messages (the chat template "
+                                "writes the special tokens)", param="add_special_tokens")
+        kwargs = dict(req.chat_template_kwargs or {})
+        unsupported = {"tools": bool(req.tools),
+                       "chat_template_kwargs": bool(set(kwargs) & RESERVED_TEMPLATE_KEYS)}
+        for field, used in unsupported.items():
+            if used:
+                raise APIError(400, f"{field}: not supported by this server", param=field)
+        return ChatCompletionRequest(messages=req.messages,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     chat_template_kwargs=kwargs or None)
+
+    async def detokenize(self, data: dict[str, Any]) -> Response:
+        """vLLM's ``POST /detokenize``: ``tokens`` back to text (special tokens kept)."""
+        req: DetokenizeRequest = _parse(DetokenizeRequest, data)
+        self.check_model(req.model)
+        vocab = self.engine.model_info.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens[{i}]: token id {t} is outside the vocabulary "
+                                    f"[0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
     # ------------------------------------------------------------------ streaming plumbing
     def _sse(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
@@ -498,6 +536,10 @@ async def _merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
 
 
 # --------------------------------------------------------------------------- the app
+# Routes outside /v1 that still need the API key (vLLM's tokenizer endpoints).
+_KEYED_ROUTES = frozenset({"/tokenize", "/detokenize"})
+
+
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run ``work``, cancelling it if the client disconnects first (Starlette does this for
     streaming bodies; a non-streaming request would otherwise generate to the end for nobody).
@@ -527,13 +569,14 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
 def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> FastAPI:
     app = FastAPI(title="corellm", version=corellm.__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(engine, options, model_name)
-    metrics = EngineMetrics(engine, model_name)
+    metrics = EngineMetrics(engine, model_name, options.metrics_prefix, serving.max_model_len)
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
     app.state.serving, app.state.metrics = serving, metrics
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[..., Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and (request.url.path.startswith("/v1")
+                                    or request.url.path in _KEYED_ROUTES):
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(
@@ -574,6 +617,14 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
     async def chat_completions(request: Request) -> Response:
         return await run(request, serving.chat)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await run(request, serving.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await run(request, serving.detokenize)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -603,7 +654,7 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
 
 # --------------------------------------------------------------------------- the Frontend
 def default_model_name(config: Any) -> str:
-    return Path(config.model.path).name if config.model.path else "corellm-demo"
+    return checkpoint_name(config.model.path)
 
 
 class OpenAIServer(Frontend):
