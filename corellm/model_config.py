@@ -10,9 +10,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corellm.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from corellm.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,14 @@ class ModelArchConfig:
         )
 
 
+def model_path(config: EngineConfig) -> str:
+    """The checkpoint the config names, or the default model (``corellm.demo.default_model``)."""
+    if config.model.path is not None:
+        return config.model.path
+    from corellm.demo import default_model
+    return str(default_model()[0])
+
+
 def locate_checkpoint(path: str | Path, key: str = "model.path") -> Path:
     """The checkpoint ``path`` names: a Hugging Face directory, or a ``.gguf`` file (named, or
     the only one in a directory without ``config.json``)."""
@@ -144,7 +155,10 @@ _GGUF_OPEN: dict[Path, Any] = {}
 def tokenizer_path(path: str | Path, key: str = "model.tokenizer") -> Path:
     """Where to load a tokenizer from: the directory, or a GGUF file's converted tokenizer."""
     p = locate_checkpoint(path, key)
-    return open_gguf(p).tokenizer_dir if p.is_file() else p
+    if p.is_file():
+        from corellm.gguf import gguf_tokenizer_dir
+        return gguf_tokenizer_dir(p)
+    return p
 
 
 def checkpoint_name(path: str | Path | None) -> str:

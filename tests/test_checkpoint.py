@@ -116,7 +116,7 @@ def _edit(path, **changes):
 def test_model_path_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(CheckpointError, match="is not a directory"):
+    with pytest.raises(CheckpointError, match="is a file but not a .gguf one"):
         LLM({"model": {"path": str(f)}})
 
 
@@ -133,3 +133,28 @@ def test_sliding_window_checked(tmp_path, llama_path):
         LLM(engine_config(copy))
     llm = LLM(engine_config(copy, model={"max_model_len": 128}))
     assert llm.engine.model_info.max_model_len == 128
+
+
+def test_plain_tokenizers_skip_autotokenizer_and_load_the_same(llama_path, tmp_path):
+    """A tokenizer.json tokenizer of the generic fast class is loaded by that class directly
+    (AutoTokenizer's model registry costs seconds at start-up); the result is the same."""
+    from transformers import AutoTokenizer
+
+    from corellm.engine.llm import _plain_fast_tokenizer_class, load_tokenizer
+
+    assert _plain_fast_tokenizer_class(llama_path) is not None
+    ours, reference = load_tokenizer(str(llama_path)), AutoTokenizer.from_pretrained(llama_path)
+    assert type(ours) is type(reference)
+    text = "Hello <|im_start|> world\n\n  it's Ünïcödé"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.chat_template == reference.chat_template and ours.chat_template
+    assert ours.eos_token_id == reference.eos_token_id
+    # A model-specific class (or remote code) still goes through AutoTokenizer.
+    other = tmp_path / "tok"
+    shutil.copytree(llama_path, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"x": "y"}}))
+    assert _plain_fast_tokenizer_class(other) is None
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"}))
+    assert _plain_fast_tokenizer_class(other) is None

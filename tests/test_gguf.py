@@ -22,7 +22,8 @@ import torch
 
 from corellm import LLM, SamplingParams
 from corellm.errors import CheckpointError
-from corellm.model_config import iter_weights, load_arch_config, load_generation_eos_ids
+from corellm.model_config import (iter_weights, load_arch_config, load_generation_eos_ids,
+                                  tokenizer_path)
 from tests.conftest import assert_pool_whole, engine_config
 from tests.gguf_writer import write_gguf
 from tests.test_hf_equivalence import compare, make_prompts
@@ -191,15 +192,19 @@ def test_the_index_is_built_once_per_file(gguf_file, tmp_path, capfd):
     copy = tmp_path / "copy.gguf"
     shutil.copy(path, copy)
     load_arch_config(copy)
-    assert "reading GGUF metadata" in capfd.readouterr().err
+    assert "reading the GGUF metadata" in capfd.readouterr().err
+    tokenizer_path(copy)
+    assert "converting the tokenizer" in capfd.readouterr().err
     from corellm.model_config import _GGUF_OPEN
     _GGUF_OPEN.clear()                       # as a new process would
     load_arch_config(copy)
-    assert "reading GGUF metadata" not in capfd.readouterr().err
+    tokenizer_path(copy)
+    err = capfd.readouterr().err
+    assert "reading" not in err and "converting" not in err
     os.utime(copy, ns=(1, 1))                # a changed file is read again
     _GGUF_OPEN.clear()
     load_arch_config(copy)
-    assert "reading GGUF metadata" in capfd.readouterr().err
+    assert "reading the GGUF metadata" in capfd.readouterr().err
 
 
 def test_unsupported_architecture_is_refused_naming_the_supported(make_checkpoint, tmp_path):

@@ -11,6 +11,7 @@ event loop, through the same ``Processor`` and ``OutputProcessor`` as the offlin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -23,10 +24,9 @@ from corellm.engine.ipc import EngineDeadError
 from corellm.engine.llm import build_config, load_tokenizer
 from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
 from corellm.engine.processor import Processor, PromptType
-from corellm.model_config import load_generation_eos_ids
+from corellm.model_config import load_generation_eos_ids, model_path
 from corellm.outputs import EngineStats, RequestOutput
 from corellm.sampling_params import SamplingParams
-from corellm.worker.worker import model_path
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,19 @@ class AsyncLLM:
         """Validate the config, start the engine-core process and wait until it is ready."""
         config, _ = build_config(config, model, ())
         path = model_path(config)
-        tokenizer = load_tokenizer(config.model.tokenizer or path,
-                                   "model.tokenizer" if config.model.tokenizer else "model.path")
-        client = await AsyncMPClient.create(config)
+        # The engine process starts (imports torch, loads the model) while this process loads
+        # the tokenizer: on two cores, the two overlap.
+        starting = asyncio.ensure_future(AsyncMPClient.create(config))
+        try:
+            tokenizer = await asyncio.to_thread(
+                load_tokenizer, config.model.tokenizer or path,
+                "model.tokenizer" if config.model.tokenizer else "model.path")
+        except BaseException:
+            starting.cancel()                  # kills the engine process it was starting
+            with contextlib.suppress(BaseException):
+                await starting
+            raise
+        client = await starting
         try:
             processor = Processor(tokenizer, client.model_info, load_generation_eos_ids(path))
             return cls(config, client, tokenizer, processor)

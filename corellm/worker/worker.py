@@ -8,18 +8,11 @@ from __future__ import annotations
 from corellm.config import EngineConfig
 from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
+from corellm.model_config import model_path
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import Registry, load_registry
 from corellm.worker.cpu import tune_malloc
 from corellm.worker.model_runner import ModelRunner, resolve_model
-
-
-def model_path(config: EngineConfig) -> str:
-    """The checkpoint the config names, or the default model (``corellm.demo.default_model``)."""
-    if config.model.path is not None:
-        return config.model.path
-    from corellm.demo import default_model
-    return str(default_model()[0])
 
 
 class Worker:

@@ -85,7 +85,10 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, variant: str,
                  max_positions: int, device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # An explicit (meta) weight skips nn.Embedding's random init, whose normal_ on the meta
+        # device imports torch._dynamo: about 0.7 s of start-up, for values never used.
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         rope = get_rope(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, backend, rope, variant)
                                     for i in range(arch.num_hidden_layers))
