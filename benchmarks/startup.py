@@ -76,6 +76,7 @@ def gguf_pieces(path: str) -> dict[str, float]:
     tokenizer, from a warm cache."""
     code = f"""
 import json, time
+import torch  # imported by the engine before it loads weights: not part of the loading time
 from corellm.model_config import iter_weights, load_arch_config
 from corellm.engine.llm import load_tokenizer
 load_arch_config({path!r})
@@ -93,16 +94,17 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(rows) + 1.8))
     labels = [r["model"] for r in rows]
     med = [r["median_s"] for r in rows]
     err = [[m - r["min_s"] for m, r in zip(med, rows)], [r["max_s"] - m for m, r in zip(med, rows)]]
     ax.barh(labels, med, xerr=err, color="tab:blue", capsize=4)
-    for y, m in enumerate(med):
-        ax.text(m, y, f" {m:.2f} s", va="center", ha="left")
+    for y, r in enumerate(rows):
+        ax.text(r["max_s"] + 0.2, y, f"{r['median_s']:.2f} s", va="center", ha="left")
+    ax.set_xlim(0, max(r["max_s"] for r in rows) * 1.15)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from spawning `corellm serve` to /health = 200 (median; min-max)")
-    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("seconds from spawning `corellm serve` to /health = 200 (median; bars: min-max)")
+    ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -201,4 +201,8 @@ def build_model(arch: ModelArchConfig, ctx: BuildContext, variant: str) -> Llama
     # load_weights() fills every parameter and raises if the checkpoint leaves one unset.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, ctx.attention_backend, variant, max_positions, ctx.device)
-    return model.to(ctx.dtype).to_empty(device=ctx.device)
+    # Materialize with torch.empty, not to_empty(): empty_like on meta tensors goes through
+    # torch._refs, whose first use imports sympy (0.4 s of start-up).
+    device, dtype = ctx.device, ctx.dtype
+    return model._apply(lambda t: torch.empty(
+        t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
