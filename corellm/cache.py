@@ -18,6 +18,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from corellm.errors import CorellmError
+
 COMPLETE = ".complete"
 
 
@@ -35,8 +37,13 @@ def build_once(target: Path, build: Callable[[Path], None], message: str) -> Pat
     marker = target / COMPLETE
     if marker.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "w")
+    except OSError as exc:
+        raise CorellmError(f"cannot write corellm's cache in {target.parent} ({exc}); set "
+                           "CORELLM_CACHE to a writable directory") from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():               # another process built it while we waited
             return target

@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"corellm {__import__('corellm').__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions offline",
+    gen = sub.add_parser("generate", help="generate completions offline", allow_abbrev=False,
                          description="Generate completions offline (vLLM's LLM.generate, or "
                                      "LLM.chat with --chat).")
     _add_engine_args(gen, frontend=False)
@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (frontend section)",
+                           allow_abbrev=False,
                            description="Serve an OpenAI-compatible API: `corellm serve MODEL` "
                                        "takes vLLM's common flags.")
     _add_engine_args(serve, frontend=True)

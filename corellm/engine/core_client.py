@@ -95,6 +95,10 @@ class _CoreProcess:
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.dead_reason: str | None = None
         self.closing = False
+        # kill() may come from another thread while start() is spawning (a cancelled start):
+        # the lock orders the two, and start() gives up once killed.
+        self._lock = threading.Lock()
+        self._killed = False
 
     def start(self, config: EngineConfig) -> ModelInfo:
         from corellm.engine.core_proc import run_engine_core
@@ -105,10 +109,15 @@ class _CoreProcess:
             target=run_engine_core, name="corellm-engine-core", daemon=True,
             args=(config.to_dict(), self.input_addr, self.output_addr, writer, os.getpid(),
                   logging.getLogger("corellm").getEffectiveLevel()))
-        self.proc.start()
+        with self._lock:
+            if self._killed:
+                raise EngineStartupError("engine core start-up was cancelled")
+            self.proc.start()
         writer.close()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not reader.poll(0.1):
+            if self._killed:
+                raise EngineStartupError("engine core start-up was cancelled")
             if not self.proc.is_alive():
                 raise EngineStartupError(f"engine core process exited with code "
                                          f"{self.proc.exitcode} during start-up (see its log)")
@@ -159,9 +168,11 @@ class _CoreProcess:
         self.kill()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        with self._lock:
+            self._killed = True
+            if self.proc is not None and self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
         self._dir.cleanup()
 
 

@@ -31,6 +31,9 @@ def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
         raise CheckpointError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
+_PLAIN_TOKENIZER_FAMILIES = {"llama", "qwen2", "qwen3"}
+
+
 def _plain_fast_tokenizer_class(directory: Path) -> Any:
     """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
 
@@ -49,6 +52,16 @@ def _plain_fast_tokenizer_class(directory: Path) -> Any:
     if name not in ("TokenizersBackend", "PreTrainedTokenizerFast") or "auto_map" in cfg \
             or not (directory / "tokenizer.json").is_file():
         return None
+    # AutoTokenizer also consults config.json's model_type (Mistral's own tokenizer backend,
+    # families whose hub class it overrides): only families where it takes the class above.
+    model_cfg = directory / "config.json"
+    if model_cfg.is_file():
+        try:
+            model_type = json.loads(model_cfg.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if model_type not in _PLAIN_TOKENIZER_FAMILIES:
+            return None
     import transformers
     return getattr(transformers, name, None)
 

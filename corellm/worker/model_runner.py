@@ -17,7 +17,7 @@ import torch
 from corellm.attention import AttentionMetadata
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
-from corellm.errors import CheckpointError
+from corellm.errors import CheckpointError, ConfigError
 from corellm.interfaces import CausalLM, ModelInfo
 from corellm.model_config import ModelArchConfig, iter_weights, load_arch_config
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -81,7 +81,20 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def _mem_available() -> int | None:
+    """Linux's estimate of the memory available to new allocations (bytes), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class CachedRequestState:
@@ -153,6 +166,16 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
                                                  self.model.num_kv_heads, self.model.head_size)
+        if self.device.type == "cpu":
+            # Pages are taken as blocks are first used, so an oversized pool would start and
+            # fail later; refuse it now.
+            need = self.kv_cache_bytes_per_block() * num_blocks
+            available = _mem_available()
+            if available is not None and need > available:
+                key = ("kv_cache.num_blocks" if self.config.kv_cache.num_blocks is not None
+                       else "kv_cache.memory_gib")
+                raise ConfigError([(key, f"the KV cache needs {need / 2**30:.2f} GiB but only "
+                                         f"{available / 2**30:.2f} GiB of memory is available")])
         # Zeroed, not empty: padded attention reads unwritten slots (masked out, but 0 * NaN
         # would still poison the output).
         self.kv_caches = [_zeros(shape, self.dtype, self.device)

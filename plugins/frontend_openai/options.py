@@ -21,7 +21,8 @@ class OpenAIServerOptions(FrontendOptions):
                           f"(also read from ${API_KEY_ENV}).")
     served_model_name: str | None = Field(
         None, description="The model name clients send; default: the checkpoint directory's "
-                          "name (corellm-demo for the demo model).")
+                          "name, or a GGUF file's without its quantization suffix "
+                          "(corellm-demo for the random demo model).")
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body accepted; larger is HTTP 413.")
     health_timeout_s: float = Field(
