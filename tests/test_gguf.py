@@ -26,7 +26,7 @@ from corellm.model_config import (iter_weights, load_arch_config, load_generatio
                                   tokenizer_path)
 from tests.conftest import assert_pool_whole, engine_config
 from tests.gguf_writer import write_gguf
-from tests.test_hf_equivalence import compare, make_prompts
+from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
 
 NEW_TOKENS = 24
 
@@ -127,15 +127,7 @@ def _greedy_hf(model_dir: Path, gguf_name: str | None, prompts: list[list[int]],
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                            eos_token_id=model.generation_config.eos_token_id if stop_at_eos
                            else None)
-    results = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                 dtype=torch.long), generation_config=gen,
-                                 return_dict_in_generate=True, output_logits=True)
-            results.append((out.sequences[0, len(ids):].tolist(),
-                            [lg[0].float() for lg in out.logits]))
-    return results
+    return hf_greedy(model, prompts, gen)
 
 
 # (transformers' GGUF reader ignores qwen3.attention.key_length, so it cannot read a Qwen3 file

@@ -50,16 +50,23 @@ def reference(request, make_checkpoint):
     prompts = make_prompts(model.config.vocab_size)
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
+    results = hf_greedy(model, prompts, gen_cfg)
+    assert all(len(tokens) == NEW_TOKENS for tokens, _ in results)
+    return request.param, path, prompts, results
+
+
+def hf_greedy(model, prompts: list[list[int]], gen_cfg) -> list[tuple[list[int], list]]:
+    """transformers' greedy `generate`, one prompt at a time (no padding): per prompt, the new
+    tokens and the logits of each step."""
     results = []
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                  dtype=torch.long), generation_config=gen_cfg,
                                  return_dict_in_generate=True, output_logits=True)
-            tokens = out.sequences[0, len(ids):].tolist()
-            assert len(tokens) == NEW_TOKENS
-            results.append((tokens, [lg[0].float() for lg in out.logits]))
-    return request.param, path, prompts, results
+            results.append((out.sequences[0, len(ids):].tolist(),
+                            [lg[0].float() for lg in out.logits]))
+    return results
 
 
 def compare(ours: list[int], theirs: list[int], logits: list[torch.Tensor]) -> str | None:
