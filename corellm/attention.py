@@ -1,8 +1,14 @@
 """Attention metadata the model runner builds once per step and passes down as an argument.
 
 The batch is ordered decodes first (one query token each, by ascending sequence length), then
-prefills (whole prompts, chunks of prompts, or recomputation after preemption), so backends can
-treat the two parts separately and batch decodes of similar length together.
+prefills (whole prompts, chunks of prompts, or recomputation after preemption; by ascending
+computed tokens), so backends can treat the two parts separately and batch decodes of similar
+length together. A "decode" is any request with exactly one query token this step: usually a
+generated token, but also a one-token prompt, a one-token chunk, or the last prompt token after a
+prefix-cache hit, with any context length.
+
+``block_table`` rows are padded with 0, which is a real block id: a backend reads only the first
+``ceil(seq_len / block_size)`` entries of row ``i``.
 """
 
 from __future__ import annotations

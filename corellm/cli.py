@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from corellm.errors import CorellmError
@@ -142,6 +142,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from corellm.plugins import load_registry
 
     registry = load_registry()
+    plugins = [{"name": name, "entry_point": info.value, "distribution": info.distribution,
+                "version": info.version, "hooks": registry.hooks_of(name)}
+               for name, info in sorted(registry.plugins.items())]
     rows = []
     for section, table in sorted(registry.components.items()):
         for name, entry in sorted(table.items()):
@@ -160,16 +163,32 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     broken = [{"plugin": b.info.name, "distribution": b.info.distribution,
                "version": b.info.version, "error": b.error} for b in registry.broken]
     if args.json:
-        print(json.dumps({"components": rows, "broken": broken}, indent=2, default=str))
+        print(json.dumps({"plugins": plugins, "components": rows, "broken": broken}, indent=2,
+                         default=str))
         return 0
-    print(f"{'KIND':<18} {'NAME':<24} {'DISTRIBUTION':<24} SUMMARY (options indented)")
-    for row in rows:
-        dist = f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
-        print(f"{row['kind']:<18} {row['name']:<24} {dist:<24} {row['summary']}")
+
+    def dist(row: dict) -> str:
+        return f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
+
+    def table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> Iterator[str]:
+        # Every column but the last as wide as its longest cell: long names never misalign.
+        widths = [max(len(cell) for cell in col) for col in zip(header, *lines)][:-1]
+        for line in (header, *lines):
+            yield "  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1]
+
+    print("\n".join(table(("PLUGIN", "DISTRIBUTION", "HOOKS"),
+                          [(p["name"], dist(p), ", ".join(p["hooks"]) or "(none)")
+                           for p in plugins])))
+    print()
+    lines = table(("KIND", "NAME", "PLUGIN", "SUMMARY (options indented)"),
+                  [(r["kind"], r["name"], r["plugin"], r["summary"]) for r in rows])
+    print(next(lines))
+    for row, line in zip(rows, lines):
+        print(line)
         if row.get("architectures"):
-            print(f"{'':<20}architectures: {', '.join(row['architectures'])}")
+            print(f"{'':<4}architectures: {', '.join(row['architectures'])}")
         for opt in row["options"]:
-            print(f"{'':<20}{opt['name']}: {opt['type']} = {opt['default']!r}"
+            print(f"{'':<4}{opt['name']}: {opt['type']} = {opt['default']!r}"
                   + (f"  # {opt['description']}" if opt["description"] else ""))
     for b in registry.broken:
         print(f"BROKEN {b.describe()}")
@@ -258,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CorellmError as exc:
         print(f"corellm: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `corellm plugins | head`: the reader left; exit quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -159,13 +159,17 @@ class FrontendSpec(ComponentSpec):
 class ModelSpec(ComponentSpec):
     """A model implementation, chosen by the checkpoint's ``architectures`` (config.json).
 
-    ``factory(arch, ctx) -> CausalLM`` where ``arch`` is the normalized ``ModelArchConfig``;
-    ``ctx.device`` and ``ctx.dtype`` are set and the factory builds the module on them.
+    ``config_class`` parses the checkpoint's config: a ``corellm.model_config.ModelArchConfig``
+    subclass (its ``from_dict``), by default the core's Llama-family ``LlamaArchConfig``.
+    ``factory(arch, ctx) -> CausalLM`` receives that parsed config; ``ctx.device``,
+    ``ctx.dtype``, ``ctx.attention_backend`` and ``ctx.max_model_len`` are set and the factory
+    builds the module on them.
     """
 
     kind: ClassVar[str] = "model"
     section: ClassVar[str] = "model"
     architectures: Sequence[str] = field(default=())
+    config_class: type[ModelArchConfig] | None = None
 
 
 SECTION_SPECS: dict[str, type[ComponentSpec]] = {

@@ -7,7 +7,7 @@ architecture's hyperparameters as metadata keys (``llama.block_count``...), the 
 already understands, so every model plugin loads GGUF without knowing it exists:
 
 - the metadata becomes a ``config.json``-shaped dict, parsed by the same
-  ``ModelArchConfig.from_dict`` as a safetensors checkpoint;
+  model plugin's config parser (``ModelSpec.config_class``) as a safetensors checkpoint;
 - tensors are renamed to their Hugging Face names and dequantized (``gguf.quants.dequantize``)
   to float32 as they are read, one at a time; the model's ``load_weights`` casts them to the
   model dtype. llama.cpp stores Llama's Q and K projections with the rows of each head

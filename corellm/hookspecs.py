@@ -12,9 +12,9 @@ plugin registry is built; each returns an iterable of spec objects from ``corell
 Every implementation is called and all results are collected (none is "first wins"). Two specs of
 one kind with the same name is an error naming both distributions.
 
-Observer hooks (``corellm_step_finished``) are called by the engine while it runs; they must be
-cheap, and their return value is ignored. pluggy stays off the per-token path: no hook is ever
-called per request or per token.
+Observer hooks (``corellm_engine_started``, ``corellm_step_finished``, ``corellm_engine_stopped``)
+are called by the engine while it runs; they must be cheap, and their return value is ignored.
+pluggy stays off the per-token path: no hook is ever called per request or per token.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def corellm_attention_backends() -> Iterable[AttentionBackendSpec]:
 
     Called once when the registry is built (and once in every worker process). Return an
     iterable of ``AttentionBackendSpec``. The factory runs inside each worker with
-    ``ctx.device`` and ``ctx.dtype`` set and returns a ``corellm.interfaces.AttentionBackend``.
+    ``ctx.device``, ``ctx.dtype``, ``ctx.arch`` (the parsed checkpoint config) and
+    ``ctx.max_model_len`` set, and returns a ``corellm.interfaces.AttentionBackend``.
     """
 
 
@@ -103,9 +104,12 @@ def corellm_models() -> Iterable[ModelSpec]:
     Called once when the registry is built. Return an iterable of ``ModelSpec``; each lists the
     ``architectures`` strings (as in a Hugging Face ``config.json``) it implements. The model for
     a checkpoint is the unique spec listing its architecture; two specs claiming one
-    architecture is an error naming both distributions. The factory receives the normalized
-    ``ModelArchConfig`` and a ``BuildContext`` with ``device`` and ``dtype`` set, and returns a
-    module implementing ``corellm.interfaces.CausalLM``.
+    architecture is an error naming both distributions. The spec's ``config_class`` (a
+    ``corellm.model_config.ModelArchConfig`` subclass; default: the core's Llama-family
+    ``LlamaArchConfig``) parses the checkpoint's config. The factory receives that parsed config
+    and a ``BuildContext`` with ``device``, ``dtype``, ``attention_backend`` and
+    ``max_model_len`` set, and returns a module implementing ``corellm.interfaces.CausalLM``
+    (docs/plugins.md, "A model").
     """
 
 
@@ -121,9 +125,11 @@ def corellm_frontends() -> Iterable[FrontendSpec]:
 
 # --------------------------------------------------------------------------- observer hooks
 @hookspec
-def corellm_engine_started(config: EngineConfig) -> None:
+def corellm_engine_started(config: EngineConfig, engine_id: str) -> None:
     """Called once when an engine core has built its components and allocated its KV cache,
-    before the first step. ``config`` is the fully validated configuration. Return value ignored.
+    before the first step. ``config`` is the fully validated configuration; ``engine_id`` names
+    this engine (several can run in one process) and is repeated in every ``StepStats`` and in
+    ``corellm_engine_stopped``. Return value ignored.
     """
 
 
@@ -135,4 +141,16 @@ def corellm_step_finished(stats: StepStats) -> None:
     Runs on the engine's hot loop: keep it to microseconds (hand work to a thread if it is
     slower). Return value ignored. The engine does not call it at all when no plugin implements
     it.
+    """
+
+
+@hookspec
+def corellm_engine_stopped(engine_id: str, config: EngineConfig,
+                           error: BaseException | None) -> None:
+    """Called once for every engine whose ``corellm_engine_started`` was called, when it shuts
+    down: flush and close sinks here. ``error`` is None on a normal shutdown (``LLM.shutdown()``,
+    the end of a ``with LLM(...)`` block, a server's exit, or interpreter exit for an engine
+    never shut down), or the exception that brought the engine down (a failed step in an engine
+    process). Every implementation is called even if another raises; exceptions are logged, never
+    raised, so a sink cannot mask the engine's own error. Return value ignored.
     """

@@ -225,7 +225,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor (K and V together)."""
+        """Shape of one layer's KV cache tensor (K and V together), in the backend's own layout.
+
+        The model runner allocates one zeroed tensor of this shape per layer, in the model's
+        dtype on the worker's device, and the model binds it to the layer. It also calls this
+        with ``num_blocks=1`` to size the pool, so the size must be proportional to
+        ``num_blocks``. ``num_kv_heads`` is per worker."""
 
     def build_metadata(self, common: AttentionMetadata) -> Any:
         """Precompute, once per step, whatever the backend needs beyond the common metadata."""
@@ -234,10 +239,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] (T: tokens this step).
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] in the query's dtype
+        (T: tokens this step; inputs may be non-contiguous views).
 
         Writes key/value into ``kv_cache`` at ``metadata.slot_mapping`` first, then attends over
-        each request's cached context plus its new tokens, causally."""
+        each request's cached context plus its new tokens, causally, with grouped-query
+        attention (query head h reads KV head h // (H // Hkv)) and ``layer.scale``. One backend
+        object serves every layer: per-layer state is keyed by ``layer.layer_idx``."""
 
 
 class Sampler(ABC):

@@ -1,107 +1,318 @@
 """Reading checkpoints: a Hugging Face directory (its config in both transformers 4 and 5
 spellings, safetensors weights in one file or sharded with an index), or a GGUF file
-(``corellm.gguf``), which is turned into the same config dict and Hugging Face tensor names. Model
-plugins see only the normalized ``ModelArchConfig`` and ``(name, tensor)`` pairs, whichever format
-the checkpoint is in."""
+(``corellm.gguf``), which is turned into the same config dict and Hugging Face tensor names.
+
+The model plugin chosen by the config's ``architectures`` parses the config (its
+``ModelSpec.config_class``, by default the Llama-family ``LlamaArchConfig``) into a
+``ModelArchConfig``: the facts the engine needs plus whatever the model needs. Model plugins see
+only that and ``(name, tensor)`` pairs, whichever format the checkpoint is in."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
-from corellm.errors import CheckpointError
+from corellm.errors import CheckpointError, PluginError
 
 if TYPE_CHECKING:
     from corellm.config import EngineConfig
+    from corellm.plugins import Registry, RegisteredComponent
+
+
+_MISSING: Any = object()
+
+
+class ConfigReader:
+    """Typed reads of a checkpoint's config dict, for a model plugin's config parser.
+
+    Every read names the file and key when it fails: a missing required key, or a value of the
+    wrong type. A key may have aliases (GPT-2 spells ``hidden_size`` as ``n_embd``): the first
+    one present wins. ``None`` (JSON ``null``) counts as absent, as transformers writes unset
+    keys that way.
+    """
+
+    def __init__(self, cfg: dict[str, Any], source: str = "config.json") -> None:
+        self.cfg = cfg
+        self.source = source
+
+    def has(self, *keys: str) -> bool:
+        return any(self.cfg.get(k) is not None for k in keys)
+
+    def raw(self, *keys: str, default: Any = _MISSING) -> Any:
+        for key in keys:
+            if self.cfg.get(key) is not None:
+                return self.cfg[key]
+        if default is _MISSING:
+            also = f" (or {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else ""
+            raise CheckpointError(f"{self.source}: missing required key {keys[0]!r}{also}")
+        return default
+
+    def _key(self, keys: tuple[str, ...]) -> str:
+        return next((k for k in keys if self.cfg.get(k) is not None), keys[0])
+
+    def int(self, *keys: str, default: Any = _MISSING) -> Any:
+        value = self.raw(*keys, default=default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be an integer, "
+                                  f"got {value!r}")
+        return value
+
+    def float(self, *keys: str, default: Any = _MISSING) -> Any:
+        value = self.raw(*keys, default=default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be a number, "
+                                  f"got {value!r}")
+        return float(value)
+
+    def bool(self, *keys: str, default: Any = _MISSING) -> Any:
+        value = self.raw(*keys, default=default)
+        if not isinstance(value, bool) and not (value is default and default is not _MISSING):
+            raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be true or false, "
+                                  f"got {value!r}")
+        return value
+
+    def str(self, *keys: str, default: Any = _MISSING) -> Any:
+        value = self.raw(*keys, default=default)
+        if not isinstance(value, str) and not (value is default and default is not _MISSING):
+            raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be a string, "
+                                  f"got {value!r}")
+        return value
 
 
 @dataclass(frozen=True)
+class RopeConfig:
+    """Rotary-embedding parameters, read from either transformers spelling."""
+
+    theta: float
+    scaling: dict[str, Any] | None     # rope_type and its parameters; None for plain RoPE
+    partial_rotary_factor: float       # the fraction of each head's dimensions rotated
+
+    @classmethod
+    def read(cls, r: ConfigReader, default_theta: float = 10000.0) -> RopeConfig:
+        """transformers >= 5 nests theta, scaling and the partial factor in ``rope_parameters``;
+        4.x spells them ``rope_theta``, ``rope_scaling`` (whose type key was once ``type``) and
+        ``partial_rotary_factor``."""
+        params = r.cfg.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:
+            params = params["full_attention"]             # the per-layer-type form
+        if isinstance(params, dict):
+            rope = dict(params)
+            theta = rope.pop("rope_theta", None)
+        else:
+            scaling = r.cfg.get("rope_scaling")
+            if scaling is not None and not isinstance(scaling, dict):
+                raise CheckpointError(f"{r.source}: 'rope_scaling' must be a mapping, got "
+                                      f"{scaling!r}")
+            rope, theta = dict(scaling or {}), None
+        if theta is None:
+            theta = r.float("rope_theta", default=default_theta)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise CheckpointError(f"{r.source}: rope_theta must be a positive number, got "
+                                  f"{theta!r}")
+        rope_type = rope.pop("rope_type", rope.pop("type", "default")) or "default"
+        partial = rope.pop("partial_rotary_factor", None)
+        if partial is None:
+            partial = r.float("partial_rotary_factor", default=1.0)
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
+                not 0 < partial <= 1:
+            raise CheckpointError(f"{r.source}: partial_rotary_factor must be in (0, 1], got "
+                                  f"{partial!r}")
+        scaling = None if rope_type == "default" and not rope else {"rope_type": rope_type, **rope}
+        return cls(float(theta), scaling, float(partial))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelArchConfig:
-    """The architecture facts model plugins need, normalized from ``config.json``."""
+    """What the engine needs to know of any checkpoint's architecture.
+
+    A model plugin's ``ModelSpec.config_class`` parses ``config.json`` into this class or a
+    subclass that adds the fields its model needs; the core reads only these fields. ``raw`` is
+    the config dict as read (a GGUF file's metadata in ``config.json`` form), for anything no
+    field holds.
+    """
 
     architectures: tuple[str, ...]
-    model_type: str
+    model_type: str = ""
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None     # rope_type and its parameters, None for plain RoPE
     max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    hidden_act: str
-    sliding_window: int | None
-    eos_token_id: int | list[int] | None
-    checkpoint_dtype: str | None
+    sliding_window: int | None = None   # the core refuses max_model_len beyond it
+    eos_token_id: int | list[int] | None = None
+    checkpoint_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArchConfig:
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise CheckpointError(f"{source}: missing required key {key!r}")
-            return cfg[key]
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> Self:
+        """Parse a ``config.json``-shaped dict. Subclasses extend ``parse_fields``."""
+        return cls(**cls.parse_fields(ConfigReader(cfg, source)), raw=cfg)
 
-        # Rope: transformers >= 5 nests theta and scaling in `rope_parameters`; 4.x spells them
-        # `rope_theta` and `rope_scaling` (whose type key was once `type`).
-        rope_params = cfg.get("rope_parameters")
-        if isinstance(rope_params, dict) and "full_attention" in rope_params:
-            rope_params = rope_params["full_attention"]   # per-layer-type form
-        if isinstance(rope_params, dict):
-            rope = dict(rope_params)
-            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        else:
-            rope = dict(cfg.get("rope_scaling") or {})
-            theta = float(cfg.get("rope_theta", 10000.0))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default")) or "default"
-        partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
-            raise CheckpointError(f"{source}: partial_rotary_factor={partial} is not supported")
-        rope_scaling = None if rope_type == "default" and not rope else {"rope_type": rope_type, **rope}
+    @classmethod
+    def parse_fields(cls, r: ConfigReader) -> dict[str, Any]:
+        """The field values, read with Hugging Face's common key names. A subclass returns
+        ``{**super().parse_fields(r), "its_field": r.float("its_key")}``, or reads every field
+        itself when its architecture names them differently."""
+        hidden = r.int("hidden_size")
+        heads = r.int("num_attention_heads")
+        if heads < 1:
+            raise CheckpointError(f"{r.source}: num_attention_heads must be a positive integer, "
+                                  f"got {heads}")
+        if hidden % heads and not r.has("head_dim"):
+            raise CheckpointError(f"{r.source}: hidden_size={hidden} is not a multiple of "
+                                  f"num_attention_heads={heads} and there is no head_dim")
+        architectures = r.raw("architectures", default=())
+        if not isinstance(architectures, (list, tuple)):
+            architectures = (architectures,)
+        return dict(
+            architectures=tuple(str(a) for a in architectures),
+            model_type=r.str("model_type", default=""),
+            vocab_size=r.int("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=r.int("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=r.int("num_key_value_heads", default=heads),
+            head_dim=r.int("head_dim", default=hidden // heads),
+            max_position_embeddings=r.int("max_position_embeddings", default=2048),
+            eos_token_id=r.raw("eos_token_id", default=None),
+            checkpoint_dtype=r.raw("dtype", "torch_dtype", default=None),
+        )
 
-        model_type = str(cfg.get("model_type", ""))
-        sliding = cfg.get("sliding_window")
-        layer_types = cfg.get("layer_types")
+    def max_len_limit(self) -> int | None:
+        """The longest sequence the checkpoint supports, which ``model.max_model_len`` may not
+        exceed; None when the architecture sets no limit. Default: max_position_embeddings."""
+        return self.max_position_embeddings
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaArchConfig(ModelArchConfig):
+    """The Llama-family decoder config (Llama, Mistral, Qwen2, Qwen3): the default parser of a
+    ``ModelSpec`` that names no ``config_class``, and the form GGUF metadata is read into."""
+
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None   # rope_type and its parameters, None for plain
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+
+    @classmethod
+    def parse_fields(cls, r: ConfigReader) -> dict[str, Any]:
+        fields = super().parse_fields(r)
+        rope = RopeConfig.read(r)
+        if rope.partial_rotary_factor != 1.0:
+            raise CheckpointError(
+                f"{r.source}: partial_rotary_factor={rope.partial_rotary_factor:g}: Llama-family "
+                "decoders rotate every dimension (a model plugin for this architecture can "
+                "use corellm.layers.get_rope(..., rotary_dim=...))")
+        model_type = fields["model_type"]
+        sliding = r.raw("sliding_window", default=None)
+        layer_types = r.raw("layer_types", default=None)
         if layer_types is not None:
             if "sliding_attention" not in layer_types:
                 sliding = None
-        elif model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        elif model_type in ("qwen2", "qwen3") and not r.bool("use_sliding_window",
+                                                              default=False):
             sliding = None
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        return cls(
-            architectures=tuple(cfg.get("architectures") or ()),
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+        return dict(
+            fields,
+            intermediate_size=r.int("intermediate_size"),
+            rms_norm_eps=r.float("rms_norm_eps", default=1e-6),
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+            attention_bias=r.bool("attention_bias", default=False),
+            mlp_bias=r.bool("mlp_bias", default=False),
+            hidden_act=r.str("hidden_act", default="silu"),
             sliding_window=int(sliding) if sliding else None,
-            eos_token_id=cfg.get("eos_token_id"),
-            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            raw=cfg,
         )
+
+    def max_len_limit(self) -> int | None:
+        # Scaled RoPE extends the context beyond the trained positions.
+        return None if self.rope_scaling is not None else self.max_position_embeddings
+
+
+def read_checkpoint_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """A checkpoint's config as a ``config.json``-shaped dict, and where it came from (the file,
+    or the GGUF file's metadata)."""
+    p = locate_checkpoint(path)
+    if p.is_file():
+        return open_gguf(p).config, f"{p} (GGUF metadata)"
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"model.path: {str(p)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file}: malformed JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object")
+    return cfg, str(cfg_file)
+
+
+def parse_arch_config(cfg: dict[str, Any], source: str,
+                      registry: Registry) -> tuple[ModelArchConfig, RegisteredComponent]:
+    """Pick the model plugin by ``architectures`` and let it parse the config; then check the
+    facts the engine itself relies on. Returns the parsed config and the chosen plugin."""
+    architectures = cfg.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise CheckpointError(f"{source}: 'architectures' must be a list of strings, got "
+                              f"{architectures!r}")
+    if not architectures:
+        raise CheckpointError(f"{source}: no 'architectures' key: corellm chooses the model "
+                              "plugin by it (e.g. \"architectures\": [\"LlamaForCausalLM\"])")
+    entry = registry.model_for(architectures)
+    config_class = entry.spec.config_class or LlamaArchConfig   # type: ignore[attr-defined]
+    owner = f"{entry.plugin.describe()}, model {entry.spec.name!r}"
+    try:
+        arch = config_class.from_dict(cfg, source)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"{owner}: {config_class.__name__}.from_dict failed on {source}: "
+                          f"{exc!r}") from exc
+    if not isinstance(arch, ModelArchConfig):
+        raise PluginError(f"{owner}: {config_class.__name__}.from_dict returned "
+                          f"{type(arch).__name__}, not a corellm.model_config.ModelArchConfig")
+    positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings")
+    for name in positive:
+        value = getattr(arch, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r} "
+                                  f"(as parsed by {config_class.__name__} of {owner})")
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        raise CheckpointError(f"{source}: num_attention_heads={arch.num_attention_heads} is not "
+                              f"a multiple of num_key_value_heads={arch.num_key_value_heads}")
+    if not arch.architectures:
+        arch = dataclasses.replace(arch, architectures=tuple(architectures))
+    return arch, entry
+
+
+def load_arch_config(path: str | Path, registry: Registry | None = None) -> ModelArchConfig:
+    """The checkpoint's config as parsed by the model plugin its ``architectures`` selects
+    (with ``registry``, or the installed plugins)."""
+    if registry is None:
+        from corellm.plugins import load_registry
+        registry = load_registry()
+    cfg, source = read_checkpoint_config(path)
+    return parse_arch_config(cfg, source, registry)[0]
 
 
 def model_path(config: EngineConfig) -> str:
@@ -173,22 +384,6 @@ def checkpoint_name(path: str | Path | None) -> str:
     from corellm.gguf import display_name, is_gguf
     p = Path(path)
     return display_name(p) if is_gguf(p) else p.name
-
-
-def load_arch_config(path: str | Path) -> ModelArchConfig:
-    p = locate_checkpoint(path)
-    if p.is_file():
-        return ModelArchConfig.from_dict(open_gguf(p).config, source=f"{p} (GGUF metadata)")
-    cfg_file = p / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"model.path: {str(p)!r} has no config.json")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_file}: malformed JSON: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object")
-    return ModelArchConfig.from_dict(cfg, source=str(cfg_file))
 
 
 def load_generation_eos_ids(path: str | Path) -> list[int]:

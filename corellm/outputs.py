@@ -225,3 +225,5 @@ class StepStats:
     num_finished_reqs: int
     timings: dict[str, float]
     scheduler: SchedulerStats
+    engine_id: str = ""          # the engine that ran the step (EngineCore.engine_id)
+    timestamp: float = 0.0       # time.time() when the step ended

@@ -262,6 +262,7 @@ def _collect(registry: Registry) -> None:
                 _check_options(spec, info)
                 entry = RegisteredComponent(spec, info)
                 if isinstance(spec, ModelSpec):
+                    _check_model_spec(spec, info)
                     for arch in spec.architectures:
                         other = registry.models_by_arch.get(arch)
                         if other is not None:
@@ -274,6 +275,19 @@ def _collect(registry: Registry) -> None:
                     raise PluginError(f"two plugins provide {spec_type.kind} {spec.name!r}: "
                                       f"{other.plugin.describe()} and {info.describe()}")
                 table[spec.name] = entry
+
+
+def _check_model_spec(spec: ModelSpec, info: PluginInfo) -> None:
+    from corellm.model_config import ModelArchConfig
+
+    if isinstance(spec.architectures, str) or not spec.architectures:
+        raise PluginError(f"{info.describe()}: ModelSpec {spec.name!r} architectures must be a "
+                          f"non-empty list of config.json architecture names, got "
+                          f"{spec.architectures!r}")
+    cls = spec.config_class
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, ModelArchConfig)):
+        raise PluginError(f"{info.describe()}: ModelSpec {spec.name!r} config_class must "
+                          "subclass corellm.model_config.ModelArchConfig")
 
 
 def _check_options(spec: ComponentSpec, info: PluginInfo) -> None:

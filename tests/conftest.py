@@ -30,6 +30,8 @@ def _hf_config(arch: str, vocab_size: int, eos: int):
         return tf.Qwen3Config(**common, head_dim=16)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "phi":          # not Llama-shaped: LayerNorm, parallel block, partial rotary 0.5
+        return tf.PhiConfig(**common, hidden_act="gelu_new", partial_rotary_factor=0.5)
     raise ValueError(arch)
 
 

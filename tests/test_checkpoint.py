@@ -9,7 +9,7 @@ import pytest
 
 from corellm import LLM, SamplingParams
 from corellm.errors import CheckpointError
-from corellm.model_config import ModelArchConfig
+from corellm.model_config import LlamaArchConfig
 from tests.conftest import engine_config
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -54,10 +54,10 @@ def test_transformers4_config_spelling(tmp_path, llama_path, reference_tokens):
 def test_config_spellings_normalize_alike():
     base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=10,
                 hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
-    new = ModelArchConfig.from_dict({**base, "dtype": "bfloat16", "rope_parameters": {
+    new = LlamaArchConfig.from_dict({**base, "dtype": "bfloat16", "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
-    old = ModelArchConfig.from_dict({**base, "torch_dtype": "bfloat16", "rope_theta": 5e5,
+    old = LlamaArchConfig.from_dict({**base, "torch_dtype": "bfloat16", "rope_theta": 5e5,
                                      "rope_scaling": {"type": "llama3", "factor": 8.0,
                                                       "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,

@@ -153,6 +153,50 @@ def test_plugins_listing(capsys):
     assert llama["architectures"] == ["LlamaForCausalLM"]
 
 
+OBSERVER_ONLY = """
+def corellm_step_finished(stats):
+    pass
+
+def corellm_engine_stopped(engine_id):
+    pass
+"""
+
+
+def test_plugins_lists_observer_only_plugins_with_their_hooks(tmp_path, monkeypatch, capsys):
+    """A plugin that adds no component still shows, with the hooks it runs in every engine; a
+    long distribution name widens its column instead of running into the next one."""
+    import importlib
+
+    from tests.plugin_fixtures import install_fake_dist
+    dist = "corellm-a-rather-long-sink-name"            # 31 characters
+    install_fake_dist(tmp_path, dist, "10.2.3", {"fake_sink_only": OBSERVER_ONLY},
+                      {"step_sink": "fake_sink_only"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        assert main(["plugins"]) == 0
+        text = capsys.readouterr().out
+        assert main(["plugins", "--json"]) == 0
+        listing = json.loads(capsys.readouterr().out)
+    finally:
+        sys.modules.pop("fake_sink_only", None)
+    sink = next(p for p in listing["plugins"] if p["name"] == "step_sink")
+    assert sink == {"name": "step_sink", "entry_point": "fake_sink_only", "distribution": dist,
+                    "version": "10.2.3",
+                    "hooks": ["corellm_engine_stopped", "corellm_step_finished"]}
+    assert not any(c["plugin"] == "step_sink" for c in listing["components"])
+    fcfs = next(p for p in listing["plugins"] if p["name"] == "scheduler_fcfs")
+    assert fcfs["hooks"] == ["corellm_schedulers"]
+
+    table = text.split("\n\n")[0].splitlines()
+    header, row = table[0], next(line for line in table if line.startswith("step_sink "))
+    hooks_at = header.index("HOOKS")
+    assert row[hooks_at - 2:hooks_at] == "  " and row[hooks_at:].startswith(
+        "corellm_engine_stopped, corellm_step_finished")
+    assert f"{dist} 10.2.3" in row
+    assert all(line[hooks_at - 2:hooks_at] == "  " for line in table)
+
+
 def test_misspelt_flags_are_not_taken_as_abbreviations(llama_path, capsys):
     """`--max-num-seq` is an error, not silently `--max-num-seqs`."""
     with pytest.raises(SystemExit) as exit_info:

@@ -40,7 +40,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "phi"])
 def reference(request, make_checkpoint):
     """(checkpoint path, prompts, per-prompt (hf tokens, hf logits per step))."""
     from transformers import AutoModelForCausalLM, GenerationConfig

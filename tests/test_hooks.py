@@ -312,23 +312,32 @@ class Observer:
     def __init__(self):
         self.started = []
         self.steps = []
+        self.stopped = []
 
-    def corellm_engine_started(self, config):
-        self.started.append(config)
+    def corellm_engine_started(self, config, engine_id):
+        self.started.append((config, engine_id))
 
     def corellm_step_finished(self, stats):
         self.steps.append(stats)
+
+    def corellm_engine_stopped(self, engine_id, error):
+        self.stopped.append((engine_id, error))
 
 
 def test_corellm_engine_started(llama_path):
     obs = Observer()
     llm = LLM(engine_config(llama_path), plugins=[obs])
-    assert obs.started == [llm.config]
+    other = LLM(engine_config(llama_path), plugins=[obs])
+    assert obs.started == [(llm.config, llm.engine.engine_id),
+                           (other.config, other.engine.engine_id)]
+    assert llm.engine.engine_id != other.engine.engine_id
 
 
 def test_corellm_step_finished(llama_path):
+    import time
     obs = Observer()
     llm = LLM(engine_config(llama_path), plugins=[obs])
+    before = time.time()
     llm.generate([{"prompt_token_ids": [3] * 5}, {"prompt_token_ids": [4] * 9}], GREEDY,
                  use_tqdm=False)
     assert len(obs.steps) == llm.get_stats().num_steps == 8
@@ -337,6 +346,113 @@ def test_corellm_step_finished(llama_path):
     assert obs.steps[-1].num_finished_reqs == 2
     assert {"schedule", "prepare_inputs", "forward", "sample", "update"} <= set(first.timings)
     assert obs.steps[-1].scheduler.num_running_reqs == 0
+    assert {s.engine_id for s in obs.steps} == {llm.engine.engine_id}
+    stamps = [s.timestamp for s in obs.steps]
+    assert before <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= time.time()
+
+
+def test_corellm_engine_stopped(llama_path):
+    """Once per started engine: on shutdown (however often it is called), at the end of a
+    `with` block, and not at all for an engine that never started."""
+    obs = Observer()
+    llm = LLM(engine_config(llama_path), plugins=[obs])
+    llm.generate([{"prompt_token_ids": [3] * 5}], GREEDY, use_tqdm=False)
+    assert obs.stopped == []
+    llm.shutdown()
+    llm.shutdown()
+    assert obs.stopped == [(llm.engine.engine_id, None)]
+
+    with LLM(engine_config(llama_path), plugins=[obs]) as other:
+        pass
+    assert obs.stopped[1:] == [(other.engine.engine_id, None)]
+
+    with pytest.raises(Exception, match="kv_cache.block_size"):
+        LLM(engine_config(llama_path, kv_cache={"block_size": 0}), plugins=[obs])
+    assert len(obs.started) == len(obs.stopped) == 2
+
+
+class FailingSink:
+    def __init__(self):
+        self.calls = []
+
+    def corellm_engine_stopped(self, engine_id):
+        self.calls.append(engine_id)
+        raise OSError("disk full")
+
+
+def test_engine_stopped_every_sink_runs_even_if_one_raises(llama_path, caplog):
+    first, failing, last = Observer(), FailingSink(), Observer()
+    llm = LLM(engine_config(llama_path), plugins=[first, failing, last])
+    llm.shutdown()                               # does not raise
+    engine_id = llm.engine.engine_id
+    assert first.stopped == last.stopped == [(engine_id, None)] and failing.calls == [engine_id]
+    assert "corellm_engine_stopped raised" in caplog.text and "disk full" in caplog.text
+
+
+STOP_SINK = r"""
+import os
+
+def corellm_engine_stopped(engine_id, error):
+    with open(os.environ["STOP_LOG"], "a") as f:
+        f.write(f"{engine_id} {error!r}\n")
+
+def corellm_step_finished(stats):
+    if os.environ.get("FAIL_AT_STEP") == str(stats.step):
+        raise RuntimeError("sink exploded")
+"""
+
+
+@pytest.mark.parametrize("mode", ["exit", "error"])
+def test_engine_stopped_in_an_engine_process(llama_path, tmp_path, monkeypatch, mode):
+    """An entry-point plugin in the engine core's process: called once when the client shuts
+    the engine down, and once, with the exception, when a step kills the engine."""
+    import sys
+    from corellm.engine.ipc import EngineDeadError
+    from tests.plugin_fixtures import install_fake_dist
+    install_fake_dist(tmp_path, "fake-stop-sink", "0.1", {"fake_stop_sink": STOP_SINK},
+                      {"stop_sink": "fake_stop_sink"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    log = tmp_path / "stops.log"
+    monkeypatch.setenv("STOP_LOG", str(log))
+    if mode == "error":
+        monkeypatch.setenv("FAIL_AT_STEP", "2")
+    llm = LLM(engine_config(llama_path), engine_process=True)
+    try:
+        if mode == "error":
+            with pytest.raises(EngineDeadError):
+                llm.generate([{"prompt_token_ids": [3] * 5}], GREEDY, use_tqdm=False)
+        else:
+            llm.generate([{"prompt_token_ids": [3] * 5}], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    sys.modules.pop("fake_stop_sink", None)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1, lines
+    engine_id, error = lines[0].split(" ", 1)
+    assert engine_id.startswith("engine-")
+    assert error == ("None" if mode == "exit" else "RuntimeError('sink exploded')")
+
+
+def test_engine_stopped_at_interpreter_exit(llama_path, tmp_path):
+    """An engine the program never shut down still tells its sinks, once, at exit."""
+    import subprocess
+    import sys
+    script = (
+        "import sys\n"
+        "from corellm import LLM, SamplingParams\n"
+        "class Sink:\n"
+        "    def corellm_engine_stopped(self, engine_id, error):\n"
+        "        print('stopped', engine_id, error, flush=True)\n"
+        f"llm = LLM({engine_config(llama_path)!r}, plugins=[Sink()])\n"
+        "llm.generate([{'prompt_token_ids': [3, 4]}], SamplingParams(max_tokens=2), "
+        "use_tqdm=False)\n"
+        "print('end of script', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "end of script" and len(lines) == 2, out.stdout
+    assert lines[1].startswith("stopped engine-") and lines[1].endswith(" None")
 
 
 def test_no_observer_no_hook_call(llama_path, monkeypatch):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
+import os
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
@@ -34,12 +38,30 @@ def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
             "= None` (see docs/plugins.md, 'A KV-cache manager')") from None
 
 
+_ENGINE_SEQ = itertools.count()
+
+
+def _notify_stopped(hook: Any, engine_id: str, config: EngineConfig,
+                    state: dict[str, BaseException | None]) -> None:
+    """Call every ``corellm_engine_stopped`` implementation (most recently registered first, as
+    pluggy does), each even if another raised: a sink's failure to flush is logged, and neither
+    stops the others' nor masks the engine's own error."""
+    kwargs = {"engine_id": engine_id, "config": config, "error": state["error"]}
+    for impl in reversed(hook.corellm_engine_stopped.get_hookimpls()):
+        try:
+            impl.function(*[kwargs[name] for name in impl.argnames])
+        except Exception:
+            logger.exception("plugin %r: corellm_engine_stopped raised", impl.plugin_name)
+
+
 class EngineCore:
     """Owns the scheduler, the KV-cache manager and the executor; ``step()`` is the whole loop."""
 
     def __init__(self, config: EngineConfig, registry: Registry) -> None:
         self.config = config
         self.registry = registry
+        # Unique among the engines of this host's processes; repeated in every observer call.
+        self.engine_id = f"engine-{os.getpid()}-{next(_ENGINE_SEQ)}"
         ctx = BuildContext(config=config, registry=registry)
         self.executor: Executor = registry.get("executor", config.executor.name).spec.factory(
             config.executor, ctx)
@@ -64,7 +86,12 @@ class EngineCore:
         self.num_steps = 0
         self.timings: dict[str, float] = defaultdict(float)
         self._observe_steps = registry.implements("corellm_step_finished")
-        registry.hook.corellm_engine_started(config=config)
+        registry.hook.corellm_engine_started(config=config, engine_id=self.engine_id)
+        # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at
+        # interpreter exit (or garbage collection) for an engine nobody shut down.
+        self._stop_state: dict[str, BaseException | None] = {"error": None}
+        self._stopped = weakref.finalize(self, _notify_stopped, registry.hook, self.engine_id,
+                                         config, self._stop_state)
 
     def _check_capacity(self, num_blocks: int) -> None:
         block_size = self.config.kv_cache.block_size
@@ -130,7 +157,8 @@ class EngineCore:
                 num_scheduled_tokens=plan.total_num_scheduled_tokens,
                 num_finished_reqs=sum(o.finished for o in outputs),
                 timings={"schedule": t1 - t0, **sampled.timings, "update": t3 - t2},
-                scheduler=self.scheduler.get_stats()))
+                scheduler=self.scheduler.get_stats(), engine_id=self.engine_id,
+                timestamp=time.time()))
         return outputs
 
     def _fail(self, request_ids: Iterable[str]) -> None:
@@ -145,5 +173,12 @@ class EngineCore:
         s = self.scheduler.get_stats()
         return EngineStats(**vars(s), num_steps=self.num_steps, timings=dict(self.timings))
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+    def shutdown(self, error: BaseException | None = None) -> None:
+        """Release the executor, then call ``corellm_engine_stopped`` (once, whatever the number
+        of calls). ``error`` is the exception bringing the engine down, if one is."""
+        try:
+            self.executor.shutdown()
+        finally:
+            if self._stopped.alive and error is not None:
+                self._stop_state["error"] = error
+            self._stopped()

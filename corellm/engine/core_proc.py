@@ -190,17 +190,18 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
     ready.close()
 
     code = 0
+    error: BaseException | None = None
     try:
         proc.run_busy_loop()
     except SystemExit:
         pass
     except BaseException as exc:
-        code = 1
+        code, error = 1, exc
         logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
         proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
     finally:
         try:
-            engine.shutdown()
+            engine.shutdown(error)
         finally:
             proc.close()
     raise SystemExit(code)

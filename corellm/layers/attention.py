@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,3 +26,16 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: the model runner must call bind_kv_caches()")
         return self.backend.forward(self.spec, q, k, v, self.kv_cache, metadata)
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: Sequence[torch.Tensor]) -> None:
+    """Hand every ``Attention`` module of ``model`` its layer's cache tensor (``kv_caches[i]``
+    to the layer with ``layer_idx == i``): the whole of most models' ``bind_kv_caches``."""
+    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                    key=lambda a: a.spec.layer_idx)
+    if [a.spec.layer_idx for a in layers] != list(range(len(kv_caches))):
+        raise ValueError(f"{len(kv_caches)} KV caches for attention layers "
+                         f"{[a.spec.layer_idx for a in layers]}; expected layers 0.."
+                         f"{len(kv_caches) - 1}, one each")
+    for attn, cache in zip(layers, kv_caches):
+        attn.kv_cache = cache

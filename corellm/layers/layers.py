@@ -1,8 +1,15 @@
+"""Normalization, activations and weight-copy helpers."""
+
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from corellm.errors import CheckpointError
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +34,39 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # The tanh approximation spelt out as GPT-2 and Phi's reference does (bit-equal to it;
+    # F.gelu(approximate="tanh") differs in the last bit).
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+# Hugging Face ``hidden_act`` names -> functions with the same arithmetic as transformers'.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_new, "gelu_pytorch_tanh": _gelu_tanh, "gelu_fast": _gelu_fast,
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a checkpoint's ``hidden_act`` names, or a CheckpointError listing the
+    supported ones."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise CheckpointError(f"hidden_act {name!r} is not supported (supported: "
+                              f"{', '.join(sorted(ACTIVATIONS))})") from None
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:

@@ -1,4 +1,6 @@
-"""Rotary position embeddings (the rotate-half form Llama-family checkpoints use)."""
+"""Rotary position embeddings, in the rotate-half form of Hugging Face checkpoints (Llama, Qwen,
+Mistral, Phi, GPT-NeoX), over all of each head's dimensions or, for partial rotary embeddings
+(Phi: 0.5, GPT-NeoX: 0.25 of them), over the first ``rotary_dim`` only."""
 
 from __future__ import annotations
 
@@ -31,13 +33,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, H, D] and k [T, Hkv, D] at the given positions, from a cos/sin
-    table precomputed for every position up to ``max_positions``."""
+    table precomputed for every position up to ``max_positions``. With ``rotary_dim < head_dim``
+    only the first ``rotary_dim`` dimensions of each head are rotated (frequencies computed over
+    ``rotary_dim``, as the reference does); the rest pass through unchanged."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> None:
+                 scaling: dict[str, Any] | None = None, device: torch.device | str = "cpu",
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise CheckpointError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim="
+                                  f"{head_dim}]")
+        self.rotary_dim = rotary_dim
+        self.partial = rotary_dim < head_dim
         with torch.device("cpu"):
-            inv_freq = _inv_freq(head_dim, theta)
+            inv_freq = _inv_freq(rotary_dim, theta)
         attention_factor = 1.0
         rope_type = (scaling or {}).get("rope_type", "default")
         if rope_type == "linear":
@@ -56,8 +67,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, R/2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if self.partial:
+            r = self.rotary_dim
+            return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                    torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -67,5 +82,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def get_rope(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-             device: torch.device | str = "cpu") -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_positions, theta, scaling, device)
+             device: torch.device | str = "cpu", rotary_dim: int | None = None
+             ) -> RotaryEmbedding:
+    """A rotary embedding; ``rotary_dim`` (default: ``head_dim``) for partial rotary
+    embeddings, e.g. ``int(head_dim * partial_rotary_factor)``."""
+    return RotaryEmbedding(head_dim, max_positions, theta, scaling, device, rotary_dim)

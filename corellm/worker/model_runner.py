@@ -19,9 +19,10 @@ from corellm.components import BuildContext
 from corellm.config import EngineConfig
 from corellm.errors import CheckpointError, ConfigError
 from corellm.interfaces import CausalLM, ModelInfo
-from corellm.model_config import ModelArchConfig, iter_weights, load_arch_config
+from corellm.model_config import (ModelArchConfig, iter_weights, parse_arch_config,
+                                  read_checkpoint_config)
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from corellm.plugins import Registry
+from corellm.plugins import RegisteredComponent, Registry
 from corellm.sampling import SamplingMetadata
 from corellm.sampling_params import SamplingParams
 
@@ -33,7 +34,8 @@ _U64 = (1 << 64) - 1
 @dataclass
 class ResolvedModel:
     path: str
-    arch: ModelArchConfig
+    arch: ModelArchConfig          # as parsed by the model plugin's config_class
+    model: RegisteredComponent     # the model plugin the checkpoint's architectures chose
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
@@ -47,15 +49,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model(config: EngineConfig, model_path: str) -> ResolvedModel:
-    """Checkpoint facts combined with the config: final max_model_len, dtype and device."""
-    arch = load_arch_config(model_path)
+def resolve_model(config: EngineConfig, model_path: str, registry: Registry) -> ResolvedModel:
+    """Checkpoint facts combined with the config: the model plugin and its parsed config, the
+    final max_model_len, dtype and device."""
+    cfg, source = read_checkpoint_config(model_path)
+    arch, model_entry = parse_arch_config(cfg, source, registry)
     device = resolve_device(config.model.device)
     max_len = config.model.max_model_len or arch.max_position_embeddings
-    if max_len > arch.max_position_embeddings and arch.rope_scaling is None:
-        raise CheckpointError(
-            f"model.max_model_len={max_len} exceeds the checkpoint's max_position_embeddings="
-            f"{arch.max_position_embeddings}")
+    limit = arch.max_len_limit()
+    if limit is not None and max_len > limit:
+        what = (f"max_position_embeddings={limit}" if limit == arch.max_position_embeddings
+                else f"limit of {limit} tokens")
+        raise CheckpointError(f"model.max_model_len={max_len} exceeds the checkpoint's {what}")
     if arch.sliding_window is not None and max_len > arch.sliding_window:
         raise CheckpointError(
             f"model.max_model_len={max_len} exceeds the checkpoint's sliding_window="
@@ -67,7 +72,7 @@ def resolve_model(config: EngineConfig, model_path: str) -> ResolvedModel:
         dtype = _DTYPES.get(str(arch.checkpoint_dtype).replace("torch.", ""), torch.float32)
         if device.type == "cpu" and dtype == torch.float16:
             dtype = torch.float32           # fp16 matmuls are slow or missing on CPUs
-    return ResolvedModel(model_path, arch, max_len, dtype, device)
+    return ResolvedModel(model_path, arch, model_entry, max_len, dtype, device)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,7 +141,7 @@ class ModelRunner:
                            max_model_len=resolved.max_model_len)
         attn = registry.get("attention", config.attention.name)
         ctx.attention_backend = self.attn_backend = attn.spec.factory(config.attention, ctx)
-        model_entry = registry.model_for(resolved.arch.architectures)
+        model_entry = resolved.model
         model = model_entry.spec.factory(resolved.arch, ctx)
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "

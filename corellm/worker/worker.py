@@ -19,7 +19,7 @@ class Worker:
     def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
         self.config = config
         registry = registry or load_registry(disable=config.plugins.disable)
-        resolved = resolve_model(config, model_path(config))
+        resolved = resolve_model(config, model_path(config), registry)
         if resolved.device.type == "cpu":
             tune_malloc()
         self.runner = ModelRunner(config, registry, resolved)

@@ -7,7 +7,7 @@ on each head of Q and K before RoPE).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,13 +15,14 @@ from torch import nn
 
 from corellm.components import BuildContext
 from corellm.errors import CheckpointError
-from corellm.interfaces import AttentionBackend, CausalLM
-from corellm.layers import Attention, RMSNorm, SiluAndMul, get_rope, load_shard
-from corellm.model_config import ModelArchConfig
+from corellm.interfaces import AttentionBackend
+from corellm.layers import (Attention, DecoderForCausalLM, RMSNorm, SiluAndMul, get_rope,
+                            load_weights, materialize)
+from corellm.model_config import LlamaArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_idx: int, backend: AttentionBackend,
+    def __init__(self, arch: LlamaArchConfig, layer_idx: int, backend: AttentionBackend,
                  rope: nn.Module, variant: str) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
@@ -54,10 +55,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: LlamaArchConfig) -> None:
         super().__init__()
-        if arch.hidden_act != "silu":
-            raise CheckpointError(f"hidden_act {arch.hidden_act!r} is not supported (only silu)")
+        if arch.hidden_act not in ("silu", "swish"):
+            raise CheckpointError(f"hidden_act {arch.hidden_act!r} is not supported by the "
+                                  "Llama-family decoder (only silu)")
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size,
                                       bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
@@ -68,7 +70,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_idx: int, backend: AttentionBackend,
+    def __init__(self, arch: LlamaArchConfig, layer_idx: int, backend: AttentionBackend,
                  rope: nn.Module, variant: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_idx, backend, rope, variant)
@@ -82,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, variant: str,
+    def __init__(self, arch: LlamaArchConfig, backend: AttentionBackend, variant: str,
                  max_positions: int, device: torch.device) -> None:
         super().__init__()
         # An explicit (meta) weight skips nn.Embedding's random init, whose normal_ on the meta
@@ -104,96 +106,31 @@ class LlamaModel(nn.Module):
 # checkpoint shard name -> (fused parameter name, index of the shard in it)
 _STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class LlamaForCausalLM(nn.Module, CausalLM):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, variant: str,
+class LlamaForCausalLM(DecoderForCausalLM):
+    def __init__(self, arch: LlamaArchConfig, backend: AttentionBackend, variant: str,
                  max_positions: int, device: torch.device) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch, backend, variant, max_positions, device)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.num_layers = arch.num_hidden_layers
-        self.num_kv_heads = arch.num_key_value_heads
-        self.head_size = arch.head_dim
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()                    # [N, vocab]
-
-    def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
-        for layer, cache in zip(self.model.layers, kv_caches):
-            layer.self_attn.attn.kv_cache = cache
+        super().__init__(arch, LlamaModel(arch, backend, variant, max_positions, device),
+                         tie_word_embeddings=arch.tie_word_embeddings)
 
     def _shard_sizes(self, fused: str) -> list[int]:
         attn = self.model.layers[0].self_attn
-        if fused == "qkv_proj":
+        if ".qkv_proj." in fused:
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = self.arch.intermediate_size
         return [inter, inter]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.arch.tie_word_embeddings:    # re-tie: materializing with to_empty() unties
-            self.lm_head.weight = self.model.embed_tokens.weight
-        params = dict(self.named_parameters())
-        expected: set[tuple[str, int | None]] = set()
-        for name in params:
-            fused = next((f for _, f, _ in _STACKED if f".{f}." in name), None)
-            if fused is None:
-                expected.add((name, None))
-            else:
-                expected.update((name, i) for i in range(len(self._shard_sizes(fused))))
-        if self.arch.tie_word_embeddings:
-            expected.discard(("lm_head.weight", None))
-        loaded: set[tuple[str, int | None]] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            for shard, fused, idx in _STACKED:
-                if f".{shard}." in name:
-                    target = name.replace(f".{shard}.", f".{fused}.")
-                    if target not in params:
-                        unexpected.append(name)
-                        break
-                    sizes = self._shard_sizes(fused)
-                    try:
-                        load_shard(params[target], tensor, sum(sizes[:idx]), sizes[idx])
-                    except ValueError as exc:
-                        raise CheckpointError(f"weight {name}: {exc}") from exc
-                    loaded.add((target, idx))
-                    break
-            else:
-                param = params.get(name)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                if param.shape != tensor.shape:
-                    raise CheckpointError(f"weight {name}: checkpoint shape {tuple(tensor.shape)}"
-                                          f" != model shape {tuple(param.shape)}")
-                param.data.copy_(tensor)
-                loaded.add((name, None))
-        if unexpected:
-            raise CheckpointError(
-                f"checkpoint has {len(unexpected)} weight(s) this {self.arch.model_type} model "
-                f"does not use, e.g. {', '.join(sorted(unexpected)[:5])}")
-        missing = sorted(n if i is None else f"{n}[shard {i}]" for n, i in expected - loaded)
-        if missing:
-            raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s), e.g. "
-                                  f"{', '.join(missing[:5])}")
+        tied = self.arch.tie_word_embeddings      # the embedding is the one weight of both
+
+        def skip(name: str) -> bool:
+            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+        load_weights(self, weights, stacked=_STACKED, shard_sizes=self._shard_sizes, skip=skip,
+                     model_name=self.arch.model_type or "llama")
 
 
-def build_model(arch: ModelArchConfig, ctx: BuildContext, variant: str) -> LlamaForCausalLM:
+def build_model(arch: LlamaArchConfig, ctx: BuildContext, variant: str) -> LlamaForCausalLM:
     if ctx.attention_backend is None or ctx.device is None or ctx.dtype is None:
         raise ValueError("model factories need ctx.attention_backend, ctx.device and ctx.dtype")
     max_positions = max(arch.max_position_embeddings, ctx.max_model_len or 0)
@@ -201,8 +138,4 @@ def build_model(arch: ModelArchConfig, ctx: BuildContext, variant: str) -> Llama
     # load_weights() fills every parameter and raises if the checkpoint leaves one unset.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, ctx.attention_backend, variant, max_positions, ctx.device)
-    # Materialize with torch.empty, not to_empty(): empty_like on meta tensors goes through
-    # torch._refs, whose first use imports sympy (0.4 s of start-up).
-    device, dtype = ctx.device, ctx.dtype
-    return model._apply(lambda t: torch.empty(
-        t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+    return materialize(model, ctx.device, ctx.dtype)
