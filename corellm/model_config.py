@@ -76,6 +76,8 @@ class ConfigReader:
 
     def bool(self, *keys: str, default: Any = _MISSING) -> Any:
         value = self.raw(*keys, default=default)
+        if type(value) is int and value in (0, 1):        # some hand-written configs say 1/0
+            return bool(value)
         if not isinstance(value, bool) and not (value is default and default is not _MISSING):
             raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be true or false, "
                                   f"got {value!r}")
@@ -87,6 +89,10 @@ class ConfigReader:
             raise CheckpointError(f"{self.source}: {self._key(keys)!r} must be a string, "
                                   f"got {value!r}")
         return value
+
+
+# The rope_type values corellm.layers.get_rope implements.
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,9 @@ class RopeConfig:
         4.x spells them ``rope_theta``, ``rope_scaling`` (whose type key was once ``type``) and
         ``partial_rotary_factor``."""
         params = r.cfg.get("rope_parameters")
+        if params is not None and not isinstance(params, dict):
+            raise CheckpointError(f"{r.source}: 'rope_parameters' must be a mapping, got "
+                                  f"{params!r}")
         if isinstance(params, dict) and "full_attention" in params:
             params = params["full_attention"]             # the per-layer-type form
         if isinstance(params, dict):
@@ -127,8 +136,22 @@ class RopeConfig:
                 not 0 < partial <= 1:
             raise CheckpointError(f"{r.source}: partial_rotary_factor must be in (0, 1], got "
                                   f"{partial!r}")
-        scaling = None if rope_type == "default" and not rope else {"rope_type": rope_type, **rope}
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"{r.source}: rope_type {rope_type!r} is not supported "
+                                  f"(supported: {', '.join(ROPE_TYPES)})")
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
         return cls(float(theta), scaling, float(partial))
+
+    @staticmethod
+    def max_len_limit(max_position_embeddings: int,
+                      scaling: dict[str, Any] | None) -> int | None:
+        """The longest sequence a RoPE model supports: ``max_position_embeddings``, except under
+        linear scaling (position interpolation: configs keep the original length and the
+        factor stretches it; None, no limit). Llama 3 scaling configs already give the extended
+        length."""
+        if scaling is not None and scaling.get("rope_type") == "linear":
+            return None
+        return max_position_embeddings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,9 +243,12 @@ class LlamaArchConfig(ModelArchConfig):
                 "decoders rotate every dimension (a model plugin for this architecture can "
                 "use corellm.layers.get_rope(..., rotary_dim=...))")
         model_type = fields["model_type"]
-        sliding = r.raw("sliding_window", default=None)
+        sliding = r.int("sliding_window", default=None)
         layer_types = r.raw("layer_types", default=None)
         if layer_types is not None:
+            if not isinstance(layer_types, list):
+                raise CheckpointError(f"{r.source}: 'layer_types' must be a list, got "
+                                      f"{layer_types!r}")
             if "sliding_attention" not in layer_types:
                 sliding = None
         elif model_type in ("qwen2", "qwen3") and not r.bool("use_sliding_window",
@@ -242,8 +268,7 @@ class LlamaArchConfig(ModelArchConfig):
         )
 
     def max_len_limit(self) -> int | None:
-        # Scaled RoPE extends the context beyond the trained positions.
-        return None if self.rope_scaling is not None else self.max_position_embeddings
+        return RopeConfig.max_len_limit(self.max_position_embeddings, self.rope_scaling)
 
 
 def read_checkpoint_config(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -297,6 +322,11 @@ def parse_arch_config(cfg: dict[str, Any], source: str,
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r} "
                                   f"(as parsed by {config_class.__name__} of {owner})")
+    sliding = arch.sliding_window
+    if sliding is not None and (isinstance(sliding, bool) or not isinstance(sliding, int)
+                                or sliding < 1):
+        raise CheckpointError(f"{source}: sliding_window must be None or a positive integer, "
+                              f"got {sliding!r} (as parsed by {config_class.__name__} of {owner})")
     if arch.num_attention_heads % arch.num_key_value_heads:
         raise CheckpointError(f"{source}: num_attention_heads={arch.num_attention_heads} is not "
                               f"a multiple of num_key_value_heads={arch.num_key_value_heads}")

@@ -237,8 +237,18 @@ def _hook_names() -> list[str]:
     return [n for n in dir(hookspecs) if n.startswith("corellm_")]
 
 
+# Called once per implementation by the engine (corellm.engine.core), not through pluggy's caller.
+LIFECYCLE_HOOKS = ("corellm_engine_started", "corellm_engine_stopped")
+
+
 def _collect(registry: Registry) -> None:
     pm = registry.pm
+    for hook_name in LIFECYCLE_HOOKS:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.wrapper or impl.hookwrapper:
+                info = registry.plugins.get(impl.plugin_name, PluginInfo(name=impl.plugin_name))
+                raise PluginError(f"{info.describe()}: {hook_name} is called once per "
+                                  "implementation; it takes plain implementations, not wrappers")
     for hook_name, spec_type in REGISTRATION_HOOKS.items():
         section = spec_type.section
         table = registry.components.setdefault(section, {})

@@ -72,3 +72,31 @@ def test_metrics_sink_example_runs(tmp_path):
     assert lines[0]["tokens"] > 2 and lines[-1]["tokens"] <= 2
     times = [line["time"] for line in lines]
     assert times == sorted(times)
+
+
+def test_metrics_sink_example_serves_two_engines_and_an_unclosed_one(tmp_path):
+    """The same sink class with one instance in two engines (an A/B run), the second never shut
+    down: both engines' steps are written, and the process exits (the stop hook runs at exit,
+    before Python waits for threads)."""
+    block = python_blocks(section("Observer hooks: a metrics sink"))[0]
+    definitions = block[:block.index('sink = JsonLinesSink("steps.jsonl")')]
+    script = definitions + textwrap.dedent("""
+        sink = JsonLinesSink("steps.jsonl")
+        cfg = {"model": {"max_model_len": 1024}}
+        a, b = LLM(cfg, plugins=[sink]), LLM(cfg, plugins=[sink])
+        for llm in (a, b):
+            llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+        a.shutdown()
+        print("end of script", flush=True)
+        """)
+    env = {**os.environ, "CORELLM_DEFAULT_MODEL": "random", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "end of script"
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    by_engine: dict[str, list[int]] = {}
+    for line in lines:
+        by_engine.setdefault(line["engine"], []).append(line["step"])
+    assert len(by_engine) == 2
+    assert all(sorted(steps) == list(range(1, 5)) for steps in by_engine.values()), by_engine

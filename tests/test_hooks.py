@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from corellm import LLM, SamplingParams, hookspecs
+from corellm import LLM, SamplingParams, hookimpl, hookspecs
 from corellm.block_pool import BlockPool
 from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendOptions, FrontendSpec,
                                 KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
@@ -387,6 +387,47 @@ def test_engine_stopped_every_sink_runs_even_if_one_raises(llama_path, caplog):
     engine_id = llm.engine.engine_id
     assert first.stopped == last.stopped == [(engine_id, None)] and failing.calls == [engine_id]
     assert "corellm_engine_stopped raised" in caplog.text and "disk full" in caplog.text
+
+
+class FailingStart:
+    def __init__(self):
+        self.stopped = []
+
+    def corellm_engine_started(self, engine_id):
+        raise OSError("cannot open the metrics file")
+
+    def corellm_engine_stopped(self, engine_id, error):
+        self.stopped.append(error)
+
+
+def test_engine_started_that_raises_stops_the_engine_and_names_the_plugin(llama_path,
+                                                                          monkeypatch):
+    """The engine does not start; it shuts down its workers, and the sinks that did start are
+    told, with the error."""
+    from corellm.engine.core import EngineCore
+    ok, failing = Observer(), FailingStart()
+    shutdowns = []
+    original = EngineCore.shutdown
+    monkeypatch.setattr(EngineCore, "shutdown",
+                        lambda self, error=None: (shutdowns.append(error), original(self, error)))
+    with pytest.raises(PluginError, match=r"plugin 'FailingStart-\w+' \(registered in-process\)"
+                                          r": corellm_engine_started raised OSError"):
+        LLM(engine_config(llama_path), plugins=[ok, failing])
+    assert len(ok.started) == 1 and len(ok.stopped) == 1 and len(shutdowns) == 1
+    assert isinstance(ok.stopped[0][1], PluginError)
+    assert failing.stopped == [ok.stopped[0][1]] == shutdowns
+
+
+class WrapsLifecycle:
+    @hookimpl(wrapper=True)
+    def corellm_engine_stopped(self):
+        yield
+
+
+def test_lifecycle_hook_wrappers_are_refused():
+    with pytest.raises(PluginError, match="corellm_engine_stopped is called once per "
+                                          "implementation; it takes plain implementations"):
+        load_registry(plugins=[WrapsLifecycle()])
 
 
 STOP_SINK = r"""

@@ -80,8 +80,36 @@ def test_llama_parser_refuses_partial_rotary_and_points_to_the_layer():
         LlamaArchConfig.from_dict(cfg)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("sliding_window", "abc", "'sliding_window' must be an integer, got 'abc'"),
+    ("layer_types", "full_attention", "'layer_types' must be a list"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0},
+     "rope_type 'yarn' is not supported \\(supported: default, linear, llama3\\)"),
+    ("rope_parameters", [1, 2], "'rope_parameters' must be a mapping"),
+    ("tie_word_embeddings", "yes", "'tie_word_embeddings' must be true or false"),
+])
+def test_llama_parser_names_bad_values(key, value, message):
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8,
+               intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(CheckpointError, match=f"^config.json: {message}"):
+        LlamaArchConfig.from_dict({**cfg, key: value})
+    assert LlamaArchConfig.from_dict({**cfg, "tie_word_embeddings": 1}).tie_word_embeddings
+
+
+def test_length_limit_under_rope_scaling():
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8,
+                intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=4096)
+    linear = {"rope_type": "linear", "factor": 4.0}
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024}
+    assert LlamaArchConfig.from_dict(base).max_len_limit() == 4096
+    assert LlamaArchConfig.from_dict({**base, "rope_scaling": linear}).max_len_limit() is None
+    assert LlamaArchConfig.from_dict({**base, "rope_scaling": llama3}).max_len_limit() == 4096
+
+
 def test_config_reader_names_the_file_and_key():
-    r = ConfigReader({"n_embd": 64, "n_layer": "two", "flag": 1, "eps": None}, "ckpt/config.json")
+    r = ConfigReader({"n_embd": 64, "n_layer": "two", "flag": 2, "eps": None},
+                     "ckpt/config.json")
     assert r.int("hidden_size", "n_embd") == 64
     assert r.float("eps", default=1e-5) == 1e-5          # null counts as absent
     with pytest.raises(CheckpointError, match=r"ckpt/config.json: missing required key "
@@ -89,7 +117,7 @@ def test_config_reader_names_the_file_and_key():
         r.int("num_attention_heads", "n_head")
     with pytest.raises(CheckpointError, match="'n_layer' must be an integer, got 'two'"):
         r.int("num_hidden_layers", "n_layer")
-    with pytest.raises(CheckpointError, match="'flag' must be true or false, got 1"):
+    with pytest.raises(CheckpointError, match="'flag' must be true or false, got 2"):
         r.bool("flag")
 
 

@@ -6,6 +6,7 @@ import inspect
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -41,17 +42,37 @@ def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
 _ENGINE_SEQ = itertools.count()
 
 
-def _notify_stopped(hook: Any, engine_id: str, config: EngineConfig,
-                    state: dict[str, BaseException | None]) -> None:
-    """Call every ``corellm_engine_stopped`` implementation (most recently registered first, as
-    pluggy does), each even if another raised: a sink's failure to flush is logged, and neither
-    stops the others' nor masks the engine's own error."""
-    kwargs = {"engine_id": engine_id, "config": config, "error": state["error"]}
-    for impl in reversed(hook.corellm_engine_stopped.get_hookimpls()):
+def _call_each(registry: Registry, hook_name: str, kwargs: dict[str, Any]) -> None:
+    """Call every implementation of a lifecycle hook on its own (most recently registered
+    first, as pluggy does). An ``Exception`` from one is raised as a PluginError naming its
+    plugin after the rest have run; anything else (KeyboardInterrupt, SystemExit) is re-raised
+    after the rest have run."""
+    first: BaseException | None = None
+    for impl in reversed(getattr(registry.hook, hook_name).get_hookimpls()):
         try:
             impl.function(*[kwargs[name] for name in impl.argnames])
-        except Exception:
-            logger.exception("plugin %r: corellm_engine_stopped raised", impl.plugin_name)
+        except Exception as exc:
+            info = registry.plugins.get(impl.plugin_name)
+            owner = info.describe() if info is not None else f"plugin {impl.plugin_name!r}"
+            err = PluginError(f"{owner}: {hook_name} raised {exc!r}")
+            err.__cause__ = exc
+            first = first or err
+        except BaseException as exc:     # noqa: B036 - re-raised below, after the others ran
+            first = exc if first is None or isinstance(first, PluginError) else first
+    if first is not None:
+        raise first
+
+
+def _notify_stopped(registry: Registry, engine_id: str, config: EngineConfig,
+                    state: dict[str, BaseException | None]) -> None:
+    """``corellm_engine_stopped`` for every implementation, each even if another raised: a
+    sink's failure to flush is logged, never raised, so it cannot mask the engine's own error
+    or keep another sink from flushing."""
+    try:
+        _call_each(registry, "corellm_engine_stopped",
+                   {"engine_id": engine_id, "config": config, "error": state["error"]})
+    except PluginError as exc:
+        logger.error("%s", exc, exc_info=exc.__cause__)
 
 
 class EngineCore:
@@ -86,12 +107,23 @@ class EngineCore:
         self.num_steps = 0
         self.timings: dict[str, float] = defaultdict(float)
         self._observe_steps = registry.implements("corellm_step_finished")
-        registry.hook.corellm_engine_started(config=config, engine_id=self.engine_id)
-        # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at
-        # interpreter exit (or garbage collection) for an engine nobody shut down.
+        # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at exit
+        # (or garbage collection) for an engine nobody shut down. At exit it runs before Python
+        # joins non-daemon threads, so a sink may stop its own writer thread there.
         self._stop_state: dict[str, BaseException | None] = {"error": None}
-        self._stopped = weakref.finalize(self, _notify_stopped, registry.hook, self.engine_id,
-                                         config, self._stop_state)
+        self._stopped = weakref.finalize(self, _notify_stopped, registry, self.engine_id, config,
+                                         self._stop_state)
+        try:
+            threading._register_atexit(self._stopped)     # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):             # interpreter already shutting down
+            pass
+        try:
+            _call_each(registry, "corellm_engine_started",
+                       {"config": config, "engine_id": self.engine_id})
+        except BaseException as exc:
+            # Not started: the plugins that did start hear of it, the workers go.
+            self.shutdown(error=exc)
+            raise
 
     def _check_capacity(self, num_blocks: int) -> None:
         block_size = self.config.kv_cache.block_size

@@ -200,6 +200,9 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
         logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
         proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
     finally:
+        # The client sends SIGTERM 10 s after asking us to stop: let the stop hooks (sinks
+        # flushing) finish instead of being cut by a SystemExit; SIGKILL follows 5 s later.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             engine.shutdown(error)
         finally:

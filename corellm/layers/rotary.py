@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
+from corellm.model_config import ROPE_TYPES
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type != "default":
             raise CheckpointError(f"rope_type {rope_type!r} is not supported "
-                                  "(supported: default, linear, llama3)")
+                                  f"(supported: {', '.join(ROPE_TYPES)})")
         positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(positions, inv_freq)                  # [P, D/2]
         # Plain attributes rather than buffers: models are built on the meta device and

@@ -36,6 +36,7 @@ class ResolvedModel:
     path: str
     arch: ModelArchConfig          # as parsed by the model plugin's config_class
     model: RegisteredComponent     # the model plugin the checkpoint's architectures chose
+    source: str                    # where the config was read from, for error messages
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
@@ -72,7 +73,7 @@ def resolve_model(config: EngineConfig, model_path: str, registry: Registry) -> 
         dtype = _DTYPES.get(str(arch.checkpoint_dtype).replace("torch.", ""), torch.float32)
         if device.type == "cpu" and dtype == torch.float16:
             dtype = torch.float32           # fp16 matmuls are slow or missing on CPUs
-    return ResolvedModel(model_path, arch, model_entry, max_len, dtype, device)
+    return ResolvedModel(model_path, arch, model_entry, source, max_len, dtype, device)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,7 +143,11 @@ class ModelRunner:
         attn = registry.get("attention", config.attention.name)
         ctx.attention_backend = self.attn_backend = attn.spec.factory(config.attention, ctx)
         model_entry = resolved.model
-        model = model_entry.spec.factory(resolved.arch, ctx)
+        try:
+            model = model_entry.spec.factory(resolved.arch, ctx)
+        except CheckpointError as exc:     # e.g. an unsupported activation: name the file
+            raise CheckpointError(f"{resolved.source}: {exc} (model {model_entry.spec.name!r} "
+                                  f"of {model_entry.plugin.describe()})") from exc
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
                             f"{type(model).__name__}, which does not implement CausalLM")

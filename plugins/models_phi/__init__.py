@@ -48,7 +48,7 @@ class PhiArchConfig(ModelArchConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
     def max_len_limit(self) -> int | None:
-        return None if self.rope_scaling is not None else self.max_position_embeddings
+        return RopeConfig.max_len_limit(self.max_position_embeddings, self.rope_scaling)
 
 
 def _build(arch, ctx):
