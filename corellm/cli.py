@@ -134,8 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, registry = _engine_config(args, frontend=True)
     entry = registry.get("frontend", config.frontend.name)
     server = entry.spec.factory(config.frontend, BuildContext(config=config, registry=registry))
-    server.run()
-    return 0
+    return server.run() or 0
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

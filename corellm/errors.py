@@ -48,3 +48,12 @@ class InvalidRequestError(CorellmError, ValueError):
 
 class CheckpointError(CorellmError):
     """A model checkpoint directory is missing, incomplete or malformed."""
+
+
+class RequestAbortedError(CorellmError):
+    """A request was ended before it finished, by its client or the server (``reason``: e.g.
+    ``shutdown``); a stream waiting on it raises this."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)

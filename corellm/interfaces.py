@@ -294,8 +294,9 @@ class Frontend(ABC):
     """Serves the engine to the outside world (e.g. an OpenAI-compatible HTTP server)."""
 
     @abstractmethod
-    def run(self) -> None:
-        """Serve until asked to stop."""
+    def run(self) -> int | None:
+        """Serve until asked to stop; return the process's exit status (None: 0). A front end
+        whose engine died returns non-zero, so a restart-on-exit supervisor recovers it."""
 
 
 class CausalLM(ABC):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from corellm import LLM
 from corellm.engine.output_processor import (IncrementalDetokenizer, OutputProcessor,
                                              RequestOutputKind, RequestState)
+from corellm.engine.stop_strings import StopStringMatcher, stop_string_matcher
 from corellm.outputs import EngineCoreOutput
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
@@ -29,6 +30,17 @@ FFFD = "\ufffd"
 PROPERTY = settings(max_examples=200, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])
+
+
+def chunked(ids: list, sizes: list[int]) -> list[list]:
+    """``ids`` cut into consecutive chunks of the given sizes, cycled."""
+    chunks, pos = [], 0
+    for size in itertools.cycle(sizes):
+        if pos >= len(ids):
+            break
+        chunks.append(ids[pos:pos + size])
+        pos += size
+    return chunks
 
 
 # =========================================================================== tokenizers
@@ -172,12 +184,7 @@ def run_detokenizer(tok, ids: list[int], sizes: list[int], skip: bool, empty_fin
     ByteFallback, which decodes "0" + half of "é" in one byte run as two U+FFFDs)."""
     det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     reference = tok.decode(ids, skip_special_tokens=skip)
-    chunks, pos = [], 0
-    for size in itertools.cycle(sizes):
-        if pos >= len(ids):
-            break
-        chunks.append(ids[pos:pos + size])
-        pos += size
+    chunks = chunked(ids, sizes)
     if empty_final:
         chunks.append([])
     deltas, emitted = [], ""
@@ -445,12 +452,7 @@ def run_kind(kind: RequestOutputKind, ids: list[int], sizes: list[int], n: int =
     proc = OutputProcessor(demo_tokenizer())
     state = proc.add_request("r", None, core_request(n=n, **params), kind=kind)
     outs = []
-    chunks, pos = [], 0
-    for size in itertools.cycle(sizes):
-        if pos >= len(ids):
-            break
-        chunks.append(ids[pos:pos + size])
-        pos += size
+    chunks = chunked(ids, sizes)
     for k, chunk in enumerate(chunks):
         last = k == len(chunks) - 1
         res = proc.process_outputs([EngineCoreOutput(cid, chunk,
@@ -649,3 +651,206 @@ def test_engine_process_matches_in_process(llama_path):
         mp.shutdown()
     assert got == want
     assert any(c[3] == "stop" for o in want for c in o[3])   # the abort path ran
+
+
+# =========================================================================== stop-string automaton
+
+
+def reference_stop_match(text: str, start: int, stops: list[str]) -> tuple[int, int] | None:
+    """Brute force: every occurrence of every stop string that ends in ``text[start:]``; the
+    smallest start wins, then the smallest index in ``stops``. Returns (absolute start, index)."""
+    best = None
+    for k, stop in enumerate(stops):
+        for i in range(max(0, start - len(stop) + 1), len(text) - len(stop) + 1):
+            if text.startswith(stop, i) and (best is None or (i, k) < best):
+                best = (i, k)
+    return best
+
+
+def run_matcher(stops: list[str], chunks: list[str], ignore_first: int = 0):
+    """Feed ``chunks`` in order (the first ``ignore_first`` ones with ``advance``, like text before
+    min_tokens); stop at the first reported match. Returns (chunk index, absolute start, index)
+    or None, checked against the brute-force reference at every chunk."""
+    m = StopStringMatcher(stops)
+    state, text = m.INITIAL, ""
+    for j, chunk in enumerate(chunks):
+        start = len(text)
+        text += chunk
+        if j < ignore_first:
+            state = m.advance(state, chunk)
+            continue
+        state, match = m.feed(state, chunk)
+        want = reference_stop_match(text, start, stops)
+        got = None if match is None else (start + match[0], match[1])
+        assert got == want, (stops, chunks, ignore_first, j)
+        if got is not None:
+            assert text.startswith(stops[got[1]], got[0])
+            return (j, *got)
+    return None
+
+
+@st.composite
+def stop_cases(draw):
+    alphabet = draw(st.sampled_from(["a", "ab", "abc", "aé😀"]))
+    letters = st.text(st.sampled_from(alphabet), min_size=1, max_size=5)
+    stops = draw(st.lists(letters, min_size=1, max_size=6))
+    if draw(st.booleans()):                                # duplicates
+        stops.append(draw(st.sampled_from(stops)))
+    text = draw(st.text(st.sampled_from(alphabet), max_size=40))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]  # empty ones too
+    ignore_first = draw(st.integers(0, len(chunks)))
+    return stops, chunks, ignore_first
+
+
+@PROPERTY
+@given(case=stop_cases())
+def test_stop_matcher_matches_brute_force(case):
+    stops, chunks, ignore_first = case
+    run_matcher(stops, chunks, ignore_first)
+    # The state depends on the text only, not on how it was split.
+    m = StopStringMatcher(stops)
+    state = m.INITIAL
+    for chunk in chunks:
+        state = m.feed(state, chunk)[0]
+    assert state == m.advance(m.INITIAL, "".join(chunks))
+
+
+@pytest.mark.parametrize("stops, chunks, ignore_first, want", [
+    (["abc", "ab"], ["abc"], 0, (0, 0, 0)),               # equal starts: first listed wins
+    (["ab", "abc"], ["abc"], 0, (0, 0, 0)),
+    (["abc", "ab"], ["ab", "c"], 0, (0, 0, 1)),           # "ab" ends in the first delta already
+    (["bcd", "abcde", "cd"], ["abcdef"], 0, (0, 0, 1)),   # overlapping: earliest start
+    (["cd", "bcd"], ["abcd"], 0, (0, 1, 1)),              # one a suffix of the other
+    (["b", "abc"], ["abc"], 0, (0, 0, 1)),                # a later-ending match starts first
+    (["x", "x", "y"], ["ayx"], 0, (0, 1, 2)),             # duplicates
+    (["x", "y", "x"], ["ax"], 0, (0, 1, 0)),
+    (["hello world"], list("hello world"), 0, (10, 0, 0)),   # spans many deltas
+    (["hello world"], ["hel", "", "lo", " ", "wor", "ld"], 0, (5, 0, 0)),
+    (["a long stop string"], ["a long", " stop"], 0, None),  # longer than all text so far
+    (["o"], ["hello", " wo", "rld"], 1, (1, 7, 0)),       # "o" before min_tokens ignored
+    (["lo w"], ["hello", " wo", "rld"], 1, (1, 3, 0)),    # begins in ignored text: found
+    (["hello"], ["hello", " wo"], 1, None),               # wholly in ignored text: never
+    (["é😀", "😀"], ["aé", "😀b"], 0, (1, 1, 0)),            # unicode
+    (["日本語"], ["今日", "本", "語"], 0, (2, 1, 0)),
+])
+def test_stop_matcher_cases(stops, chunks, ignore_first, want):
+    assert run_matcher(stops, chunks, ignore_first) == want
+
+
+def test_stop_matcher_cache_and_validation():
+    stops = ["User:", "\n\n"]
+    assert stop_string_matcher(stops) is stop_string_matcher(list(stops))  # built once
+    assert stop_string_matcher(stops).stops == tuple(stops)
+    big = [f"{i:08d}" for i in range(10_000)]            # over the cache's size limit
+    assert stop_string_matcher(big) is not stop_string_matcher(big)
+    m = stop_string_matcher(big)
+    assert m.feed(m.INITIAL, "xx0000123400000099") == (m.advance(m.INITIAL, "xx0000123400000099"),
+                                                       (2, 1234))
+    with pytest.raises(ValueError):
+        StopStringMatcher(["a", ""])
+
+
+def old_append_text_reference(tok, chunks: list[list[int]], stop: list[str], min_tokens: int,
+                              include: bool):
+    """What ``RequestState`` did before the automaton: a ``str.find`` per stop string per delta.
+    Returns (text, token_ids, finish_reason, stop_reason, index of the chunk that stopped)."""
+    det = IncrementalDetokenizer(tok)
+    text, ids = "", []
+    for j, chunk in enumerate(chunks):
+        ids += chunk
+        delta = det.add_tokens(chunk, final=j == len(chunks) - 1)
+        if not delta:
+            continue
+        start = len(text)
+        text += delta
+        if len(ids) < min_tokens:
+            continue
+        best = None
+        for s in stop:
+            i = text.find(s, max(0, start - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            return (text[:i + len(s)] if include else text[:i]), ids, "stop", s, j
+    return text, ids, "length", None, None
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(data=st.data(), include=st.booleans())
+def test_request_state_stop_strings_match_old_behaviour(data, include):
+    """Through ``OutputProcessor.process_outputs``, n=3 samples with their own token streams and
+    chunkings: the same text, stop reason and stopping step as the per-stop ``find`` code."""
+    tok = demo_tokenizer()
+    words = st.lists(st.sampled_from(["ab", "ba", "a", "b", " ", "aab", "é", "😀"]), min_size=1,
+                     max_size=12).map("".join)
+    stop = data.draw(st.lists(st.text(st.sampled_from("ab é"), min_size=1, max_size=4),
+                              min_size=1, max_size=5))
+    min_tokens = data.draw(st.integers(0, 8))
+    n = 3
+    streams = []
+    for _ in range(n):
+        ids = tok.encode(data.draw(words))
+        sizes = data.draw(chunkings)
+        chunks = chunked(ids, sizes)
+        streams.append(chunks)
+    proc = OutputProcessor(tok)
+    state = proc.add_request("r", None, core_request(n=n, stop=stop, min_tokens=min_tokens,
+                                                     include_stop_str_in_output=include))
+    aborted_at: dict[str, int] = {}
+    outs = []
+    for step in range(max(map(len, streams))):
+        batch = [EngineCoreOutput(cid, chunks[step],
+                                  finish_reason="length" if step == len(chunks) - 1 else None)
+                 for cid, chunks in zip(state.child_ids, streams) if step < len(chunks)]
+        res = proc.process_outputs(batch)
+        for cid in res.reqs_to_abort:
+            aborted_at[cid] = step
+        outs += res.request_outputs
+    assert not proc.has_unfinished_requests()
+    [out] = outs
+    for c, cid, chunks in zip(out.outputs, state.child_ids, streams):
+        text, ids, reason, stop_reason, j = old_append_text_reference(tok, chunks, stop,
+                                                                      min_tokens, include)
+        assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == \
+            (text, ids, reason, stop_reason)
+        assert aborted_at.get(cid) == j
+
+
+def test_logprobs_decode_each_token_once():
+    """Decoded logprob tokens come from a cache shared by the processor's requests; the output is
+    what ``tokenizer.decode([id])`` gives."""
+    from corellm.outputs import LogprobsLists
+    tok = demo_tokenizer()
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, ids, **kw):
+            if len(ids) == 1 and not kw:
+                calls.append(ids[0])
+            return tok.decode(ids, **kw)
+
+    proc = OutputProcessor(Counting())
+    rows = [[70, 71, 72], [71, 70, 300], [72, 72, 70]]         # the sampled one also in top-k
+    results = []
+    for rid in ("a", "b"):
+        proc.add_request(rid, None, core_request(rid, logprobs=2))
+        res = proc.process_outputs([EngineCoreOutput(
+            rid, [r[0] for r in rows], finish_reason="length", new_logprobs=LogprobsLists(
+                [list(r) for r in rows], [[-0.5, -1.0, -2.0]] * 3, [1, 2, 3]))])
+        [c] = res.request_outputs[0].outputs
+        results.append(c.logprobs)
+    assert sorted(calls) == [70, 71, 72, 300]                 # once each, across requests
+    want = [{70: (-0.5, 1, tok.decode([70])), 71: (-1.0, 1, tok.decode([71])),
+             72: (-2.0, 2, tok.decode([72]))},
+            {71: (-0.5, 2, tok.decode([71])), 70: (-1.0, 1, tok.decode([70])),
+             300: (-2.0, 2, tok.decode([300]))},
+            {72: (-0.5, 3, tok.decode([72])), 70: (-2.0, 2, tok.decode([70]))}]
+    for lps in results:
+        assert [{t: (v.logprob, v.rank, v.decoded_token) for t, v in e.items()} for e in lps] \
+            == want
+        assert [list(e) for e in lps] == [[70, 71, 72], [71, 70, 300], [72, 70]]

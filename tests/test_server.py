@@ -286,6 +286,8 @@ def test_engine_side_fields(server, client):
 
 # --------------------------------------------------------------------------- bad input
 def _post(server, path, body=None, raw=None, headers=None):
+    if raw is not None:                       # raw bytes still claim to be JSON unless told
+        headers = {"content-type": "application/json", **(headers or {})}
     return httpx.post(server.url + path, json=body, content=raw, headers=headers, timeout=60)
 
 
@@ -421,7 +423,9 @@ def test_load_64_concurrent_streams(server):
 # --------------------------------------------------------------------------- auth, faults
 @pytest.fixture
 def fragile_server(llama_path, tmp_path):
-    srv = Server(tmp_path, _server_config(llama_path), "--api-key", "sekret")
+    # Stays up after the engine dies (exiting is the default: tests/test_server_reliability.py)
+    config = {**_server_config(llama_path), "frontend": {"exit_on_engine_death": False}}
+    srv = Server(tmp_path, config, "--api-key", "sekret")
     yield srv
     srv.stop(signal.SIGKILL)
     if srv.engine_pid and _pid_alive(srv.engine_pid):

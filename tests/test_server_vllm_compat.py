@@ -70,7 +70,7 @@ CORELLM_FAMILIES = {
     "corellm:num_preemptions", "corellm:prompt_tokens", "corellm:generation_tokens",
     "corellm:engine_steps", "corellm:request_success", "corellm:time_to_first_token_seconds",
     "corellm:time_per_output_token_seconds", "corellm:e2e_request_latency_seconds",
-    "corellm:request_queue_time_seconds",
+    "corellm:request_queue_time_seconds", "corellm:request_aborted",
 }
 
 
@@ -327,7 +327,8 @@ def test_default_prefix_names_unchanged(dserver):
     assert _families(dserver) == CORELLM_FAMILIES
     assert not any(name.startswith("vllm:") for name, _ in after)
     for name, labels in after:
-        assert set(dict(labels)) <= {"model_name", "finished_reason", "le"}, (name, labels)
+        assert set(dict(labels)) <= {"model_name", "finished_reason", "reason", "le"}, \
+            (name, labels)
     for name, moved in (("corellm:generation_tokens_total", 3),
                         ("corellm:e2e_request_latency_seconds_count", 1),
                         ("corellm:request_success_total", 1)):

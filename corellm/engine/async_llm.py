@@ -1,6 +1,9 @@
 """The asyncio engine client: what a server holds. The engine core runs in its own process
-(``AsyncMPClient``); tokenization, detokenization and stop strings happen here, in the caller's
-event loop, through the same ``Processor`` and ``OutputProcessor`` as the offline ``LLM``.
+(``AsyncMPClient``); detokenization and stop strings happen here, in the caller's event loop,
+through the same ``Processor`` and ``OutputProcessor`` as the offline ``LLM``. Each batch of
+outputs is processed in slices of at most ``OUTPUT_SLICE_S`` seconds, yielding to the loop in
+between, so a huge batch delays other tasks (``/health``, other streams) by one slice, never by
+the whole batch.
 
     engine = await AsyncLLM.create("cfg.yaml")
     async for out in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,9 +34,13 @@ from corellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Called with the requests that finished in one batch of outputs (e.g. to observe latency
-# histograms). Runs on the event loop: keep it cheap.
+# Called with the requests that ended in one batch of outputs (e.g. to observe latency
+# histograms), including aborted ones (their unfinished samples have finish_reason "abort" and
+# the state's ``abort_reason`` says why). Runs on the event loop: keep it cheap.
 FinishedCallback = Callable[[list[RequestState]], None]
+
+# Longest stretch the output handler runs before yielding to the event loop.
+OUTPUT_SLICE_S = 0.005
 
 
 class AsyncLLM:
@@ -46,6 +54,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self.finished_callbacks: list[FinishedCallback] = []
         self.dead_error: EngineDeadError | None = None
+        self._death: asyncio.Future[EngineDeadError] = asyncio.get_running_loop().create_future()
+        self._rejecting: BaseException | None = None     # set by abort_all: no new requests
         self._ids = itertools.count()
         self._handler = asyncio.create_task(self._output_handler(), name="corellm-outputs")
 
@@ -114,6 +124,8 @@ class AsyncLLM:
         this to answer bad input with an error status before it starts a streaming response."""
         if self.is_dead:
             raise self.dead_error or EngineDeadError(self.client.dead_reason or "engine is dead")
+        if self._rejecting is not None:
+            raise self._rejecting
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         text, core_request = self.processor.process(rid, prompt, sampling_params, priority,
                                                     user=user, session_id=session_id)
@@ -126,38 +138,76 @@ class AsyncLLM:
             raise
         return RequestStream(self, rid, queue)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished). Safe to call from cleanup code: it
-        never awaits."""
-        child_ids = self.output_processor.abort_requests([request_id])
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Abort a request (no-op if it already finished): free its engine-core requests, log it
+        and report it to the finished callbacks with ``reason`` (e.g. ``client_disconnected``).
+        Safe to call from cleanup code: it never awaits."""
+        self._abort([request_id], reason)
+
+    def abort_all(self, error: BaseException, reason: str) -> int:
+        """End every request in flight (each stream raises ``error``) and refuse new ones with
+        ``error`` from now on (a server shutting down); returns how many were ended."""
+        self._rejecting = error
+        states = list(self.output_processor.requests.values())
+        for state in states:
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+        self._abort([s.request_id for s in states], reason)
+        return len(states)
+
+    def _abort(self, request_ids: list[str], reason: str) -> None:
+        op = self.output_processor
+        states = [op.requests[r] for r in request_ids if r in op.requests]
+        child_ids = op.abort_requests(request_ids)
+        if not states:
+            return
+        now = time.time()
+        for state in states:
+            state.abort(reason, now)
+            logger.info("request %s aborted (%s) after %d generated tokens", state.request_id,
+                        reason, state.metrics.num_generation_tokens)
+        self._report_finished(states)
         if child_ids and not self.is_dead:
             task = asyncio.get_running_loop().create_task(
                 self.client.abort_requests_async(child_ids))
             task.add_done_callback(_log_failure)
-            logger.debug("aborted %s", request_id)
+
+    def _report_finished(self, states: list[RequestState]) -> None:
+        for callback in self.finished_callbacks:
+            try:
+                callback(states)
+            except Exception:
+                logger.exception("finished-request callback failed")
 
     async def _output_handler(self) -> None:
         op = self.output_processor
         try:
             while True:
                 batch = await self.client.get_output_async()
-                done = op.process_outputs(batch.outputs)
-                if done.reqs_to_abort:
-                    await self.client.abort_requests_async(done.reqs_to_abort)
-                if done.finished:
-                    for callback in self.finished_callbacks:
-                        try:
-                            callback(done.finished)
-                        except Exception:
-                            logger.exception("finished-request callback failed")
+                outputs, start, now = batch.outputs, 0, time.time()
+                while start < len(outputs):
+                    # A slice: as many outputs as fit in OUTPUT_SLICE_S (one at least), then
+                    # let the loop run (/health, other streams, new requests).
+                    done, start = op.process_outputs_for(outputs, start, OUTPUT_SLICE_S, now)
+                    if done.reqs_to_abort:
+                        await self.client.abort_requests_async(done.reqs_to_abort)
+                    if done.finished:
+                        self._report_finished(done.finished)
+                    if start < len(outputs):
+                        await asyncio.sleep(0)
         except EngineDeadError as exc:
             self._fail_all(exc)
+            if not self._death.done():
+                self._death.set_result(exc)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             # Nothing would deliver outputs any more: fail loudly rather than hang everyone.
             logger.exception("output handler failed")
-            self._fail_all(EngineDeadError(f"output handler failed: {exc!r}"))
+            err = EngineDeadError(f"output handler failed: {exc!r}")
+            self._fail_all(err)
+            if not self._death.done():
+                self._death.set_result(err)
             raise
 
     def _fail_all(self, exc: EngineDeadError) -> None:
@@ -167,6 +217,10 @@ class AsyncLLM:
             if state.queue is not None:
                 state.queue.put_nowait(exc)
         op.abort_requests(list(op.requests))
+
+    async def wait_dead(self) -> EngineDeadError:
+        """Return (with the reason) once the engine core has died; never after a shutdown."""
+        return await asyncio.shield(self._death)
 
     # ------------------------------------------------------------------ engine utilities
     async def check_health(self, timeout: float = 5.0) -> None:
@@ -181,10 +235,12 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core: it finishes its step, runs its stop hooks and exits; killed
+        if it has not within ``timeout`` seconds."""
         self._handler.cancel()
         self._fail_all(EngineDeadError("the engine was shut down"))
-        await self.client.shutdown_async()
+        await self.client.shutdown_async(timeout=timeout)
 
 
 class RequestStream:
@@ -196,6 +252,9 @@ class RequestStream:
         self.request_id = request_id
         self._queue = queue
         self._done = False
+        # Why the request is aborted if its waiter is cancelled (a server sets
+        # "client_disconnected": its handlers are cancelled when the client goes away).
+        self.cancel_reason = "cancelled"
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -206,7 +265,7 @@ class RequestStream:
         try:
             item = await self._queue.get()
         except BaseException:            # cancelled: whoever waited is gone
-            self.close()
+            self.close(self.cancel_reason)
             raise
         if isinstance(item, BaseException):
             self._done = True
@@ -214,10 +273,11 @@ class RequestStream:
         self._done = item.finished
         return item
 
-    def close(self) -> None:
+    def close(self, reason: str = "cancelled") -> None:
+        """Abort the request unless it has ended; ``reason`` is logged and counted."""
         if not self._done:
             self._done = True
-            self.engine.abort(self.request_id)
+            self.engine.abort(self.request_id, reason)
 
     async def aclose(self) -> None:
         self.close()

@@ -6,6 +6,10 @@
 
 The multiprocess clients watch the child: when it dies, every waiter gets ``EngineDeadError``
 with the reason (exit code, or the core's last message) instead of hanging.
+
+The two sockets live in a private IPC directory (``corellm-ipc-*`` in the temp dir). It is
+removed whichever way the engine ends: by the client at shutdown or as soon as the process is
+seen dead, or by the engine core itself when the client's process dies first.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import wait
 from typing import Any
 
 import msgspec
@@ -42,6 +48,11 @@ logger = logging.getLogger(__name__)
 # A send blocks only when the core stopped reading (its queue is full or it is gone).
 SEND_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = float(os.environ.get("CORELLM_ENGINE_STARTUP_TIMEOUT", "600"))
+# Default time a shutdown gives the core to finish its step, run its stop hooks and exit before
+# it is killed (SIGKILL).
+STOP_TIMEOUT_S = 10.0
+# How long to wait for a killed process to be gone.
+KILL_WAIT_S = 5.0
 
 
 class EngineCoreClient(ABC):
@@ -85,12 +96,16 @@ class InprocClient(EngineCoreClient):
 
 # --------------------------------------------------------------------------- multiprocess
 class _CoreProcess:
-    """Starts the engine-core process, waits until it is ready, and stops it."""
+    """Starts the engine-core process, waits until it is ready, and stops it. Owns the IPC
+    directory (``ipc_dir``) and removes it once the process is stopped or seen dead."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="corellm-ipc-")
-        self.input_addr = f"ipc://{self._dir.name}/input"
-        self.output_addr = f"ipc://{self._dir.name}/output"
+        self._dir = tempfile.TemporaryDirectory(prefix="corellm-ipc-", ignore_cleanup_errors=True)
+        self.ipc_dir: str = self._dir.name
+        self._dir_lock = threading.Lock()
+        self._dir_removed = False
+        self.input_addr = f"ipc://{self.ipc_dir}/input"
+        self.output_addr = f"ipc://{self.ipc_dir}/output"
         self.ctx = zmq.Context()
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.dead_reason: str | None = None
@@ -108,7 +123,7 @@ class _CoreProcess:
         self.proc = mp.Process(
             target=run_engine_core, name="corellm-engine-core", daemon=True,
             args=(config.to_dict(), self.input_addr, self.output_addr, writer, os.getpid(),
-                  logging.getLogger("corellm").getEffectiveLevel()))
+                  logging.getLogger("corellm").getEffectiveLevel(), self.ipc_dir))
         with self._lock:
             if self._killed:
                 raise EngineStartupError("engine core start-up was cancelled")
@@ -140,40 +155,83 @@ class _CoreProcess:
         return ModelInfo(**payload)
 
     def watch(self, on_death: Any) -> None:
-        """Call ``on_death(reason)`` from a thread if the process ends while not closing."""
-        def wait() -> None:
+        """Call ``on_death(reason)`` from a thread if the process ends while not closing. The IPC
+        directory is removed as soon as the process has ended, either way."""
+        def wait_for_exit() -> None:
             assert self.proc is not None
             self.proc.join()
+            self.remove_ipc_dir()
             if not self.closing:
                 reason = self.dead_reason or (f"engine core process (pid {self.proc.pid}) exited "
                                               f"with code {self.proc.exitcode}")
                 logger.error("%s", reason)
                 on_death(reason)
-        threading.Thread(target=wait, daemon=True, name="corellm-core-watch").start()
+        threading.Thread(target=wait_for_exit, daemon=True, name="corellm-core-watch").start()
 
-    def stop(self, send_shutdown: Any, timeout: float = 10.0) -> None:
+    def running(self) -> bool:
+        """Started and not yet exited (exited means its sentinel is ready, reaped or not)."""
+        try:
+            return self.proc is not None and not wait([self.proc.sentinel], 0)
+        except ValueError:             # not started
+            return False
+
+    def _wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the process to exit; True once it has."""
+        assert self.proc is not None
+        if not wait([self.proc.sentinel], max(0.0, timeout)):
+            return False
+        self.proc.join(1)              # reap it (the watch thread may beat us to it)
+        return True
+
+    def stop(self, send_shutdown: Callable[[float], None] | None,
+             timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine core, bounded: ``send_shutdown(budget)`` asks it to stop (it must
+        return or raise within ``budget`` seconds); the core finishes its step, runs its stop
+        hooks and exits. If it has not within ``timeout`` seconds of the start of the call, it
+        is killed (SIGKILL: the core ignores SIGTERM while it shuts down). Then the IPC
+        directory is removed. Idempotent."""
+        t0 = time.monotonic()
         self.closing = True
-        if self.proc is None:
-            return
-        if self.proc.is_alive():
-            try:
-                send_shutdown()
-            except Exception:
-                pass
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            logger.warning("engine core did not stop within %.0f s; terminating it", timeout)
-            self.proc.terminate()
-            self.proc.join(5)
+        if self.running():
+            assert self.proc is not None
+            pid = self.proc.pid
+            if send_shutdown is not None and self.dead_reason is None:
+                try:
+                    send_shutdown(max(0.0, timeout))
+                except Exception as exc:
+                    logger.warning("could not send the shutdown request to the engine core "
+                                   "process (pid %d): %s", pid, exc)
+            if self._wait_exit(timeout - (time.monotonic() - t0)):
+                logger.info("engine core process (pid %d) stopped (exit code %s) in %.1f s", pid,
+                            self.proc.exitcode, time.monotonic() - t0)
+            else:
+                logger.warning("engine core process (pid %d) did not stop within %.1f s of the "
+                               "shutdown request; killing it (SIGKILL)", pid, timeout)
         self.kill()
 
     def kill(self) -> None:
+        """SIGKILL the process if it is running (a cancelled or failed start, or the end of a
+        stop), wait for it, and remove the IPC directory. Idempotent, any thread."""
         with self._lock:
             self._killed = True
-            if self.proc is not None and self.proc.is_alive():
+            if self.running():
+                assert self.proc is not None
                 self.proc.kill()
-                self.proc.join(5)
-        self._dir.cleanup()
+                if self._wait_exit(KILL_WAIT_S):
+                    logger.warning("engine core process (pid %d) killed", self.proc.pid)
+                else:
+                    logger.error("engine core process (pid %d) still running %.0f s after "
+                                 "SIGKILL", self.proc.pid, KILL_WAIT_S)
+        self.remove_ipc_dir()
+
+    def remove_ipc_dir(self) -> None:
+        """Remove the IPC directory (its socket files with it). Idempotent and thread-safe: the
+        first call removes it, later ones return at once (after it is gone)."""
+        with self._dir_lock:
+            if self._dir_removed:
+                return
+            self._dir_removed = True
+            self._dir.cleanup()
 
 
 class _MPClientBase(EngineCoreClient):
@@ -188,6 +246,11 @@ class _MPClientBase(EngineCoreClient):
     @property
     def dead_reason(self) -> str | None:
         return self.process.dead_reason
+
+    @property
+    def ipc_dir(self) -> str:
+        """The directory of the two IPC sockets (gone once the engine has stopped)."""
+        return self.process.ipc_dir
 
     def _check_alive(self) -> None:
         if self.process.dead_reason is not None:
@@ -307,13 +370,26 @@ class SyncMPClient(_MPClientBase):
         self._in.close(linger=0)
         self._out.close(linger=0)
 
-    def shutdown(self) -> None:
+    def _send_shutdown(self, budget: float) -> None:
+        """Queue SHUTDOWN, waiting at most ``budget`` seconds for the core to take it."""
+        if self.process.dead_reason is not None:
+            raise EngineDeadError(self.process.dead_reason)
+        with self._lock:
+            if not self._in.poll(int(budget * 1000), zmq.POLLOUT):
+                raise EngineDeadError(f"engine core not receiving for {budget:.1f} s")
+            self._in.send_multipart((ipc.SHUTDOWN, ipc.encoder.encode(None)), flags=zmq.NOBLOCK)
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine core: it finishes its step, runs its stop hooks and exits; killed
+        (SIGKILL) if it has not within ``timeout`` seconds. Idempotent."""
         if self.process.closing:
             return
-        self.process.stop(lambda: self._send(ipc.SHUTDOWN, None))
-        self._reader.join(2)
-        self._close_sockets()
-        self.process.ctx.term()
+        try:
+            self.process.stop(self._send_shutdown, timeout)
+        finally:
+            self._reader.join(2)
+            self._close_sockets()
+            self.process.ctx.term()
 
 
 class AsyncMPClient(_MPClientBase):
@@ -412,17 +488,29 @@ class AsyncMPClient(_MPClientBase):
         self._in.close(linger=0)
         self._out.close(linger=0)
 
-    async def shutdown_async(self) -> None:
+    def _send_shutdown(self, budget: float) -> None:
+        """Queue SHUTDOWN from a worker thread (the event loop is free: shutdown_async awaits
+        the thread), waiting at most ``budget`` seconds for the core to take it."""
+        if self.process.dead_reason is not None:
+            raise EngineDeadError(self.process.dead_reason)
+
+        async def send() -> None:
+            await self._in.send_multipart((ipc.SHUTDOWN, ipc.encoder.encode(None)))
+        fut = asyncio.run_coroutine_threadsafe(send(), self.loop)
+        try:
+            fut.result(budget)
+        except FutureTimeout:
+            fut.cancel()
+            raise EngineDeadError(f"engine core not receiving for {budget:.1f} s") from None
+
+    async def shutdown_async(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine core: it finishes its step, runs its stop hooks and exits; killed
+        (SIGKILL) if it has not within ``timeout`` seconds. Idempotent."""
         if self.process.closing:
             return
+        self.process.closing = True       # a second call returns at once
         try:
-            if self.process.proc is not None and self.process.proc.is_alive() \
-                    and self.process.dead_reason is None:
-                await self._send(ipc.SHUTDOWN, None)
-        except Exception:
-            pass
-        try:
-            await asyncio.to_thread(self.process.stop, lambda: None)
+            await asyncio.to_thread(self.process.stop, self._send_shutdown, timeout)
         finally:
             if self._reader is not None:
                 self._reader.cancel()
@@ -430,5 +518,6 @@ class AsyncMPClient(_MPClientBase):
             self.process.ctx.term()
 
     def shutdown(self) -> None:
+        """Kill the engine core at once (no event loop needed); see ``shutdown_async``."""
         self.process.closing = True
         self.process.kill()

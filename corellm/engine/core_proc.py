@@ -5,19 +5,27 @@ stall the step loop.
 Three threads: the main one runs the loop; one receives and decodes client messages into a
 queue; one encodes and sends outputs from a queue, overlapping serialization with the next
 step (ZeroMQ and msgspec release the GIL while they copy).
+
+A fourth watches the parent (the client's process). If it dies (``kill -9``), the core removes
+the IPC directory, leaves its loop after the current step, runs ``engine.shutdown(error)`` (the
+stop hooks see an error naming the lost parent) and exits with code 1, without waiting for the
+sockets whose peer is gone; after ``PARENT_LOST_EXIT_S`` it exits anyway.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import zmq
@@ -26,6 +34,18 @@ from corellm.engine import ipc
 from corellm.outputs import EngineCoreOutput, EngineCoreOutputs
 
 logger = logging.getLogger("corellm.engine_core")
+
+# Once the parent is gone, the process exits within this many seconds whatever it is doing.
+PARENT_LOST_EXIT_S = 1.0
+# How often the parent watch double-checks os.getppid() (a safety net behind the sentinel, and
+# the only check where there is no sentinel).
+PARENT_POLL_S = 1.0
+# Wakes the busy loop (never sent by a client).
+_WAKE = b"_wake"
+
+
+class ParentProcessLost(RuntimeError):
+    """The error ``engine.shutdown`` gets when the process that started the core is gone."""
 
 
 class EngineCoreProc:
@@ -36,6 +56,8 @@ class EngineCoreProc:
         self.ctx = zmq.Context()
         self._stop = False
         self._closing = False
+        # Set when the client's process is gone: nothing left to flush outputs to.
+        self.peer_gone = False
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(input_addr,), daemon=True,
                              name="corellm-core-input"),
@@ -65,15 +87,22 @@ class EngineCoreProc:
 
     def _send_loop(self, addr: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)     # flush the last outputs (e.g. DEAD) on exit
+        sock.setsockopt(zmq.SNDTIMEO, 200)    # a full queue must not hide a lost peer
         sock.connect(addr)
         while True:
             item = self.outputs.get()
             if item is None:
-                sock.close()
+                # Flush the last outputs (e.g. DEAD) on exit, unless nobody is left to read them.
+                sock.close(linger=0 if self.peer_gone else 2000)
                 return
             kind, obj = item
-            sock.send_multipart((kind, ipc.encoder.encode(obj)), copy=False)
+            frames = (kind, ipc.encoder.encode(obj))
+            while not self.peer_gone:
+                try:
+                    sock.send_multipart(frames, copy=False)
+                    break
+                except zmq.Again:     # the client is slow to read: keep trying while it lives
+                    continue
 
     # ------------------------------------------------------------------ the loop
     def run_busy_loop(self) -> None:
@@ -102,6 +131,8 @@ class EngineCoreProc:
             self._handle(*item)
 
     def _handle(self, kind: bytes, payload: Any) -> None:
+        if kind == _WAKE:
+            return
         if kind == ipc.ADD:
             try:
                 self.engine.add_request(payload)
@@ -139,35 +170,117 @@ class EngineCoreProc:
     def send_dead(self, reason: str) -> None:
         self.outputs.put((ipc.DEAD, reason))
 
+    def stop_for_lost_parent(self) -> None:
+        """Leave the loop after the current step; drop what cannot be delivered any more."""
+        self.peer_gone = True
+        self._stop = True
+        self.inputs.put((_WAKE, None))          # wake a loop blocked waiting for input
+
     def close(self) -> None:
         self._closing = True
         self.outputs.put(None)
+        if self.peer_gone:
+            return                 # nothing to flush to: the process exit reclaims the sockets
         for t in self._threads:
             t.join(timeout=5)
         if not any(t.is_alive() for t in self._threads):
             self.ctx.term()        # else: a stuck socket; process exit reclaims it
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the process that started us is gone (killed with SIGKILL, say): an engine
-    nobody can reach must not hold the accelerator or the port's memory forever."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            logger.error("parent process %d is gone; engine core exiting", parent_pid)
-            os._exit(1)
+class _ParentWatch:
+    """Notices at once when the process that started the core dies (killed with SIGKILL, say):
+    an engine nobody can reach must not hold the accelerator, its memory or the IPC directory.
+
+    In a spawned child, ``multiprocessing.parent_process().sentinel`` becomes readable the
+    moment the parent dies; ``os.getppid()`` is checked too, every ``PARENT_POLL_S`` (the only
+    check where there is no sentinel, e.g. when ``run_engine_core`` runs in-process)."""
+
+    def __init__(self, parent_pid: int, ipc_dir: str | None) -> None:
+        self.parent_pid = parent_pid
+        self.ipc_dir = ipc_dir
+        self.lost = threading.Event()
+        self.proc: EngineCoreProc | None = None      # set once the busy loop may start
+        self._lock = threading.Lock()
+        parent = multiprocessing.parent_process()
+        self._sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid \
+            else None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name="corellm-parent-watch").start()
+
+    def attach(self, proc: EngineCoreProc) -> None:
+        """The busy loop is about to start: a lost parent stops it from now on."""
+        with self._lock:
+            self.proc = proc
+            if self.lost.is_set():
+                proc.stop_for_lost_parent()
+
+    def error(self) -> ParentProcessLost:
+        return ParentProcessLost(f"parent process {self.parent_pid} is gone (the client that "
+                                 "started the engine core died)")
+
+    def _parent_alive(self) -> bool:
+        if self._sentinel is None:
+            time.sleep(PARENT_POLL_S)
+            return os.getppid() == self.parent_pid
+        try:
+            ready = wait([self._sentinel], timeout=PARENT_POLL_S)
+        except OSError:                # the descriptor is unusable: rely on getppid alone
+            ready, self._sentinel = [], None
+        if not ready:
+            return os.getppid() == self.parent_pid
+        # The parent's end of the pipe is closed. A dying process closes its files a moment
+        # before its children are re-parented: confirm with getppid, briefly.
+        deadline = time.monotonic() + 0.5
+        while os.getppid() == self.parent_pid:
+            if time.monotonic() > deadline:    # alive, yet it closed the pipe: poll from now on
+                logger.warning("parent process %d closed its sentinel pipe; watching it with "
+                               "getppid every %.0f s", self.parent_pid, PARENT_POLL_S)
+                self._sentinel = None
+                return True
+            time.sleep(0.001)
+        return False
+
+    def _run(self) -> None:
+        while self._parent_alive():
+            pass
+        t0 = time.monotonic()
+        logger.error("parent process %d is gone; engine core stopping (exiting within %.0f s)",
+                     self.parent_pid, PARENT_LOST_EXIT_S)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        with self._lock:
+            self.lost.set()
+            if self.proc is not None:
+                self.proc.stop_for_lost_parent()
+        # Bounded: a long step, a slow stop hook or a stuck socket does not keep us alive.
+        time.sleep(max(0.0, PARENT_LOST_EXIT_S - (time.monotonic() - t0)))
+        logger.error("engine core did not exit within %.0f s of losing its parent; exiting now",
+                     PARENT_LOST_EXIT_S)
+        _flush_logs()
+        os._exit(1)
+
+
+def _flush_logs() -> None:
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:
+            pass
 
 
 def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: str,
-                    ready: Connection, parent_pid: int, log_level: int) -> None:
-    """Entry point of the engine-core process (started with the spawn method)."""
+                    ready: Connection, parent_pid: int, log_level: int,
+                    ipc_dir: str | None = None) -> None:
+    """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
+    holds the two sockets; the core removes it if its parent dies (else the client does)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the client coordinates shutdown, so the core
     # ignores SIGINT and leaves on SIGTERM or a SHUTDOWN message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                     name="corellm-parent-watch").start()
+    watch = _ParentWatch(parent_pid, ipc_dir)
+    watch.start()
 
     engine = proc = None
     try:
@@ -180,14 +293,21 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
         engine = EngineCore(config, registry)
         proc = EngineCoreProc(engine, input_addr, output_addr)
     except BaseException as exc:
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        try:
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:            # the parent is gone
+            pass
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(watch.error() if watch.lost.is_set() else None)
         raise SystemExit(1) from None
+    watch.attach(proc)
     mi = engine.model_info
-    ready.send(("ready", {"vocab_size": mi.vocab_size, "max_model_len": mi.max_model_len,
-                          "architecture": mi.architecture, "pid": os.getpid()}))
-    ready.close()
+    try:
+        ready.send(("ready", {"vocab_size": mi.vocab_size, "max_model_len": mi.max_model_len,
+                              "architecture": mi.architecture, "pid": os.getpid()}))
+        ready.close()
+    except OSError:                # the parent died while we loaded: the watch stops the loop
+        pass
 
     code = 0
     error: BaseException | None = None
@@ -200,11 +320,19 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
         logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
         proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
     finally:
-        # The client sends SIGTERM 10 s after asking us to stop: let the stop hooks (sinks
-        # flushing) finish instead of being cut by a SystemExit; SIGKILL follows 5 s later.
+        # Let the stop hooks (sinks flushing) finish instead of being cut by a SystemExit on
+        # SIGTERM: the client's bound on a shutdown is a SIGKILL, which nothing delays.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if watch.lost.is_set() and error is None:
+            code, error = 1, watch.error()
         try:
             engine.shutdown(error)
         finally:
             proc.close()
+    if watch.lost.is_set():
+        # Stop hooks done, nobody to talk to: run the exit handlers and skip the interpreter's
+        # teardown (most of a second with torch loaded).
+        atexit._run_exitfuncs()
+        _flush_logs()
+        os._exit(1)
     raise SystemExit(code)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from corellm.engine.stop_strings import StopStringMatcher, stop_string_matcher
 from corellm.errors import InvalidRequestError
 from corellm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics,
                              RequestOutput)
@@ -86,6 +88,7 @@ class _Sample:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0          # DELTA bookkeeping: what earlier outputs carried
     num_sent_chars: int = 0
+    stop_state: int = StopStringMatcher.INITIAL   # the stop-string automaton's state after text
 
     @property
     def finished(self) -> bool:
@@ -96,7 +99,8 @@ class RequestState:
     """A caller's request: its ``n`` samples, each one engine-core request."""
 
     def __init__(self, request_id: str, prompt: str | None, core_request: EngineCoreRequest,
-                 tokenizer: Any, kind: RequestOutputKind, queue: Any = None) -> None:
+                 tokenizer: Any, kind: RequestOutputKind, queue: Any = None,
+                 token_texts: dict[int, str] | None = None) -> None:
         params = core_request.sampling_params
         self.request_id = request_id
         self.prompt = prompt
@@ -105,16 +109,23 @@ class RequestState:
         self.kind = kind
         self.queue = queue              # AsyncLLM: where outputs go (None: returned to the caller)
         self.tokenizer = tokenizer
+        # Token id -> tokenizer.decode([id]), for logprobs (the OutputProcessor shares one dict
+        # among its requests: the vocabulary bounds it).
+        self.token_texts: dict[int, str] = {} if token_texts is None else token_texts
         self.metrics = RequestMetrics(core_request.arrival_time)
         self.num_cached_tokens = 0
+        self.abort_reason: str | None = None   # set when aborted (e.g. "client_disconnected")
         want_logprobs = params.logprobs is not None
         self.samples = [_Sample(i, IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
                                 logprobs=[] if want_logprobs else None,
                                 cumulative_logprob=0.0 if want_logprobs else None)
                         for i in range(params.n)]
         self.num_unfinished = params.n
-        # Stop strings: hold back this many characters while streaming, so that text that may
-        # turn out to begin a stop string is never sent and then retracted.
+        # Stop strings: one automaton for every sample (each keeps its own state in
+        # ``_Sample.stop_state``), shared with other requests sending the same list.
+        self.stop_matcher = stop_string_matcher(params.stop) if params.stop else None
+        # Hold back this many characters while streaming, so that text that may turn out to
+        # begin a stop string is never sent and then retracted.
         self.stop_holdback = 0 if params.include_stop_str_in_output or not params.stop \
             else max(map(len, params.stop)) - 1
         self.child_ids = ([request_id] if params.n == 1
@@ -130,6 +141,13 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
+
+    def abort(self, reason: str, now: float) -> None:
+        """End the request unfinished: its unfinished samples get finish_reason "abort"."""
+        self.abort_reason = reason
+        for s in self.samples:
+            if not s.finished:
+                self._finish(s, "abort", reason, now)
 
     def unfinished_child_ids(self) -> list[str]:
         return [cid for cid, s in zip(self.child_ids, self.samples) if not s.finished]
@@ -171,33 +189,46 @@ class RequestState:
         return stopped_here
 
     def _append_text(self, s: _Sample, delta: str) -> bool:
-        """Add detokenized text; on a stop string, cut the text there and return True."""
+        """Add detokenized text; on a stop string, cut the text there and return True.
+
+        Only a match that ends in the new text is new: one wholly in older text came before
+        ``min_tokens`` (text then still advances the automaton, so that a match spanning it and
+        the new text is found, but its own matches are dropped). Of the new matches, the one that
+        starts first wins, then the one listed first in ``params.stop``."""
         start = len(s.text)
         s.text += delta
+        matcher = self.stop_matcher
+        if matcher is None:
+            return False
+        if len(s.token_ids) < self.params.min_tokens:
+            s.stop_state = matcher.advance(s.stop_state, delta)
+            return False
+        s.stop_state, match = matcher.feed(s.stop_state, delta)
+        if match is None:
+            return False
+        rel, k = match
+        i, stop = start + rel, matcher.stops[k]
         params = self.params
-        if not params.stop or len(s.token_ids) < params.min_tokens:
-            return False
-        best = None
-        for stop in params.stop:
-            # Only a match that ends in the new text is new (one wholly in older text came
-            # before min_tokens, and must not be found just because a longer stop string exists).
-            i = s.text.find(stop, max(0, start - len(stop) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return False
-        i, stop = best
         s.text = s.text[:i + len(stop)] if params.include_stop_str_in_output else s.text[:i]
         s.stop_reason = stop
         return True
 
     def _add_logprobs(self, s: _Sample, out: EngineCoreOutput) -> None:
         decode = self.tokenizer.decode
+        texts = self.token_texts
         lp = out.new_logprobs
         for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_ranks):
-            entry = {ids[0]: Logprob(lps[0], rank, decode([ids[0]]))}
+            t = ids[0]
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = decode([t])
+            entry = {t: Logprob(lps[0], rank, text)}
             for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                entry.setdefault(t, Logprob(v, r, decode([t])))
+                if t not in entry:
+                    text = texts.get(t)
+                    if text is None:
+                        text = texts[t] = decode([t])
+                    entry[t] = Logprob(v, r, text)
             s.logprobs.append(entry)
             s.cumulative_logprob += lps[0]
 
@@ -258,6 +289,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}         # token id -> decode([id]), for logprobs
         self.requests: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
 
@@ -265,7 +297,8 @@ class OutputProcessor:
                     kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
                     queue: Any = None) -> RequestState:
         """Register a request; send ``state.core_requests`` to the engine core."""
-        state = RequestState(request_id, prompt, core_request, self.tokenizer, kind, queue)
+        state = RequestState(request_id, prompt, core_request, self.tokenizer, kind, queue,
+                             self._token_texts)
         if request_id in self.requests or any(c in self._children for c in state.child_ids):
             raise InvalidRequestError("request_id", f"{request_id!r} (or one of its samples' "
                                       "ids) is already in flight")
@@ -291,19 +324,33 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: Iterable[EngineCoreOutput],
                         now: float | None = None) -> ProcessedOutputs:
+        outputs = outputs if isinstance(outputs, Sequence) else list(outputs)
+        return self.process_outputs_for(outputs, 0, math.inf, now)[0]
+
+    def process_outputs_for(self, outputs: Sequence[EngineCoreOutput], start: int,
+                            budget_s: float, now: float | None = None,
+                            ) -> tuple[ProcessedOutputs, int]:
+        """Process ``outputs[start:]`` until ``budget_s`` seconds have passed (one output at
+        least); return the result and the index to resume from (``len(outputs)`` when done).
+        A caller on an event loop yields between slices, so one huge batch cannot hold it."""
         now = time.time() if now is None else now
+        deadline = time.perf_counter() + budget_s
         touched: dict[str, tuple[RequestState, list[int]]] = {}
         to_abort: list[str] = []
-        for out in outputs:
+        i = start
+        while i < len(outputs):
+            out = outputs[i]
+            i += 1
             owner = self._children.get(out.request_id)
-            if owner is None:
-                continue                         # aborted by the caller meanwhile
-            state, index = owner
-            if state.samples[index].finished:
-                continue                         # e.g. the core's echo of a stop-string abort
-            if state.update(index, out, now):
-                to_abort.append(out.request_id)
-            touched.setdefault(state.request_id, (state, []))[1].append(index)
+            if owner is not None:
+                state, index = owner
+                if not state.samples[index].finished:  # else e.g. a stop-string abort's echo
+                    if state.update(index, out, now):
+                        to_abort.append(out.request_id)
+                    touched.setdefault(state.request_id, (state, []))[1].append(index)
+            # (owner None: aborted by the caller meanwhile)
+            if time.perf_counter() >= deadline:
+                break
         result = ProcessedOutputs([], to_abort, [])
         for state, changed in touched.values():
             out = state.make_output(changed)
@@ -317,4 +364,4 @@ class OutputProcessor:
                 del self.requests[state.request_id]
                 for cid in state.child_ids:
                     self._children.pop(cid, None)
-        return result
+        return result, i

@@ -165,8 +165,12 @@ class EngineMetrics:
         self.queue = Histogram("corellm:request_queue_time_seconds",
                                "Time from arrival until the engine first scheduled the request.",
                                labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.success = Counter("corellm:request_success", "Finished requests by finish reason.",
+        self.success = Counter("corellm:request_success", "Finished samples by finish reason "
+                               "(abort: ended before finishing).",
                                ["model_name", "finished_reason"], registry=r)
+        self.aborted = Counter("corellm:request_aborted", "Requests ended before they finished, "
+                               "by reason (client_disconnected, shutdown, ...).",
+                               ["model_name", "reason"], registry=r)
 
     def _init_vllm(self, max_model_len: int) -> None:
         r, labels, value = self.registry, list(VLLM_LABELS), (self.model_name, VLLM_ENGINE)
@@ -203,15 +207,27 @@ class EngineMetrics:
                                      tokens)
         self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                  [*labels, "finished_reason"], registry=r)
-        for reason in ("stop", "length"):         # present (at 0) before the first request
+        for reason in ("stop", "length", "abort"):  # present (at 0) before the first request
             self.v_success.labels(*value, reason)
 
     def observe_finished(self, states: list[RequestState]) -> None:
+        """Requests that ended: finished ones, and aborted ones (counted, not timed: the time
+        until a client gave up is not a latency of the server)."""
         if self.prefix == "vllm":
             for st in states:
-                self._observe_vllm(st)
+                if st.abort_reason is not None:
+                    for s in st.samples:
+                        self.v_success.labels(self.model_name, VLLM_ENGINE,
+                                              s.finish_reason or "abort").inc()
+                else:
+                    self._observe_vllm(st)
             return
         for st in states:
+            if st.abort_reason is not None:
+                self.aborted.labels(self.model_name, st.abort_reason).inc()
+                for s in st.samples:
+                    self.success.labels(self.model_name, s.finish_reason or "abort").inc()
+                continue
             m = st.metrics
             if m.time_to_first_token is not None:
                 self.ttft.observe(m.time_to_first_token)

@@ -4,11 +4,35 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from corellm.components import FrontendOptions
 
 API_KEY_ENV = "CORELLM_API_KEY"
+
+
+class RequestLimits(BaseModel):
+    """What one request may ask for (``frontend.limits``). Each bound keeps a single request
+    from taking the server from everyone else; a request over one is a 400 naming the field and
+    the key. ``samples`` are prompts x ``n``: each is one engine request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_samples: int = Field(
+        128, ge=1, description="Most samples (prompts x n) in one request.")
+    max_generated_tokens: int = Field(
+        1 << 17, ge=1, description="Most tokens one request may generate: the sum of max_tokens "
+                                   "over its samples (the rest of the context for each sample "
+                                   "when max_tokens is not set).")
+    max_stop_strings: int = Field(
+        64, ge=0, description="Most stop strings in one request (OpenAI's API: 4).")
+    max_stop_string_chars: int = Field(
+        256, ge=1, description="Longest stop string, in characters (a stream holds back this "
+                               "many characters, in case they begin a stop string).")
+    max_stop_token_ids: int = Field(256, ge=0, description="Most stop_token_ids.")
+    max_logprobs_total: int = Field(
+        1024, ge=0, description="Most log-probability alternatives per generated position "
+                                "over all samples: (logprobs or top_logprobs) x samples.")
 
 
 class OpenAIServerOptions(FrontendOptions):
@@ -25,9 +49,26 @@ class OpenAIServerOptions(FrontendOptions):
                           "(corellm-demo for the random demo model).")
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body accepted; larger is HTTP 413.")
+    limits: RequestLimits = Field(default_factory=RequestLimits,
+                                  description="What one request may ask for.")
     health_timeout_s: float = Field(
         5.0, gt=0, description="/health answers 503 when the engine loop does not respond "
                                "within this time.")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM/SIGINT: how long running requests may go on "
+                                "finishing (new ones get 503) before the rest are ended with an "
+                                "error naming the shutdown.")
+    exit_on_engine_death: bool = Field(
+        True, description="Exit with status 1 when the engine core dies, so a restart-on-exit "
+                          "supervisor recovers the server; false keeps answering 503.")
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header values served (port ignored; '*' any, '*.example.com' a "
+                          "domain's hosts); others get 400. Default: the bind address, plus "
+                          "localhost, 127.0.0.1 and ::1 on loopback; any host when bound to "
+                          "0.0.0.0 or ::.")
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed cross-origin requests (CORS); empty: "
+                                          "CORS off.")
     log_level: str = Field("info", description="uvicorn log level.")
     metrics_prefix: Literal["corellm", "vllm"] = Field(
         "corellm", description="Names on /metrics: corellm:* (default), or vLLM's own vllm:* "

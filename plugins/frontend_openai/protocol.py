@@ -3,7 +3,9 @@
 Unknown fields are rejected, naming the field and the closest known one: a misspelt
 ``max_token`` silently ignored would generate 16 tokens and leave the user puzzled. Fields of
 the OpenAI API that corellm does not implement are accepted only at their neutral value.
-Ranges are checked once, by ``SamplingParams``, whose errors name the field.
+Ranges are checked once, by ``SamplingParams``, whose errors name the field; what one request
+may ask for in total (samples, stop strings, tokens) by the server against ``frontend.limits``.
+These models are the routes' typed bodies, so ``/openapi.json`` describes every field.
 """
 
 from __future__ import annotations
@@ -12,12 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-# The most samples one request may ask for (each is an engine request).
-MAX_N = 128
-
-
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -35,7 +33,7 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    n: StrictInt = Field(1, le=MAX_N)
+    n: StrictInt = 1                                 # at most frontend.limits.max_samples
     temperature: float | None = None
     top_p: float | None = None
     seed: StrictInt | None = None

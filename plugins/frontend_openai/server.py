@@ -1,24 +1,40 @@
 """The OpenAI-compatible server: FastAPI routes over an ``AsyncLLM`` whose engine core runs in
-its own process, served by uvicorn."""
+its own process, served by uvicorn.
+
+Nothing a single request asks for may stall the others: what it may ask for is bounded
+(``frontend.limits``), tokenization and chat templates run on a worker thread, and outputs are
+processed in short slices (``AsyncLLM``), so the event loop answers ``/health`` and other
+clients while the largest allowed request runs. On SIGTERM/SIGINT the server drains: new
+requests get 503, running ones may finish within ``frontend.drain_timeout_s``, the rest end with
+an error event naming the shutdown, then every process exits.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
+import ipaddress
 import json
 import logging
 import os
+import re
+import reprlib
 import secrets
 import signal
 import socket
 import sys
 import time
+import typing
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 import corellm
@@ -27,7 +43,7 @@ from corellm.engine.async_llm import AsyncLLM, RequestStream
 from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat
 from corellm.engine.ipc import EngineDeadError
 from corellm.engine.output_processor import RequestOutputKind
-from corellm.errors import CorellmError, InvalidRequestError
+from corellm.errors import CorellmError, InvalidRequestError, RequestAbortedError
 from corellm.interfaces import Frontend
 from corellm.model_config import checkpoint_name
 from corellm.outputs import CompletionOutput, RequestOutput
@@ -42,24 +58,35 @@ logger = logging.getLogger("corellm.server")
 
 
 # --------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """Becomes an OpenAI-style error response."""
+class APIError(HTTPException):
+    """Becomes an OpenAI-style error response. An ``HTTPException``, so FastAPI lets it through
+    when body parsing raises it."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 500: "internal_server_error",
-             503: "service_unavailable"}
+             413: "invalid_request_error", 415: "invalid_request_error",
+             500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, headers)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII-escaped: whatever a message quotes, the answer is valid JSON and UTF-8.
+        return Response(json.dumps(self.body()), status_code=self.status,
+                        media_type="application/json", headers=self.headers)
+
+
+_short_repr = reprlib.Repr()
+_short_repr.maxstring = _short_repr.maxother = 80
+_short_repr.maxlist = _short_repr.maxdict = 8
 
 
 def _invalid(exc: InvalidRequestError, renames: dict[str, str] | None = None) -> APIError:
@@ -68,23 +95,108 @@ def _invalid(exc: InvalidRequestError, renames: dict[str, str] | None = None) ->
     return APIError(400, f"{field}: {exc.message}", param=field)
 
 
-def _validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
-    err = exc.errors()[0]
+def _validation_error(errors: Sequence[Any], model: type[BaseModel] | None) -> APIError:
+    """The first of pydantic's (or FastAPI's) validation errors, as a 400 naming the field."""
+    err = errors[0]
     loc = [str(p) for p in err["loc"]]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
     # Unions report the failing member first in loc ("str", "list[int]", ...): drop those.
     loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
     field = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
-        fields = list(model.model_fields) if len(loc) == 1 else []
+        fields = list(model.model_fields) if model is not None and len(loc) == 1 else []
         close = difflib.get_close_matches(loc[-1], fields, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         return APIError(400, f"{field}: unknown field{hint}", param=field)
     if err["type"] == "missing":
-        return APIError(400, f"{field}: field required", param=field)
-    return APIError(400, f"{field}: {err['msg']} (got {err.get('input')!r})"[:500], param=field)
+        return APIError(400, f"{field or 'request body'}: field required", param=field)
+    return APIError(400, f"{field or 'request body'}: {err['msg']} "
+                         f"(got {_short_repr.repr(err.get('input'))})", param=field)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+# --------------------------------------------------------------------------- request bodies
+# JSON text may spell a lone UTF-16 surrogate ("\ud800"): valid JSON, but not a string any
+# tokenizer or encoder accepts. Bodies whose bytes contain such an escape are checked value by
+# value (a valid pair, "\ud83d\ude00", merely triggers the check).
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _HugeInt:
+    """Stands in for an integer literal longer than Python converts (``int_max_str_digits``),
+    so the error can name the field it was in."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    limit = sys.get_int_max_str_digits() or 4300
+    return _HugeInt(len(text)) if len(text) > limit else int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise APIError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or an ``APIError`` (400) that names what is wrong: not
+    JSON, not an object, nested too deeply, an integer too long to convert or a string that is
+    not valid Unicode (these two name the field)."""
+    try:
+        # Strict UTF-8 (RFC 8259): json.loads(bytes) would let encoded surrogates through.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8: {exc}") from None
+    checked = _ESCAPED_SURROGATE.search(raw) is not None
+    try:
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as exc:
+            if isinstance(exc, json.JSONDecodeError):
+                raise
+            # An integer literal over Python's digit limit: parse again, marking it, to name it.
+            data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
+            checked = True
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    if checked:
+        try:
+            _check_values(data, "")
+        except RecursionError:
+            raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    return data
+
+
+def _check_values(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        if m:
+            raise APIError(400, f"{path or 'request body'}: not valid Unicode (a lone UTF-16 "
+                                f"surrogate {ascii(m.group())[1:-1]} at character {m.start()})",
+                           param=path or None)
+    elif isinstance(value, _HugeInt):
+        raise APIError(400, f"{path}: an integer of {value.digits} digits is out of range",
+                       param=path or None)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if _SURROGATE.search(key):
+                raise APIError(400, f"{path or 'request body'}: a key is not valid Unicode "
+                                    f"({ascii(key)})", param=path or None)
+            _check_values(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_values(item, f"{path}[{i}]")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes "
@@ -96,22 +208,65 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes "
                                 "(frontend.max_request_bytes)", code="request_too_large")
         chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    return data
+    return b"".join(chunks)
+
+
+class _JSONRequest(Request):
+    """A request whose body is read with the size limit and parsed by ``parse_json_body``
+    (FastAPI calls ``body()`` and ``json()`` when it builds a typed body)."""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            self._body = await _read_body(self, self.app.state.max_request_bytes)
+        return self._body
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json_body(await self.body())
+        return self._json
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
+class _OpenAIRoute(APIRoute):
+    """Routes whose JSON bodies are checked as OpenAI's API does: 415 for another content type,
+    413 over the size limit, and every parse or validation error a 400 naming the field."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+        model = next((t for t in typing.get_type_hints(self.endpoint).values()
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        takes_body = "POST" in self.methods
+
+        async def route(request: Request) -> Response:
+            if takes_body and not _is_json(request.headers.get("content-type")):
+                got = request.headers.get("content-type")
+                return APIError(415, "Content-Type must be application/json, got "
+                                     f"{got!r}" if got else "Content-Type must be "
+                                     "application/json (the header is missing)",
+                                code="unsupported_media_type").response()
+            try:
+                return await handler(_JSONRequest(request.scope, request.receive))
+            except RequestValidationError as exc:
+                return _validation_error(exc.errors(), model).response()
+            except APIError as exc:
+                return exc.response()
+            except HTTPException as exc:          # FastAPI's own (e.g. a body it cannot read)
+                return APIError(exc.status_code, str(exc.detail)).response()
+        return route
 
 
 def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc, model) from None
+        raise _validation_error(exc.errors(), model) from None
 
 
 # --------------------------------------------------------------------------- the serving logic
@@ -122,7 +277,65 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_info.max_model_len
+        self.limits = options.limits
         self.created = int(time.time())
+        # Tokenization and chat templates run here, one at a time, off the event loop.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="corellm-tokenize")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` (tokenizer work) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ limits
+    def check_limits(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
+                     logprobs_field: str) -> None:
+        """What a request may ask for (``frontend.limits``): checked before any tokenizer or
+        engine work is spent on it."""
+        lim = self.limits
+        samples = num_prompts * req.n
+        if samples > lim.max_samples:
+            field = "n" if num_prompts == 1 else "prompt"
+            what = f"n={req.n}" if num_prompts == 1 else \
+                f"{num_prompts} prompts x n={req.n} = {samples} samples"
+            raise APIError(400, f"{field}: {what} exceeds the limit of {lim.max_samples} samples "
+                                "per request (frontend.limits.max_samples)", param=field)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+        if len(stops) > lim.max_stop_strings:
+            raise APIError(400, f"stop: {len(stops)} stop strings exceed the limit of "
+                                f"{lim.max_stop_strings} (frontend.limits.max_stop_strings)",
+                           param="stop")
+        for i, stop in enumerate(stops):
+            if len(stop) > lim.max_stop_string_chars:
+                where = "stop" if isinstance(req.stop, str) else f"stop[{i}]"
+                raise APIError(400, f"{where}: {len(stop)} characters exceed the limit of "
+                                    f"{lim.max_stop_string_chars} "
+                                    "(frontend.limits.max_stop_string_chars)", param="stop")
+        if req.stop_token_ids and len(req.stop_token_ids) > lim.max_stop_token_ids:
+            raise APIError(400, f"stop_token_ids: {len(req.stop_token_ids)} ids exceed the limit "
+                                f"of {lim.max_stop_token_ids} "
+                                "(frontend.limits.max_stop_token_ids)", param="stop_token_ids")
+        if logprobs and logprobs > 0 and logprobs * samples > lim.max_logprobs_total:
+            raise APIError(400, f"{logprobs_field}: {logprobs} alternatives x {samples} samples "
+                                f"= {logprobs * samples} per generated position exceed the limit "
+                                f"of {lim.max_logprobs_total} "
+                                "(frontend.limits.max_logprobs_total)", param=logprobs_field)
+
+    def check_generated_tokens(self, params: list[SamplingParams], field: str,
+                               defaulted: bool) -> None:
+        total = sum(p.max_tokens * p.n for p in params)
+        limit = self.limits.max_generated_tokens
+        if total > limit:
+            samples = sum(p.n for p in params)
+            per = f"{params[0].max_tokens}" if len({p.max_tokens for p in params}) == 1 \
+                else "up to " + str(max(p.max_tokens for p in params))
+            why = (f" ({field} was not set: each sample may fill the rest of the context; set "
+                   f"{field} or lower n)") if defaulted else ""
+            raise APIError(400, f"{field}: {samples} samples x {per} tokens = {total} exceeds the "
+                                f"limit of {limit} generated tokens per request "
+                                f"(frontend.limits.max_generated_tokens){why}", param=field)
 
     # ------------------------------------------------------------------ shared pieces
     def check_model(self, name: str | None) -> None:
@@ -194,11 +407,13 @@ class OpenAIServing:
         """Validate and queue the request now, so bad input is a 400 even when streaming.
         ``req`` carries the scheduling attributes: priority, user (tenant), session_id."""
         try:
-            return await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
-                                                 priority=req.priority, user=req.user,
-                                                 session_id=req.session_id, output_kind=kind)
+            stream = await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
+                                                   priority=req.priority, user=req.user,
+                                                   session_id=req.session_id, output_kind=kind)
         except InvalidRequestError as exc:
             raise _invalid(exc) from None
+        stream.cancel_reason = "client_disconnected"     # what cancels a handler here
+        return stream
 
     def usage(self, num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
@@ -212,8 +427,7 @@ class OpenAIServing:
                                 "server log)", code="engine_error")
 
     # ------------------------------------------------------------------ /v1/completions
-    async def completions(self, data: dict[str, Any]) -> Response:
-        req: CompletionRequest = _parse(CompletionRequest, data)
+    async def completions(self, req: CompletionRequest) -> Response:
         self.check_model(req.model)
         prompts: list[str | list[int]]
         if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)):
@@ -224,11 +438,14 @@ class OpenAIServing:
             raise APIError(400, "prompt: is empty", param="prompt")
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs: must be >= 0", param="logprobs")
+        self.check_limits(req, len(prompts), req.logprobs, "logprobs")
         many = len(prompts) > 1
-        token_ids = [self.tokenize_prompt(p, f"prompt[{i}]" if many else "prompt")
-                     for i, p in enumerate(prompts)]
+        token_ids = await self.off_loop(lambda: [
+            self.tokenize_prompt(p, f"prompt[{i}]" if many else "prompt")
+            for i, p in enumerate(prompts)])
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, "max_tokens")
                   for ids in token_ids]
+        self.check_generated_tokens(params, "max_tokens", defaulted=req.max_tokens is None)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid   # never collides
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -242,11 +459,7 @@ class OpenAIServing:
             raise
         if req.stream:
             return self._sse(self._stream_completion(req, rid, gens, token_ids), gens)
-        try:
-            finals = await asyncio.gather(*(_last(g) for g in gens))
-        finally:
-            for g in gens:
-                g.close()
+        finals = await _gather_finals(gens)
         choices, num_completion, num_cached = [], 0, 0
         for i, out in enumerate(finals):
             num_cached += out.num_cached_tokens
@@ -319,28 +532,26 @@ class OpenAIServing:
                           chat_template_kwargs=req.chat_template_kwargs)
         return self.tokenize_prompt(ids, "messages")
 
-    async def chat(self, data: dict[str, Any]) -> Response:
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, data)
+    async def chat(self, req: ChatCompletionRequest) -> Response:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
-        ids = self.render_chat(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_limits(req, 1, logprobs, "top_logprobs")
+        ids = await self.off_loop(self.render_chat, req)
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = req.max_tokens, "max_tokens"
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(ids), logprobs, field,
                                       "top_logprobs")
+        self.check_generated_tokens([params], field, defaulted=max_tokens is None)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         gen = await self._submit(ids, params, internal, req, kind)
         if req.stream:
             return self._sse(self._stream_chat(req, rid, gen, len(ids)), [gen])
-        try:
-            out = await _last(gen)
-        finally:
-            gen.close()
+        out, = await _gather_finals([gen])
         choices, num_completion = [], 0
         for c in out.outputs:
             self.check_finish(c)
@@ -396,12 +607,13 @@ class OpenAIServing:
         if "messages" in data:
             req = _parse(TokenizeChatRequest, data)
             self.check_model(req.model)
-            ids = self.render_chat(self._chat_for_tokenize(req),
-                                   continue_final_message=req.continue_final_message)
+            ids = await self.off_loop(lambda: self.render_chat(
+                self._chat_for_tokenize(req), continue_final_message=req.continue_final_message))
         elif "prompt" in data:
             req = _parse(TokenizeCompletionRequest, data)
             self.check_model(req.model)
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await self.off_loop(lambda: self.tokenizer.encode(
+                req.prompt, add_special_tokens=req.add_special_tokens))
         else:
             raise APIError(400, "prompt: field required (or messages, to tokenize a chat)",
                            param="prompt")
@@ -428,16 +640,15 @@ class OpenAIServing:
                                      add_generation_prompt=req.add_generation_prompt,
                                      chat_template_kwargs=kwargs or None)
 
-    async def detokenize(self, data: dict[str, Any]) -> Response:
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
         """vLLM's ``POST /detokenize``: ``tokens`` back to text (special tokens kept)."""
-        req: DetokenizeRequest = _parse(DetokenizeRequest, data)
         self.check_model(req.model)
         vocab = self.engine.model_info.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise APIError(400, f"tokens[{i}]: token id {t} is outside the vocabulary "
                                     f"[0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await self.off_loop(self.tokenizer.decode, req.tokens)})
 
     # ------------------------------------------------------------------ streaming plumbing
     def _sse(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
@@ -447,9 +658,15 @@ class OpenAIServing:
                     yield event
             except APIError as exc:
                 yield _sse_data(exc.body())
+            except RequestAbortedError as exc:
+                yield _sse_data(_aborted(exc).body())
             except EngineDeadError as exc:
                 logger.error("request failed: %s", exc)
                 yield _sse_data(APIError(500, f"engine is dead: {exc}", code="engine_dead").body())
+            except Exception as exc:     # a bug: the stream still ends with an error and [DONE]
+                logger.exception("stream failed")
+                yield _sse_data(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                         code="internal_error").body())
             yield "data: [DONE]\n\n"
         return _EventStream(body(), streams)
 
@@ -467,8 +684,16 @@ class _EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            # Ended before its requests did: the client went away (or stopped reading).
             for s in self.streams:
-                s.close()
+                s.close("client_disconnected")
+
+
+def _aborted(exc: RequestAbortedError) -> APIError:
+    if exc.reason == "shutdown":
+        return APIError(503, str(exc), code="server_shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(500, str(exc), code=f"aborted_{exc.reason}")
 
 
 def _top_k(entry: dict[int, Any], sampled: int, k: int) -> list[Any]:
@@ -492,6 +717,14 @@ def _token_logprob(lp: Any) -> dict[str, Any]:
 
 def _sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _gather_finals(gens: list[RequestStream]) -> list[RequestOutput]:
+    try:
+        return await asyncio.gather(*(_last(g) for g in gens))
+    finally:
+        for g in gens:
+            g.close()
 
 
 async def _last(gen: RequestStream) -> RequestOutput:
@@ -538,13 +771,111 @@ async def _merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
 # --------------------------------------------------------------------------- the app
 # Routes outside /v1 that still need the API key (vLLM's tokenizer endpoints).
 _KEYED_ROUTES = frozenset({"/tokenize", "/detokenize"})
+# What a client is told to wait before retrying a server that is shutting down.
+RETRY_AFTER_S = 5
+
+
+class ServerState:
+    """What the guard and the shutdown share: whether the server drains, and the requests
+    (POST routes) it is still answering."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+
+    async def wait_idle(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Wait until no request is in flight (True), ``timeout`` passes or ``stop`` is set."""
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline and not (stop and stop.is_set()):
+            await asyncio.sleep(0.02)
+        return not self.inflight
+
+
+def default_allowed_hosts(host: str) -> list[str]:
+    """The Host header values a server bound to ``host`` answers by default: any when bound to
+    every interface, else the bind address, plus the loopback names when it is loopback."""
+    try:
+        ip: Any = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        return ["*"]
+    hosts = [host.lower()]
+    if host.lower() == "localhost" or (ip is not None and ip.is_loopback):
+        hosts += [h for h in ("localhost", "127.0.0.1", "::1") if h not in hosts]
+    return hosts
+
+
+def host_allowed(header: str, allowed: Sequence[str]) -> bool:
+    """Whether a Host header (port ignored) matches ``allowed``: exact names, ``*``, or
+    ``*.example.com`` for the hosts of a domain."""
+    if header.startswith("["):
+        name = header[1:header.find("]")] if "]" in header else header[1:]
+    elif header.count(":") == 1:
+        name = header.partition(":")[0]
+    else:
+        name = header
+    name = name.lower().rstrip(".")
+    for pattern in allowed:
+        pattern = pattern.lower()
+        if pattern == "*" or name == pattern or (
+                pattern.startswith("*.") and name.endswith(pattern[1:])):
+            return True
+    return False
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the Host check (DNS rebinding), the API key,
+    and, while the server drains, 503 for new requests. It also counts the POST requests in
+    flight, so the shutdown knows when they are done."""
+
+    def __init__(self, app: Any, *, api_key: str | None, allowed_hosts: list[str],
+                 state: ServerState) -> None:
+        self.app, self.api_key, self.allowed_hosts, self.state = app, api_key, allowed_hosts, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self.check(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
+
+    def check(self, scope: Any) -> APIError | None:
+        headers = dict(scope["headers"])
+        host = headers.get(b"host")
+        if host is not None and "*" not in self.allowed_hosts and not host_allowed(
+                host.decode("latin-1"), self.allowed_hosts):
+            return APIError(400, f"Host header {host.decode('latin-1')!r} is not allowed "
+                                 "(frontend.allowed_hosts)", code="host_not_allowed")
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith("/v1") or path in _KEYED_ROUTES):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                    token.strip(), self.api_key.encode()):
+                return APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                                     "<key>'", code="invalid_api_key")
+        if self.state.draining and (scope["method"] == "POST" or path == "/health"):
+            return APIError(503, "the server is shutting down", code="server_shutting_down",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run ``work``, cancelling it if the client disconnects first (Starlette does this for
     streaming bodies; a non-streaming request would otherwise generate to the end for nobody).
-    Cancellation closes the request's stream, which aborts it in the core. Call only after the
-    body has been read: from then on the only message left to receive is the disconnect."""
+    Cancellation closes the request's streams, which aborts them in the core (reason
+    ``client_disconnected``). Call only after the body has been read: from then on the only
+    message left to receive is the disconnect."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -562,42 +893,49 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     if task in done:
         return task.result()
     task.cancel()
-    logger.info("client disconnected from %s; request aborted", request.url.path)
     return Response(status_code=499)
 
 
-def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> FastAPI:
+def _tokenize_body_schema() -> dict[str, Any]:
+    """/tokenize takes either body; its schema refers to the models' parts as FastAPI names
+    them in ``components`` (the chat route's body brings ``ChatMessage`` and ``TextPart``)."""
+    variants = []
+    for model in (TokenizeCompletionRequest, TokenizeChatRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)
+        variants.append(schema)
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"anyOf": variants}}}}}
+
+
+def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
+              state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="corellm", version=corellm.__version__, docs_url=None, redoc_url=None)
+    app.router.route_class = _OpenAIRoute
     serving = OpenAIServing(engine, options, model_name)
     metrics = EngineMetrics(engine, model_name, options.metrics_prefix, serving.max_model_len)
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
-    app.state.serving, app.state.metrics = serving, metrics
+    state = state or ServerState()
+    app.state.serving, app.state.metrics, app.state.server = serving, metrics, state
+    app.state.max_request_bytes = options.max_request_bytes
+    allowed_hosts = options.allowed_hosts if options.allowed_hosts is not None \
+        else default_allowed_hosts(options.host)
+    app.add_middleware(_Guard, api_key=api_key, allowed_hosts=allowed_hosts, state=state)
+    if options.cors_allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=options.cors_allow_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[..., Awaitable[Response]]) -> Response:
-        if api_key is not None and (request.url.path.startswith("/v1")
-                                    or request.url.path in _KEYED_ROUTES):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                    token.strip().encode(), api_key.encode()):
-                return APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
-                                     "<key>'", code="invalid_api_key").response()
-        try:
-            return await call_next(request)
-        except APIError as exc:
-            return exc.response()
-
-    async def run(request: Request, work: Callable[[dict[str, Any]], Awaitable[Response]],
-                  ) -> Response:
+    async def run(request: Request, work: Awaitable[Response]) -> Response:
         was_dead = engine.is_dead
         try:
-            data = await _read_json(request, options.max_request_bytes)
-            return await _until_disconnect(request, work(data))
+            return await _until_disconnect(request, work)
         except APIError as exc:
             return exc.response()
         except InvalidRequestError as exc:
             return _invalid(exc).response()
+        except RequestAbortedError as exc:
+            return _aborted(exc).response()
         except EngineDeadError as exc:
             # A request that was in flight when the engine died is a 500; one that arrived at a
             # dead engine is a 503 (service unavailable).
@@ -610,20 +948,20 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -
                             code="internal_error").response()
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await run(request, serving.completions)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await run(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await run(request, serving.chat)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await run(request, serving.chat(body))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_tokenize_body_schema())
     async def tokenize(request: Request) -> Response:
-        return await run(request, serving.tokenize)
+        return await run(request, serving.tokenize(await request.json()))
 
     @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await run(request, serving.detokenize)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return await run(request, serving.detokenize(body))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -657,22 +995,43 @@ def default_model_name(config: Any) -> str:
     return checkpoint_name(config.model.path)
 
 
+# After the drain: how long ended requests get to send their last event, uvicorn gets to close
+# connections, and the engine core gets to stop before it is killed.
+SETTLE_S = 2.0
+ENGINE_STOP_TIMEOUT_S = 5.0
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's server with its own signal capture turned off: ``OpenAIServer`` handles
+    SIGINT/SIGTERM itself (drain, then stop) for the whole life of the engine."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    return Server(config)
+
+
 class OpenAIServer(Frontend):
     def __init__(self, options: OpenAIServerOptions, ctx: BuildContext) -> None:
         self.options = options
         self.config = ctx.config
         self.model_name = options.served_model_name or default_model_name(ctx.config)
 
-    def run(self) -> None:
-        # SIGTERM ends start-up like Ctrl-C does; while serving, uvicorn takes both signals for
-        # a graceful shutdown and re-raises them afterwards, landing here as SystemExit.
+    def run(self) -> int:
+        # Until the server is up, SIGTERM ends start-up as Ctrl-C does; from then on serve()
+        # handles both signals (drain, then stop).
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
-            asyncio.run(self.serve())
+            return asyncio.run(self.serve())
         except (KeyboardInterrupt, SystemExit):
-            pass
+            return 0
 
-    async def serve(self) -> None:
+    async def serve(self) -> int:
+        """Serve until SIGINT/SIGTERM (drain, exit status 0) or the engine core's death (status
+        1 unless ``frontend.exit_on_engine_death`` is false)."""
         import uvicorn
 
         opts = self.options
@@ -693,11 +1052,18 @@ class OpenAIServer(Frontend):
         except BaseException:
             sock.close()
             raise
+        loop = asyncio.get_running_loop()
+        signals: asyncio.Queue[int] = asyncio.Queue()
+        previous = {sig: signal.signal(sig, lambda sig, _: loop.call_soon_threadsafe(
+            signals.put_nowait, sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        state = ServerState()
+        app = None
+        status = 1                    # unless the server starts and stops as asked
         try:
-            app = build_app(engine, opts, self.model_name)
+            app = build_app(engine, opts, self.model_name, state)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
-            server = uvicorn.Server(uvicorn.Config(
-                app, log_level=opts.log_level, timeout_graceful_shutdown=5,
+            server = _uvicorn_server(uvicorn.Config(
+                app, log_level=opts.log_level, timeout_graceful_shutdown=SETTLE_S,
                 access_log=opts.log_level == "debug"))
             task = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started and not task.done():
@@ -708,7 +1074,78 @@ class OpenAIServer(Frontend):
                             host, port, engine.engine_pid,
                             "; /v1 requires an API key" if opts.api_key
                             or os.environ.get(API_KEY_ENV) else "")
+                status = await self._until_stopped(engine, state, signals, task)
+                server.should_exit = True
+                if not signals.empty():
+                    server.force_exit = True
             await task
         finally:
+            if app is not None:
+                app.state.serving.close()
             logger.info("shutting down the engine core")
-            await engine.shutdown()
+            try:
+                await engine.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        return status
+
+    async def _until_stopped(self, engine: AsyncLLM, state: ServerState,
+                             signals: asyncio.Queue[int], server_task: asyncio.Task) -> int:
+        """Wait for a signal (then drain) or the engine's death; return the exit status."""
+        opts = self.options
+        death: asyncio.Future | None = asyncio.ensure_future(engine.wait_dead())
+        got_signal = asyncio.ensure_future(signals.get())
+        try:
+            while True:
+                waiting = {got_signal, server_task} | ({death} if death else set())
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if got_signal.done():
+                    await self._drain(engine, state, signal.Signals(got_signal.result()).name,
+                                      signals)
+                    return 0
+                if server_task.done():
+                    return 1
+                if death is not None and death.done():
+                    if not opts.exit_on_engine_death:
+                        logger.error("engine core died (%s); answering 503 until stopped "
+                                     "(frontend.exit_on_engine_death: false)", death.result())
+                        death = None
+                        continue
+                    logger.error("engine core died (%s); exiting with status 1 "
+                                 "(frontend.exit_on_engine_death)", death.result())
+                    state.draining = True
+                    await state.wait_idle(SETTLE_S)     # in-flight requests send their error
+                    return 1
+        finally:
+            got_signal.cancel()
+            if death is not None:
+                death.cancel()
+
+    async def _drain(self, engine: AsyncLLM, state: ServerState, name: str,
+                     signals: asyncio.Queue[int]) -> None:
+        timeout = self.options.drain_timeout_s
+        state.draining = True
+        if state.inflight:
+            logger.info("%s: draining %d requests in flight (up to %g s, "
+                        "frontend.drain_timeout_s; new requests get 503; signal again to stop "
+                        "now)", name, state.inflight, timeout)
+            again = asyncio.Event()
+            forced = asyncio.ensure_future(signals.get())
+            forced.add_done_callback(lambda f: again.set())
+            try:
+                await state.wait_idle(timeout, again)
+            finally:
+                forced.cancel()
+            if again.is_set():
+                signals.put_nowait(signal.SIGTERM)       # tells serve() to force uvicorn's exit
+        else:
+            logger.info("%s: shutting down", name)
+        if state.inflight or engine.output_processor.has_unfinished_requests():
+            why = "signalled again" if not signals.empty() else \
+                f"the drain timeout of {timeout:g} s (frontend.drain_timeout_s) passed"
+            n = engine.abort_all(RequestAbortedError(
+                "shutdown", f"the server is shutting down ({why}); request not finished"),
+                "shutdown")
+            logger.warning("ended %d requests still running at shutdown (%s)", n, why)
+            await state.wait_idle(SETTLE_S)
