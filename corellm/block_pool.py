@@ -190,3 +190,17 @@ class BlockPool:
             assert self.block_hash[b] is not None, f"cached free block {b} has no hash"
         for h, b in self._cached.items():
             assert self.block_hash[b] == h, f"hash {h.hex()} maps to block {b}, which has another"
+
+
+def num_blocks_for_budget(num_blocks: int | None, memory_gib: float, bytes_per_block: int) -> int:
+    """The KV pool's size: ``kv_cache.num_blocks`` when given, else as many blocks of
+    ``bytes_per_block`` (all layers of one worker) as ``kv_cache.memory_gib`` holds. Every
+    executor sizes its pool with this, a simulated one included, so both get the same pool."""
+    if num_blocks is not None:
+        return num_blocks
+    num = int(memory_gib * (1 << 30)) // bytes_per_block
+    if num < 1:
+        from corellm.errors import ConfigError
+        raise ConfigError([("kv_cache.memory_gib", f"{memory_gib} GiB holds no KV block of "
+                                                   f"{bytes_per_block} bytes")])
+    return num

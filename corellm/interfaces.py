@@ -12,6 +12,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from corellm.clock import WALL_CLOCK, Clock
 from corellm.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -26,7 +27,15 @@ if TYPE_CHECKING:
 
 
 class Scheduler(ABC):
-    """Decides, each step, which requests run and how many tokens each computes."""
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    The engine assigns ``clock`` (its own ``corellm.clock.Clock``) once the scheduler is built:
+    a scheduler reads the time from it, never from ``time``, so it runs unchanged on the
+    virtual time of a simulated executor. ``schedule()`` fills every field of the plan,
+    ``num_computed_tokens`` and ``sampling_req_ids`` included: executors rely on them.
+    """
+
+    clock: Clock = WALL_CLOCK
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...
@@ -256,7 +265,14 @@ class Sampler(ABC):
 
 
 class Executor(ABC):
-    """Runs the workers. The engine core calls it once or twice per step."""
+    """Runs the workers. The engine core calls it once or twice per step.
+
+    ``clock``: None for an executor that runs a model (the engine runs on the wall clock); an
+    executor that simulates its steps returns a ``corellm.clock.VirtualClock`` it advances by
+    each step's duration, and the engine (scheduler, statistics, ``corellm bench``) runs on it.
+    """
+
+    clock: Clock | None = None
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:

@@ -345,6 +345,37 @@ def load_arch_config(path: str | Path, registry: Registry | None = None) -> Mode
     return parse_arch_config(cfg, source, registry)[0]
 
 
+def resolve_max_model_len(arch: ModelArchConfig, requested: int | None) -> int:
+    """``model.max_model_len`` (default: the checkpoint's max_position_embeddings), checked
+    against what the checkpoint and corellm's attention support."""
+    max_len = requested or arch.max_position_embeddings
+    limit = arch.max_len_limit()
+    if limit is not None and max_len > limit:
+        what = (f"max_position_embeddings={limit}" if limit == arch.max_position_embeddings
+                else f"limit of {limit} tokens")
+        raise CheckpointError(f"model.max_model_len={max_len} exceeds the checkpoint's {what}")
+    if arch.sliding_window is not None and max_len > arch.sliding_window:
+        raise CheckpointError(
+            f"model.max_model_len={max_len} exceeds the checkpoint's sliding_window="
+            f"{arch.sliding_window}; corellm's attention backends compute full attention, so "
+            f"set model.max_model_len <= {arch.sliding_window}")
+    return max_len
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype_name(requested: str, arch: ModelArchConfig, device_type: str) -> str:
+    """The dtype a model runs in: ``model.dtype``, or for ``auto`` the checkpoint's (float32
+    when it names none or another; float16 becomes float32 on a CPU, where fp16 matmuls are slow
+    or missing)."""
+    if requested != "auto":
+        return requested
+    name = str(arch.checkpoint_dtype).replace("torch.", "")
+    name = name if name in DTYPE_NAMES else "float32"
+    return "float32" if device_type == "cpu" and name == "float16" else name
+
+
 def model_path(config: EngineConfig) -> str:
     """The checkpoint the config names, or the default model (``corellm.demo.default_model``)."""
     if config.model.path is not None:

@@ -49,6 +49,13 @@ class SchedulerOutput:
     # or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # What an executor needs to know of each scheduled request without keeping state of its own
+    # (a simulated executor prices a step from these alone): the tokens of its context already in
+    # the KV cache before this step (same keys, same order as num_scheduled_tokens), and the
+    # requests that reach the end of their known tokens this step, so a token is sampled for
+    # each (a partial prefill chunk samples nothing), in plan order.
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    sampling_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -107,6 +114,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    stats: list[StepStats] = []     # the engine's observability records since the last send
 
 
 # --------------------------------------------------------------------------- what callers get
@@ -215,9 +223,54 @@ class EngineStats(SchedulerStats):
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class StepStats:
-    """Passed to ``corellm_step_finished`` after every engine step."""
+class FinishedRequestStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's life as the engine core saw it, on its clock (``StepStats.finished``).
+
+    Times are the engine clock's ``time()``: wall time for a real run, virtual time for a
+    simulated one; 0.0 means "never" (a request aborted while waiting was never scheduled)."""
+
+    request_id: str
+    finish_reason: str                    # "stop" | "length" | "abort" | "error"
+    arrival_time: float
+    finished_time: float
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return self.first_scheduled_time - self.arrival_time if self.first_scheduled_time \
+            else None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return self.first_token_time - self.arrival_time if self.first_token_time else None
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first; None below two tokens."""
+        if not self.first_token_time or self.num_generation_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+class StepStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The engine's one observability record: produced by the engine core after every step
+    that scheduled work (``kind="step"``) and after aborts and prefix-cache resets between steps
+    (``kind="event"``, nothing scheduled), so the last one always describes the engine as it is.
+
+    Every consumer reads these: plugins through ``corellm_step_finished`` (in the engine's
+    process), and, through ``EngineCore.add_stats_listener``, the server's ``/metrics`` (the
+    records cross to the API process with the outputs) and ``corellm bench``, whether the
+    executor is real or simulated. A msgspec struct: it crosses the process boundary every step.
+    """
 
     step: int
     num_scheduled_reqs: int
@@ -226,4 +279,9 @@ class StepStats:
     timings: dict[str, float]
     scheduler: SchedulerStats
     engine_id: str = ""          # the engine that ran the step (EngineCore.engine_id)
-    timestamp: float = 0.0       # time.time() when the step ended
+    timestamp: float = 0.0       # the engine clock's time() when the step ended
+    duration: float = 0.0        # seconds the step took on the engine clock (simulated: predicted)
+    kind: str = "step"           # "step", or "event" for a change between steps
+    num_prefill_tokens: int = 0  # of num_scheduled_tokens: tokens of requests computing > 1
+    num_decode_reqs: int = 0     # requests computing exactly one token (decodes)
+    finished: list[FinishedRequestStats] = []    # requests that ended in this step or event

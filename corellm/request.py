@@ -76,7 +76,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "eos_token_id",
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
         "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
-        "first_scheduled_time", "user", "session_id",
+        "first_scheduled_time", "first_token_time", "user", "session_id",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -96,7 +96,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.max_model_len = max_model_len
         self.num_cached_tokens = -1     # prompt tokens found in the prefix cache at first admission
-        self.first_scheduled_time = 0.0  # time.time() at first admission
+        self.first_scheduled_time = 0.0  # engine clock time() at first admission
+        self.first_token_time = 0.0      # engine clock time() when its first token was sampled
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -499,3 +499,47 @@ def test_engine_stopped_at_interpreter_exit(llama_path, tmp_path):
 def test_no_observer_no_hook_call(llama_path, monkeypatch):
     llm = LLM(engine_config(llama_path))
     assert llm.engine._observe_steps is False
+
+
+def test_stats_listeners_see_the_hooks_records_in_either_process(llama_path):
+    """One channel: a listener gets the same StepStats the hook gets, in-process; from an
+    engine process the records cross to the caller, with each finished request's record and an
+    "event" record after an abort, so the last record matches get_stats()."""
+    obs = Observer()
+    heard = []
+    llm = LLM(engine_config(llama_path), plugins=[obs])
+    llm.add_stats_listener(heard.append)
+    llm.generate([{"prompt_token_ids": [3] * 5}, {"prompt_token_ids": [4] * 9}],
+                 SamplingParams(max_tokens=4), use_tqdm=False)
+    assert heard == obs.steps and len(heard) == llm.get_stats().num_steps
+    finished = [f for s in heard for f in s.finished]
+    assert sorted(f.num_generation_tokens for f in finished) == [4, 4]
+    assert all(f.finish_reason == "length" and f.first_token_time >= f.first_scheduled_time
+               >= f.arrival_time and f.time_to_first_token > 0 for f in finished)
+    llm.shutdown()
+
+    remote = LLM(engine_config(llama_path), engine_process=True)
+    got = []
+    remote.add_stats_listener(got.append)
+    try:
+        remote.generate([{"prompt_token_ids": [3] * 5}], SamplingParams(max_tokens=3),
+                        use_tqdm=False)
+        steps = [s for s in got if s.kind == "step"]
+        assert len(steps) == remote.get_stats().num_steps == 3
+        assert [f.num_generation_tokens for s in got for f in s.finished] == [3]
+        # A request aborted while waiting: an "event" record brings the snapshot up to date.
+        _, core = remote.processor.process("w", {"prompt_token_ids": [5] * 4},
+                                           SamplingParams(max_tokens=2))
+        remote.client.add_requests([core])
+        remote.client.abort_requests(["w"])
+        import time
+        deadline = time.monotonic() + 10
+        while not any(f.request_id == "w" for s in got for f in s.finished):
+            assert time.monotonic() < deadline, got[-1]
+            time.sleep(0.01)
+        last = got[-1]
+        stats = remote.get_stats()
+        assert last.scheduler.num_waiting_reqs == stats.num_waiting_reqs == 0
+        assert last.scheduler.kv_blocks_free == stats.kv_blocks_free
+    finally:
+        remote.shutdown()

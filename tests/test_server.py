@@ -420,6 +420,162 @@ def test_load_64_concurrent_streams(server):
     _wait(lambda: _pool_whole(server), 20, "the KV pool to be whole after the load")
 
 
+# --------------------------------------------------------------------------- /metrics: one stream
+def _samples(text: str) -> dict[str, float]:
+    """{sample name: value} of /metrics (one model, so names are unique but for buckets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if "le" not in s.labels}
+
+
+# /metrics name -> the EngineStats field it must equal
+_ENGINE_FIELDS = {
+    "corellm:num_requests_running": "num_running_reqs",
+    "corellm:num_requests_waiting": "num_waiting_reqs",
+    "corellm:kv_cache_blocks_total": "kv_blocks_total",
+    "corellm:kv_cache_blocks_free": "kv_blocks_free",
+    "corellm:prefix_cache_blocks": "kv_blocks_cached",
+    "corellm:prefix_cache_queries_total": "prefix_cache_queries",
+    "corellm:prefix_cache_hits_total": "prefix_cache_hits",
+    "corellm:num_preemptions_total": "num_preemptions",
+    "corellm:prompt_tokens_total": "num_prompt_tokens",
+    "corellm:generation_tokens_total": "num_generation_tokens",
+    "corellm:engine_steps_total": "num_steps",
+}
+
+
+def _assert_metrics_equal_stats(m: dict[str, float], stats) -> None:
+    for name, field in _ENGINE_FIELDS.items():
+        assert m[name] == getattr(stats, field), (name, m[name], stats)
+    used = stats.kv_blocks_total - stats.kv_blocks_free
+    assert m["corellm:kv_cache_usage_perc"] == pytest.approx(used / stats.kv_blocks_total)
+
+
+def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0, **scheduler):
+    """``await scenario(engine, http, scrape, calls)`` against the server's app, in this process
+    (an ``AsyncLLM`` with its engine core in a child process, the app over ASGI), so the test
+    can see which utility calls (``calls``: method names) the engine client makes."""
+    from corellm.engine.async_llm import AsyncLLM
+    from corellm_plugins.frontend_openai.options import OpenAIServerOptions
+    from corellm_plugins.frontend_openai.server import build_app
+
+    async def main():
+        engine = await AsyncLLM.create(engine_config(
+            llama_path, model={"max_model_len": MAX_MODEL_LEN}, scheduler=scheduler))
+        calls: list[str] = []
+        real = engine.client.call_utility_async
+
+        async def spy(method, *args, **kw):
+            calls.append(method)
+            return await real(method, *args, **kw)
+        engine.client.call_utility_async = spy
+        app = build_app(engine, OpenAIServerOptions(health_timeout_s=health_timeout_s), "m")
+        try:
+            # what serve() does once the app is built
+            engine.finished_callbacks.append(app.state.metrics.observe_finished)
+            await app.state.metrics.start()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://127.0.0.1", timeout=60) as http:
+                async def scrape() -> dict[str, float]:
+                    r = await http.get("/metrics")
+                    assert r.status_code == 200
+                    return _samples(r.text)
+                await scenario(engine, http, scrape, calls)
+        finally:
+            app.state.serving.close()
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_metrics_come_from_the_step_stream_not_from_get_stats(llama_path):
+    """A scrape asks the engine nothing of its state (one ping for liveness): the gauges and
+    counters are the StepStats stream's, equal to the engine's own get_stats(); the
+    tokens-per-step histogram has one observation per step."""
+
+    async def scenario(engine, http, scrape, calls):
+        assert calls == ["get_stats"]            # the one seed at start-up
+        calls.clear()
+        fresh = await scrape()                   # nothing run yet: the seed's values
+        assert calls == ["ping"]
+        assert fresh["corellm:engine_alive"] == 1
+        _assert_metrics_equal_stats(fresh, await engine.get_stats())
+        assert fresh["corellm:iteration_tokens_total_count"] == 0
+        assert fresh["corellm:kv_cache_blocks_total"] == 256
+
+        jobs = [("Hello", 5, 1), ("The meaning of life is", 12, 1), ("one two", 1, 1),
+                ("alpha beta gamma", 7, 2)]
+        rs = await asyncio.gather(*(http.post("/v1/completions", json={
+            "prompt": p, "max_tokens": k, "n": n, "ignore_eos": True}) for p, k, n in jobs))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+
+        calls.clear()
+        m = await scrape()
+        m2 = await scrape()
+        assert calls == ["ping", "ping"]         # no get_stats: the records are the state
+        stats = await engine.get_stats()         # the engine's own answer
+        assert stats.num_steps > 0 and stats.num_generation_tokens == sum(
+            k * n for _, k, n in jobs)
+        for sample in (m, m2):
+            _assert_metrics_equal_stats(sample, stats)
+            assert sample["corellm:engine_alive"] == 1
+        # one observation per step; together they are every token the model computed: the
+        # prefills and one decode per generated token but each sample's last
+        assert m["corellm:iteration_tokens_total_count"] == stats.num_steps
+        samples = sum(n for *_, n in jobs)
+        assert m["corellm:iteration_tokens_total_sum"] == \
+            stats.num_prefill_tokens + stats.num_generation_tokens - samples
+        assert engine.latest_stats is not None and engine.latest_stats.step == stats.num_steps
+        assert engine.latest_stats.scheduler.num_generation_tokens == \
+            stats.num_generation_tokens
+
+        # a stuck engine loop (its ping unanswered): not alive, and no stale gauges
+        async def stuck(method, *args, **kw):
+            calls.append(method)
+            raise TimeoutError("no answer")
+        good, engine.client.call_utility_async = engine.client.call_utility_async, stuck
+        m = await scrape()
+        assert m["corellm:engine_alive"] == 0 and "corellm:num_requests_running" not in m
+        engine.client.call_utility_async = good
+        assert (await scrape())["corellm:engine_alive"] == 1
+        assert calls == ["ping", "ping", "get_stats", "ping", "ping"]   # get_stats: ours
+
+    _run_in_process_app(llama_path, scenario)
+
+
+def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
+    """One sample runs, one waits (max_num_seqs 1); aborting both is followed by no step, so
+    only the engine's "event" record brings the gauges back to 0."""
+    from corellm.sampling_params import SamplingParams
+
+    async def scenario(engine, http, scrape, calls):
+        stream = await engine.add_request(
+            "Hello", SamplingParams(n=2, max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True))
+        await stream.__anext__()
+        m = await scrape()
+        assert (m["corellm:num_requests_running"], m["corellm:num_requests_waiting"]) == (1, 1)
+        stream.close("client_disconnected")          # one ABORT for both samples
+        deadline = time.monotonic() + 20
+        while True:
+            m = await scrape()
+            if m["corellm:num_requests_running"] == m["corellm:num_requests_waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, m
+            await asyncio.sleep(0.05)
+        event = engine.latest_stats
+        assert event.kind == "event" and event.num_scheduled_tokens == 0
+        assert sorted(f.finish_reason for f in event.finished) == ["abort", "abort"]
+        assert any(f.first_scheduled_time == 0.0 for f in event.finished)   # the waiting one
+        assert m["corellm:engine_steps_total"] == event.step
+        stats = await engine.get_stats()
+        _assert_metrics_equal_stats(m, stats)
+        assert m["corellm:kv_cache_blocks_free"] == m["corellm:kv_cache_blocks_total"]
+        assert calls.count("get_stats") == 2          # the seed and ours: never a scrape's
+
+    _run_in_process_app(llama_path, scenario, max_num_seqs=1)
+
+
 # --------------------------------------------------------------------------- auth, faults
 @pytest.fixture
 def fragile_server(llama_path, tmp_path):

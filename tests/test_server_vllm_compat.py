@@ -61,6 +61,7 @@ VLLM_FAMILIES = {
     "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+    "vllm:iteration_tokens_total",
 }
 # The default names (docs/server.md, "Metrics"): unchanged by this work.
 CORELLM_FAMILIES = {
@@ -71,6 +72,7 @@ CORELLM_FAMILIES = {
     "corellm:engine_steps", "corellm:request_success", "corellm:time_to_first_token_seconds",
     "corellm:time_per_output_token_seconds", "corellm:e2e_request_latency_seconds",
     "corellm:request_queue_time_seconds", "corellm:request_aborted",
+    "corellm:iteration_tokens_total",     # added with the StepStats stream (issue 13)
 }
 
 
@@ -311,6 +313,15 @@ def test_vllm_dashboard_series_after_one_completion(vserver, tokenizer):
     assert 1 <= delta("vllm:inter_token_latency_seconds_count") <= n_out - 1
     assert delta("vllm:inter_token_latency_seconds_sum") == pytest.approx(decode, abs=1e-6)
     assert e2e >= max(ttft, queue + inference) - 1e-6
+
+    # Tokens per engine step, from the engine's StepStats records: the prompt in one step,
+    # then one decode step per token but the last; vLLM's buckets up to max_num_batched_tokens.
+    assert delta("vllm:iteration_tokens_total_count") == n_out
+    assert delta("vllm:iteration_tokens_total_sum") == n_prompt + n_out - 1
+    les = {le for name, ls in after if name == "vllm:iteration_tokens_total_bucket"
+           for k, le in ls if k == "le"}
+    assert les == {str(float(b)) for b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)} | \
+        {"+Inf"}
 
     # The gauges read the engine: idle again, and its KV pool whole.
     assert _value(after, "vllm:num_requests_running") == 0

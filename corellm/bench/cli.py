@@ -180,9 +180,11 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         from corellm.bench.workload_cli import add_workload_subcommand
     except ImportError:       # the workload tools are not needed to run a benchmark
         return p
-    sub = p.add_subparsers(dest="bench_command", metavar="{workload}",
+    from corellm.bench.calibrate import add_calibrate_subcommand
+    sub = p.add_subparsers(dest="bench_command", metavar="{workload,calibrate}",
                            title="sub-commands (without one, `corellm bench` runs a benchmark)")
     add_workload_subcommand(sub)
+    add_calibrate_subcommand(sub)
     return p
 
 

@@ -323,8 +323,11 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
     scheduler_requests = getattr(engine.scheduler, "requests", None)
     prefix = f"bench-{salt}-"
     bar = _progress(len(records), desc, options.progress if progress is None else progress)
-    t0 = time.perf_counter()
-    wall0 = time.time()
+    # The engine's clock: the wall clock, or a simulated executor's virtual time (then sleeps
+    # and steps take no real time, and every timestamp below is virtual).
+    clock = engine.clock
+    t0 = clock.monotonic()
+    wall0 = clock.time()
     step_start: float | None = None     # set when the previous iteration ran a step
     free_during_step = 0
 
@@ -353,7 +356,8 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             try:
                 _, core = llm.processor.process(rid, {"prompt_token_ids": ids}, params,
                                                 req.priority, user=req.user,
-                                                session_id=req.session_id)
+                                                session_id=req.session_id,
+                                                arrival_time=wall0 + rec.arrival_s)
             except InvalidRequestError as exc:
                 rec.error = f"invalid request: {exc}"
                 finish(i, now, False, [])
@@ -364,8 +368,11 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
         step_start = None
 
     try:
+        woke_at = 0.0       # the due time an idle wait slept until
         while not sessions.done:
-            now = time.perf_counter() - t0
+            # Never before the due time slept until: on a virtual clock, t0 + (due - t0) can
+            # round below due, and a loop sleeping the rounding error away never ends.
+            now = max(clock.monotonic() - t0, woke_at)
             ready.extend(sessions.pop_due(now))
             dispatch(now)
             if live:
@@ -376,7 +383,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 free_during_step = (len(records) if limit == math.inf
                                     else int(limit) - len(live))
                 outputs = engine.step()
-                now = time.perf_counter() - t0
+                now = clock.monotonic() - t0
                 for out in outputs:
                     state = live.get(out.request_id)
                     if state is None:
@@ -409,8 +416,9 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 due = sessions.next_due()
                 if due is None:
                     raise RuntimeError(f"{sessions.outstanding} requests can never be sent")
-                time.sleep(max(0.0, due - (time.perf_counter() - t0)))
-        duration = time.perf_counter() - t0
+                clock.sleep(max(0.0, due - (clock.monotonic() - t0)))
+                woke_at = due
+        duration = clock.monotonic() - t0
     except BaseException:
         if live:
             engine.abort_requests(list(live))

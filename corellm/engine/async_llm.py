@@ -29,7 +29,7 @@ from corellm.engine.llm import build_config, load_tokenizer
 from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
 from corellm.engine.processor import Processor, PromptType
 from corellm.model_config import load_generation_eos_ids, model_path
-from corellm.outputs import EngineStats, RequestOutput
+from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class AsyncLLM:
         self._death: asyncio.Future[EngineDeadError] = asyncio.get_running_loop().create_future()
         self._rejecting: BaseException | None = None     # set by abort_all: no new requests
         self._ids = itertools.count()
+        self._latest_stats: StepStats | None = None
+        client.add_stats_listener(self._keep_latest_stats)
         self._handler = asyncio.create_task(self._output_handler(), name="corellm-outputs")
 
     @classmethod
@@ -221,6 +223,32 @@ class AsyncLLM:
     async def wait_dead(self) -> EngineDeadError:
         """Return (with the reason) once the engine core has died; never after a shutdown."""
         return await asyncio.shield(self._death)
+
+    # ------------------------------------------------------------------ observability
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call ``listener`` with every ``StepStats`` the engine core produces: one per step
+        that scheduled work (``kind="step"``) and one per abort or prefix-cache reset between
+        steps (``kind="event"``), each carrying a full snapshot of the scheduler and KV pool.
+        The same records a ``corellm_step_finished`` plugin sees in the engine's process.
+
+        Listeners run on this engine's event loop (the client's output reader task), in the
+        order the core produced the records, before the outputs that came with them are
+        processed: keep them cheap and never block. One that raises is logged and skipped;
+        the outputs still flow. Records produced before a listener was added are not replayed
+        (``latest_stats`` has the last one)."""
+        self.client.add_stats_listener(listener)
+
+    @property
+    def latest_stats(self) -> StepStats | None:
+        """The last ``StepStats`` received from the engine core, or None before the first
+        (a fresh engine that has not stepped yet: ask ``get_stats()`` for that state).
+        Its ``scheduler`` snapshot describes the engine as of its last change: every step,
+        abort and prefix-cache reset sends a new record (a request just added shows in the
+        record of the step that follows, at once on a running engine)."""
+        return self._latest_stats
+
+    def _keep_latest_stats(self, stats: StepStats) -> None:
+        self._latest_stats = stats
 
     # ------------------------------------------------------------------ engine utilities
     async def check_health(self, timeout: float = 5.0) -> None:

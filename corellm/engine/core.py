@@ -10,14 +10,15 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
 from corellm.errors import ConfigError, PluginError
 from corellm.interfaces import NO_CACHED_PREFIX, Executor, KVCacheManager, ModelInfo, Scheduler
-from corellm.outputs import EngineCoreOutput, EngineStats, StepStats
+from corellm.outputs import EngineCoreOutput, EngineStats, FinishedRequestStats, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
 
@@ -101,12 +102,19 @@ class EngineCore:
                 self.scheduler: Scheduler = sched_entry.spec.factory(config.scheduler, ctx)
             except PluginError as exc:
                 raise PluginError(f"{sched_entry.plugin.describe()}: {exc}") from exc
+            # The executor's clock when it keeps one (a simulated executor's virtual time),
+            # else the wall clock; the scheduler reads the same one.
+            self.clock: Clock = WALL_CLOCK
+            self.set_clock(getattr(self.executor, "clock", None) or WALL_CLOCK)
         except BaseException:
             self.executor.shutdown()
             raise
         self.num_steps = 0
         self.timings: dict[str, float] = defaultdict(float)
+        # Every unfinished request, for the records of StepStats.finished.
+        self._requests: dict[str, Request] = {}
         self._observe_steps = registry.implements("corellm_step_finished")
+        self._stats_listeners: list[Callable[[StepStats], None]] = []
         # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at exit
         # (or garbage collection) for an engine nobody shut down. At exit it runs before Python
         # joins non-daemon threads, so a sink may stop its own writer thread there.
@@ -140,23 +148,86 @@ class EngineCore:
                                 f"{sched.max_num_batched_tokens} < model.max_model_len={max_len} "
                                 "with chunked prefill disabled: long prompts could never run")])
 
+    def set_clock(self, clock: Clock) -> None:
+        """Run the engine (and its scheduler) on ``clock`` from now on."""
+        try:
+            self.scheduler.clock = clock             # type: ignore[attr-defined]
+        except AttributeError as exc:
+            raise PluginError(f"scheduler {self.config.scheduler.name!r} "
+                              f"({type(self.scheduler).__name__}) does not accept the engine's "
+                              f"clock: {exc}") from exc
+        self.clock = clock
+
+    # ------------------------------------------------------------------ observability
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call ``listener`` with every ``StepStats`` this engine produces, in this process,
+        after the ``corellm_step_finished`` hook. The one channel every metric comes from: the
+        engine-core process ships the records to the API process this way (``/metrics``), and
+        ``corellm bench`` counts with them."""
+        self._stats_listeners.append(listener)
+
+    @property
+    def _observed(self) -> bool:
+        return self._observe_steps or bool(self._stats_listeners)
+
+    def _emit(self, stats: StepStats) -> None:
+        if self._observe_steps and stats.kind == "step":
+            self.registry.hook.corellm_step_finished(stats=stats)
+        for listener in self._stats_listeners:
+            listener(stats)
+
+    def _finished_records(self, outputs: list[EngineCoreOutput], now: float,
+                          ) -> list[FinishedRequestStats]:
+        records = []
+        requests = self._requests
+        for o in outputs:
+            if o.finish_reason is None:
+                continue
+            r = requests.pop(o.request_id, None)
+            if r is None or not self._observed:
+                continue
+            records.append(FinishedRequestStats(
+                o.request_id, o.finish_reason, r.arrival_time, now, r.first_scheduled_time,
+                r.first_token_time, r.num_prompt_tokens, r.num_output_tokens,
+                max(r.num_cached_tokens, 0), r.num_preemptions))
+        return records
+
+    def _emit_event(self, outputs: list[EngineCoreOutput]) -> None:
+        """A change between steps (aborts, a prefix-cache reset): one ``kind="event"`` record."""
+        finished = self._finished_records(outputs, self.clock.time())
+        if self._observed:
+            self._emit(StepStats(step=self.num_steps, num_scheduled_reqs=0,
+                                 num_scheduled_tokens=0, num_finished_reqs=len(finished),
+                                 timings={}, scheduler=self.scheduler.get_stats(),
+                                 engine_id=self.engine_id, timestamp=self.clock.time(),
+                                 kind="event", finished=finished))
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(request, self.model_info.max_model_len))
+        r = Request(request, self.model_info.max_model_len)
+        self.scheduler.add_request(r)
+        self._requests[r.request_id] = r
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids)
+        if outputs:
+            self._emit_event(outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while any request holds KV blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        if done:
+            self._emit_event([])
+        return done
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute model -> sample -> update."""
+        start = self.clock.monotonic()
         t0 = time.perf_counter()
         try:
             plan = self.scheduler.schedule()
@@ -183,21 +254,29 @@ class EngineCore:
         tm["execute"] += t2 - t1
         tm["update"] += t3 - t2
         tm["step"] += t3 - t0
-        if self._observe_steps and not plan.is_empty:
-            self.registry.hook.corellm_step_finished(stats=StepStats(
-                step=self.num_steps, num_scheduled_reqs=len(plan.num_scheduled_tokens),
+        now = self.clock.time()
+        finished = self._finished_records(outputs, now)
+        if self._observed and not plan.is_empty:
+            scheduled = plan.num_scheduled_tokens
+            decodes = sum(1 for n in scheduled.values() if n == 1)
+            self._emit(StepStats(
+                step=self.num_steps, num_scheduled_reqs=len(scheduled),
                 num_scheduled_tokens=plan.total_num_scheduled_tokens,
                 num_finished_reqs=sum(o.finished for o in outputs),
                 timings={"schedule": t1 - t0, **sampled.timings, "update": t3 - t2},
                 scheduler=self.scheduler.get_stats(), engine_id=self.engine_id,
-                timestamp=time.time()))
+                timestamp=now, duration=self.clock.monotonic() - start,
+                num_prefill_tokens=plan.total_num_scheduled_tokens - decodes,
+                num_decode_reqs=decodes, finished=finished))
         return outputs
 
     def _fail(self, request_ids: Iterable[str]) -> None:
         """Nothing is lost when a step raises: the requests it touched end with reason "error"
         and their blocks return to the pool; the caller sees the original exception."""
         try:
-            self.scheduler.abort_requests(list(request_ids), RequestStatus.FINISHED_ERROR)
+            outputs = self.scheduler.abort_requests(list(request_ids),
+                                                    RequestStatus.FINISHED_ERROR)
+            self._finished_records(outputs, self.clock.time())
         except Exception:  # never mask the step's own exception
             logger.exception("could not finish the requests of a failed step")
 

@@ -39,7 +39,7 @@ from corellm.engine import ipc
 from corellm.engine.core import EngineCore
 from corellm.engine.ipc import EngineDeadError, EngineStartupError
 from corellm.interfaces import ModelInfo
-from corellm.outputs import EngineCoreOutputs
+from corellm.outputs import EngineCoreOutputs, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest
 
@@ -58,6 +58,12 @@ KILL_WAIT_S = 5.0
 class EngineCoreClient(ABC):
     model_info: ModelInfo
 
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call ``listener`` in this process with every ``StepStats`` the engine produces."""
+        self._stats_listeners.append(listener)
+
+    _stats_listeners: list[Callable[[StepStats], None]]
+
     @abstractmethod
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None: ...
 
@@ -75,6 +81,9 @@ class InprocClient(EngineCoreClient):
         self.engine = EngineCore(config, registry)
         self.model_info = self.engine.model_info
 
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        self.engine.add_stats_listener(listener)
+
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         for r in requests:
             self.engine.add_request(r)
@@ -84,8 +93,8 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         if not self.engine.has_unfinished_requests():
-            return EngineCoreOutputs([], time.time())
-        return EngineCoreOutputs(self.engine.step(), time.time())
+            return EngineCoreOutputs([], self.engine.clock.time())
+        return EngineCoreOutputs(self.engine.step(), self.engine.clock.time())
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
@@ -238,6 +247,7 @@ class _MPClientBase(EngineCoreClient):
     def __init__(self, config: EngineConfig) -> None:
         self.process = _CoreProcess()
         self._call_ids = itertools.count()
+        self._stats_listeners = []
 
     @property
     def pid(self) -> int:
@@ -268,7 +278,15 @@ class _MPClientBase(EngineCoreClient):
     def _dispatch(self, kind: bytes, payload: bytes) -> None:
         """Route one message from the core (on the thread or loop that owns the futures)."""
         if kind == ipc.OUTPUTS:
-            self.outputs.put_nowait(ipc.outputs_decoder.decode(payload))
+            batch = ipc.outputs_decoder.decode(payload)
+            for stats in batch.stats:
+                for listener in self._stats_listeners:
+                    try:
+                        listener(stats)
+                    except Exception:          # a broken listener must not stop the outputs
+                        logger.exception("stats listener %r failed", listener)
+            if batch.outputs or not batch.stats:
+                self.outputs.put_nowait(batch)
         elif kind == ipc.UTILITY_RESULT:
             res = ipc.utility_result_decoder.decode(payload)
             fut, rtype = self._calls.pop(res.call_id, (None, None))

@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from corellm.engine import ipc
-from corellm.outputs import EngineCoreOutput, EngineCoreOutputs
+from corellm.outputs import EngineCoreOutput, EngineCoreOutputs, StepStats
 
 logger = logging.getLogger("corellm.engine_core")
 
@@ -58,6 +58,10 @@ class EngineCoreProc:
         self._closing = False
         # Set when the client's process is gone: nothing left to flush outputs to.
         self.peer_gone = False
+        # The engine's StepStats since the last send: they go to the client with the outputs,
+        # where /metrics and other listeners read them.
+        self._stats: list[StepStats] = []
+        engine.add_stats_listener(self._stats.append)
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(input_addr,), daemon=True,
                              name="corellm-core-input"),
@@ -114,7 +118,7 @@ class EngineCoreProc:
                 break
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                if outputs:
+                if outputs or self._stats:
                     self._send_outputs(outputs)
 
     def _handle_inputs(self, block: bool) -> None:
@@ -143,10 +147,12 @@ class EngineCoreProc:
                                                      stop_reason=str(exc))])
         elif kind == ipc.ABORT:
             outputs = self.engine.abort_requests(payload)
-            if outputs:
+            if outputs or self._stats:
                 self._send_outputs(outputs)
         elif kind == ipc.UTILITY:
             self._call_utility(payload)
+            if self._stats:                 # e.g. a prefix-cache reset changed the snapshot
+                self._send_outputs([])
         elif kind == ipc.SHUTDOWN:
             self._stop = True
 
@@ -165,7 +171,10 @@ class EngineCoreProc:
             call.call_id, error, ipc.msgspec.Raw(ipc.encoder.encode(result)))))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        self.outputs.put((ipc.OUTPUTS, EngineCoreOutputs(outputs, time.time())))
+        stats = self._stats[:]
+        self._stats.clear()
+        self.outputs.put((ipc.OUTPUTS, EngineCoreOutputs(outputs, self.engine.clock.time(),
+                                                         stats)))
 
     def send_dead(self, reason: str) -> None:
         self.outputs.put((ipc.DEAD, reason))
@@ -291,6 +300,13 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
         registry = load_registry(disable=(config_data.get("plugins") or {}).get("disable", []))
         config = load_config(config_data, registry=registry)
         engine = EngineCore(config, registry)
+        if engine.clock.is_virtual:
+            from corellm.errors import ConfigError
+            raise ConfigError([("executor", f"{config.executor.name!r} runs on a virtual clock, "
+                                "which cannot serve requests arriving in real time from "
+                                "another process; run it in-process (corellm bench, "
+                                "LLM(engine_process=False)) or give it a real clock (the sim "
+                                "executor: executor.clock: real)")])
         proc = EngineCoreProc(engine, input_addr, output_addr)
     except BaseException as exc:
         try:

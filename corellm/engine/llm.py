@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from corellm.engine.output_processor import OutputProcessor
 from corellm.engine.processor import Processor, PromptType
 from corellm.errors import CheckpointError, InvalidRequestError
 from corellm.model_config import load_generation_eos_ids, model_path, tokenizer_path
-from corellm.outputs import EngineStats, RequestOutput
+from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
 
@@ -159,11 +159,14 @@ class LLM:
         sessions = _per_prompt("session_id", session_id, len(prompts), (str, type(None)))
 
         processed = []
+        # On the engine's clock (virtual under a simulated executor), so RequestMetrics agree
+        # with it; an engine process runs on the wall clock of this host.
+        now = self.engine.clock.time() if self.engine is not None else None
         for i, (prompt, sp, prio, u, sid) in enumerate(zip(prompts, params, priorities, users,
                                                             sessions)):
             try:
                 processed.append(self.processor.process(str(next(self._ids)), prompt, sp, prio,
-                                                        user=u, session_id=sid))
+                                                        user=u, session_id=sid, arrival_time=now))
             except InvalidRequestError as exc:
                 if len(prompts) > 1:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc
@@ -214,13 +217,15 @@ class LLM:
         generated = 0
         try:
             while len(results) < len(request_ids):
-                outputs = self.client.get_output().outputs
+                batch = self.client.get_output()
+                outputs = batch.outputs
                 if not outputs and self.engine is not None \
                         and not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine has no unfinished requests but "
                                        f"{len(request_ids) - len(results)} were never finished")
                 generated += sum(len(o.new_token_ids) for o in outputs)
-                done = self.output_processor.process_outputs(outputs)
+                done = self.output_processor.process_outputs(
+                    outputs, batch.timestamp if self.engine is not None else None)
                 if done.reqs_to_abort:           # stop strings: free their KV blocks now
                     self.client.abort_requests(done.reqs_to_abort)
                 for out in done.request_outputs:
@@ -241,6 +246,12 @@ class LLM:
         finally:
             bar.close()
         return results
+
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call ``listener`` in this process with every ``StepStats`` the engine produces (in
+        this process or in its engine process): the records the ``corellm_step_finished``
+        hook, ``/metrics`` and ``corellm bench`` read."""
+        self.client.add_stats_listener(listener)
 
     def get_stats(self) -> EngineStats:
         return self.client.call_utility("get_stats")

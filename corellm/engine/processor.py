@@ -66,9 +66,11 @@ class Processor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, *, user: str | None = None, session_id: str | None = None,
-                ) -> tuple[str | None, EngineCoreRequest]:
+                arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant)
-        and ``session_id`` are scheduling attributes: policies read them, the model never does."""
+        and ``session_id`` are scheduling attributes: policies read them, the model never does.
+        ``arrival_time`` defaults to now (``time.time()``); a caller driving an engine on a
+        virtual clock passes that clock's ``time()``."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got "
                                       f"{type(params).__name__}")
@@ -90,5 +92,6 @@ class Processor:
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids])
         return text, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                        sampling_params=params, eos_token_id=self.eos_token_id,
-                                       arrival_time=time.time(), priority=priority,
+                                       arrival_time=time.time() if arrival_time is None
+                                       else arrival_time, priority=priority,
                                        user=user, session_id=session_id)

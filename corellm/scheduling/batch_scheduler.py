@@ -21,11 +21,11 @@ nor lose a request.
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import SchedulerOptions
 from corellm.errors import PluginError
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
@@ -73,6 +73,8 @@ class _Plan:
 
 
 class BatchScheduler(Scheduler):
+    clock: Clock = WALL_CLOCK       # the engine sets its own (virtual for a simulated run)
+
     def __init__(self, options: SchedulerOptions, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy) -> None:
         check_policy(policy)
@@ -99,7 +101,7 @@ class BatchScheduler(Scheduler):
     def _context(self, plan: _Plan | None = None) -> SchedulingContext:
         # Between rounds, decisions belong to the next round.
         step = self.num_schedules if plan is not None else self.num_schedules + 1
-        return SchedulingContext(time.time(), step, self, plan)
+        return SchedulingContext(self.clock.time(), step, self, plan)
 
     def _policy_error(self, method: str, answer: object, what: str) -> RuntimeError:
         return RuntimeError(f"{type(self.policy).__name__}.{method} returned {answer!r:.200}, "
@@ -218,7 +220,7 @@ class BatchScheduler(Scheduler):
         if not plan.preempted:
             self._admit(plan, ctx)
 
-        now = time.time()
+        now = self.clock.time()
         for request in plan.admitted:                  # recorded once the admission holds
             if request.num_cached_tokens < 0:          # first admission
                 request.num_cached_tokens = request.num_computed_tokens
@@ -235,11 +237,20 @@ class BatchScheduler(Scheduler):
             self.policy.on_scheduled(
                 [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         finished, self._finished_ids = self._finished_ids, set()
+        requests = self.requests
+        computed: dict[str, int] = {}
+        sampling: list[str] = []
+        for rid, n in plan.num_scheduled.items():
+            request = requests[rid]
+            c = computed[rid] = request.num_computed_tokens
+            if c + n >= len(request.all_token_ids):
+                sampling.append(rid)
         return SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
-            finished_req_ids=finished, preempted_req_ids=plan.preempted)
+            finished_req_ids=finished, preempted_req_ids=plan.preempted,
+            num_computed_tokens=computed, sampling_req_ids=sampling)
 
     def _admit(self, plan: _Plan, ctx: SchedulingContext) -> None:
         while plan.budget > 0 and self.waiting:
@@ -300,7 +311,8 @@ class BatchScheduler(Scheduler):
         lp = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         try:
-            self._update(scheduler_output, runner_output, row_of, lp, outputs)
+            self._update(scheduler_output, runner_output, row_of, lp, outputs,
+                         self.clock.time())
         finally:
             # Even when the update raised part-way, no finished request stays in `running`.
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -308,7 +320,8 @@ class BatchScheduler(Scheduler):
         return outputs
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput]) -> None:
+                row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput],
+                now: float) -> None:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -326,6 +339,8 @@ class BatchScheduler(Scheduler):
                 continue                                   # a partial prefill chunk
             token = runner_output.sampled_token_ids[row]
             self.num_generation_tokens += 1
+            if not request.first_token_time:
+                request.first_token_time = now
             status = request.append_output_token(token)
             logprobs = None
             if lp is not None and request.sampling_params.logprobs is not None:

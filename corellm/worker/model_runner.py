@@ -20,7 +20,8 @@ from corellm.config import EngineConfig
 from corellm.errors import CheckpointError, ConfigError
 from corellm.interfaces import CausalLM, ModelInfo
 from corellm.model_config import (ModelArchConfig, iter_weights, parse_arch_config,
-                                  read_checkpoint_config)
+                                  read_checkpoint_config, resolve_dtype_name,
+                                  resolve_max_model_len)
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import RegisteredComponent, Registry
 from corellm.sampling import SamplingMetadata
@@ -56,23 +57,8 @@ def resolve_model(config: EngineConfig, model_path: str, registry: Registry) -> 
     cfg, source = read_checkpoint_config(model_path)
     arch, model_entry = parse_arch_config(cfg, source, registry)
     device = resolve_device(config.model.device)
-    max_len = config.model.max_model_len or arch.max_position_embeddings
-    limit = arch.max_len_limit()
-    if limit is not None and max_len > limit:
-        what = (f"max_position_embeddings={limit}" if limit == arch.max_position_embeddings
-                else f"limit of {limit} tokens")
-        raise CheckpointError(f"model.max_model_len={max_len} exceeds the checkpoint's {what}")
-    if arch.sliding_window is not None and max_len > arch.sliding_window:
-        raise CheckpointError(
-            f"model.max_model_len={max_len} exceeds the checkpoint's sliding_window="
-            f"{arch.sliding_window}; corellm's attention backends compute full attention, so "
-            f"set model.max_model_len <= {arch.sliding_window}")
-    if config.model.dtype != "auto":
-        dtype = _DTYPES[config.model.dtype]
-    else:
-        dtype = _DTYPES.get(str(arch.checkpoint_dtype).replace("torch.", ""), torch.float32)
-        if device.type == "cpu" and dtype == torch.float16:
-            dtype = torch.float32           # fp16 matmuls are slow or missing on CPUs
+    max_len = resolve_max_model_len(arch, config.model.max_model_len)
+    dtype = _DTYPES[resolve_dtype_name(config.model.dtype, arch, device.type)]
     return ResolvedModel(model_path, arch, model_entry, source, max_len, dtype, device)
 
 

@@ -6,7 +6,7 @@ Executors create workers: in-process (``executor_uniproc``) or one per process.
 from __future__ import annotations
 
 from corellm.config import EngineConfig
-from corellm.errors import ConfigError
+from corellm.block_pool import num_blocks_for_budget
 from corellm.interfaces import ModelInfo
 from corellm.model_config import model_path
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,15 +29,9 @@ class Worker:
         return self.runner.model_info
 
     def determine_num_kv_blocks(self) -> int:
-        if self.config.kv_cache.num_blocks is not None:
-            return self.config.kv_cache.num_blocks
-        per_block = self.runner.kv_cache_bytes_per_block()
-        num = int(self.config.kv_cache.memory_gib * (1 << 30)) // per_block
-        if num < 1:
-            raise ConfigError([("kv_cache.memory_gib",
-                                f"{self.config.kv_cache.memory_gib} GiB holds no KV block of "
-                                f"{per_block} bytes")])
-        return num
+        kv = self.config.kv_cache
+        return num_blocks_for_budget(kv.num_blocks, kv.memory_gib,
+                                     self.runner.kv_cache_bytes_per_block())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

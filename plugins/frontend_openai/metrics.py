@@ -1,10 +1,34 @@
 """``GET /metrics``: Prometheus metrics through prometheus-client.
 
-Engine gauges and counters (running/waiting requests, KV-cache usage, prefix-cache hits,
-preemptions, token counters) are read from the engine core at scrape time (one ``get_stats``
-call between two steps), so they are exact and cost nothing while nobody scrapes. Latency
-histograms are observed in this process as requests finish. Each server has its own
-``CollectorRegistry``: nothing global, so several servers (or tests) never collide.
+Engine state comes from the StepStats stream (the same records a ``corellm_step_finished``
+plugin and ``corellm bench`` see); request latencies are observed where the client receives
+tokens.
+
+- Engine gauges and counters (running/waiting requests, KV-cache usage, prefix-cache hits,
+  preemptions, token and step counters) are the latest ``StepStats`` record's cumulative
+  snapshot. The engine core sends one after every step that scheduled work and one after each
+  abort or prefix-cache reset between steps, so the snapshot is never behind the engine (a
+  request just added shows at the step that follows, at once on a running engine). The records
+  reach ``EngineMetrics.on_stats`` through ``AsyncLLM.add_stats_listener``, on the event loop,
+  with the outputs: a scrape reads the snapshot and asks the engine nothing of its state.
+- Before the first record (a fresh server), the snapshot is seeded once at start-up from one
+  ``get_stats`` call (``EngineMetrics.start``, awaited by the server before it accepts
+  connections; an app built without it seeds at its first scrape instead). A record that
+  arrived first wins over the seed.
+- The tokens-per-step histogram (``iteration_tokens_total``) is observed from each step record.
+- Liveness is checked at every scrape, cheaply: ``engine.is_dead`` (the process is gone or its
+  loop failed), then ``engine.check_health`` (one ping through the busy loop, answered between
+  two steps, bounded by ``frontend.health_timeout_s``, as ``/health``). A silent stream cannot
+  tell an idle engine from a stuck one, so the ping is what makes ``corellm:engine_alive`` 0
+  for a stuck loop. While the engine is dead or stuck, its gauges and counters are left out
+  rather than shown stale (in both naming modes).
+- Per-request latency histograms (TTFT, TPOT, end-to-end, queue time, and vLLM's prefill,
+  decode, inference and inter-token times) stay observed in this process, from the request
+  states that ``AsyncLLM.finished_callbacks`` reports (``observe_finished``): they measure what
+  the client sees (``n`` > 1 aggregated, gaps between token arrivals, tokenization included).
+
+Each server has its own ``CollectorRegistry``: nothing global, so several servers (or tests)
+never collide.
 
 ``frontend.metrics_prefix: vllm`` names every metric as vLLM's V1 engine does (``vllm:*``, labels
 ``model_name`` and ``engine``), so dashboards written for vLLM work unchanged. Only metrics with
@@ -13,7 +37,6 @@ an honest counterpart here are exposed; corellm-only ones are left out in that m
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from corellm.engine.output_processor import RequestState
+from corellm.outputs import EngineStats, SchedulerStats, StepStats
 
 PREFIXES = ("corellm", "vllm")
 # vLLM's label names, and the value of its "engine" label (corellm runs one engine core).
@@ -36,6 +60,19 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets of vllm:iteration_tokens_total (tokens scheduled in one engine step).
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _iteration_buckets(max_step_tokens: int | None) -> list[int]:
+    """vLLM's tokens-per-step buckets, up to the first that holds the largest possible step
+    (``scheduler.max_num_batched_tokens``): the ones above it could never be reached."""
+    buckets = []
+    for b in _ITERATION_BUCKETS:
+        buckets.append(b)
+        if max_step_tokens is not None and b >= max_step_tokens:
+            break
+    return buckets
 
 
 class _EngineCollector(Collector):
@@ -50,11 +87,12 @@ class _EngineCollector(Collector):
         value = [self.owner.model_name]
         alive = GaugeMetricFamily("corellm:engine_alive", "1 while the engine core answers, "
                                   "0 once it is dead or stuck.", labels=labels)
-        alive.add_metric(value, 0.0 if self.owner.stats is None else 1.0)
+        alive.add_metric(value, 1.0 if self.owner.alive else 0.0)
         yield alive
-        s = self.owner.stats
-        if s is None:
+        snapshot = self.owner.snapshot
+        if not self.owner.alive or snapshot is None:    # no stale gauges for a dead engine
             return
+        s, num_steps = snapshot
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -90,12 +128,13 @@ class _EngineCollector(Collector):
                       s.num_prompt_tokens)
         yield counter("corellm:generation_tokens", "Tokens generated.",
                       s.num_generation_tokens)
-        yield counter("corellm:engine_steps", "Engine steps run.", s.num_steps)
+        yield counter("corellm:engine_steps", "Engine steps run.", num_steps)
 
     def _collect_vllm(self) -> Iterator[Any]:
-        s = self.owner.stats
-        if s is None:                 # dead or stuck engine: no gauges rather than stale ones
+        snapshot = self.owner.snapshot
+        if not self.owner.alive or snapshot is None:   # dead or stuck: no stale gauges
             return
+        s = snapshot[0]
         labels = list(VLLM_LABELS)
         value = [self.owner.model_name, VLLM_ENGINE]
 
@@ -136,21 +175,40 @@ def _token_buckets(max_model_len: int) -> list[int]:
 
 
 class EngineMetrics:
+    """One server's metrics. ``engine`` is the server's ``AsyncLLM`` (or anything with its
+    ``add_stats_listener``, ``get_stats``, ``check_health``, ``is_dead`` and ``model_info``).
+    ``max_step_tokens`` caps the tokens-per-step buckets (default: the engine's
+    ``scheduler.max_num_batched_tokens``)."""
+
     def __init__(self, engine: Any, model_name: str, prefix: str = "corellm",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, *, health_timeout_s: float = 5.0,
+                 max_step_tokens: int | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.engine = engine
         self.model_name = model_name
         self.prefix = prefix
-        self.stats: Any = None
+        self.health_timeout_s = health_timeout_s
+        # (scheduler snapshot, engine steps so far) of the latest StepStats record (or of the
+        # start-up seed); replaced as a whole, so a reader never sees half of an update.
+        self.snapshot: tuple[SchedulerStats, int] | None = None
+        # The engine's liveness at the last scrape (is_dead, then a ping through its loop).
+        self.alive = False
+        if max_step_tokens is None:
+            max_step_tokens = getattr(getattr(getattr(engine, "config", None), "scheduler", None),
+                                      "max_num_batched_tokens", None)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(self))
         if prefix == "vllm":
             if max_model_len is None:
                 max_model_len = engine.model_info.max_model_len
-            self._init_vllm(max_model_len)
-            return
+            self._init_vllm(max_model_len, max_step_tokens)
+        else:
+            self._init_corellm(max_step_tokens)
+        engine.add_stats_listener(self.on_stats)
+
+    def _init_corellm(self, max_step_tokens: int | None) -> None:
+        model_name = self.model_name
         labels = ["model_name"]
         r = self.registry
         self.ttft = Histogram("corellm:time_to_first_token_seconds",
@@ -171,8 +229,12 @@ class EngineMetrics:
         self.aborted = Counter("corellm:request_aborted", "Requests ended before they finished, "
                                "by reason (client_disconnected, shutdown, ...).",
                                ["model_name", "reason"], registry=r)
+        self.iteration_tokens = Histogram(
+            "corellm:iteration_tokens_total", "Tokens scheduled in one engine step (prefill and "
+            "decode together), per step that scheduled work.", labels,
+            buckets=_iteration_buckets(max_step_tokens), registry=r).labels(model_name)
 
-    def _init_vllm(self, max_model_len: int) -> None:
+    def _init_vllm(self, max_model_len: int, max_step_tokens: int | None) -> None:
         r, labels, value = self.registry, list(VLLM_LABELS), (self.model_name, VLLM_ENGINE)
 
         def hist(name: str, doc: str, buckets: Any) -> Any:
@@ -207,9 +269,45 @@ class EngineMetrics:
                                      tokens)
         self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                  [*labels, "finished_reason"], registry=r)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total",
+                                     "Histogram of number of tokens per engine_step.",
+                                     _iteration_buckets(max_step_tokens))
         for reason in ("stop", "length", "abort"):  # present (at 0) before the first request
             self.v_success.labels(*value, reason)
 
+    # ------------------------------------------------------------------ the StepStats stream
+    def on_stats(self, stats: StepStats) -> None:
+        """A record from the engine core (a stats listener, called on the event loop): keep
+        its snapshot; a step that scheduled work is one observation of tokens per step."""
+        self.snapshot = (stats.scheduler, stats.step)
+        if stats.kind == "step":
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+
+    async def start(self) -> None:
+        """Seed the snapshot with one ``get_stats`` call, so the gauges are right before the
+        engine's first record (a fresh server that has run nothing). No-op once a record or a
+        seed is there; a failure is logged and leaves the seeding to the next scrape."""
+        if self.snapshot is not None or self.engine.is_dead:
+            return
+        try:
+            stats: EngineStats = await self.engine.get_stats(timeout=self.health_timeout_s)
+        except Exception as exc:
+            logger.warning("metrics: could not read the engine's initial stats: %s", exc)
+            return
+        if self.snapshot is None:    # else a record came meanwhile: it wins (the next step's
+            self.snapshot = (stats, stats.num_steps)    # record follows at once if it lags)
+
+    async def _check_alive(self) -> bool:
+        if self.engine.is_dead:
+            return False
+        try:
+            await self.engine.check_health(self.health_timeout_s)
+        except Exception as exc:       # dead, or its loop did not answer in time (stuck)
+            logger.warning("metrics: engine unavailable: %s", exc)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ request latencies
     def observe_finished(self, states: list[RequestState]) -> None:
         """Requests that ended: finished ones, and aborted ones (counted, not timed: the time
         until a client gave up is not a latency of the server)."""
@@ -269,9 +367,10 @@ class EngineMetrics:
                 self.v_tpot.observe(max(last - first, 0.0) / (k - 1) if k > 1 else 0.0)
 
     async def render(self) -> tuple[bytes, str]:
-        try:
-            self.stats = None if self.engine.is_dead else await self.engine.get_stats(timeout=5.0)
-        except (asyncio.TimeoutError, TimeoutError, Exception) as exc:  # dead or stuck engine
-            logger.warning("metrics: engine stats unavailable: %s", exc)
-            self.stats = None
+        """The scrape: a liveness check, then the registry as it stands (no stats call, but
+        the one-time seed if ``start`` was never awaited or failed)."""
+        alive = await self._check_alive()
+        if alive and self.snapshot is None:
+            await self.start()
+        self.alive = alive             # no await from here to the end of the collection
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

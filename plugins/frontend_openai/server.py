@@ -913,7 +913,10 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
     app = FastAPI(title="corellm", version=corellm.__version__, docs_url=None, redoc_url=None)
     app.router.route_class = _OpenAIRoute
     serving = OpenAIServing(engine, options, model_name)
-    metrics = EngineMetrics(engine, model_name, options.metrics_prefix, serving.max_model_len)
+    # Engine gauges come from the engine's StepStats stream (a listener registered here); a
+    # scrape only checks liveness. serve() seeds them (metrics.start()) before accepting.
+    metrics = EngineMetrics(engine, model_name, options.metrics_prefix, serving.max_model_len,
+                            health_timeout_s=options.health_timeout_s)
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
     state = state or ServerState()
     app.state.serving, app.state.metrics, app.state.server = serving, metrics, state
@@ -1062,6 +1065,7 @@ class OpenAIServer(Frontend):
         try:
             app = build_app(engine, opts, self.model_name, state)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
+            await app.state.metrics.start()       # one get_stats: gauges before the first step
             server = _uvicorn_server(uvicorn.Config(
                 app, log_level=opts.log_level, timeout_graceful_shutdown=SETTLE_S,
                 access_log=opts.log_level == "debug"))

@@ -1,0 +1,144 @@
+"""The simulated executor: no model, a calibrated step time, virtual time.
+
+``executor: {name: sim, profile: PATH}`` replaces the forward pass with the step time a cost
+model predicts from the step plan (``corellm.costmodel``): the profile is measured on real
+hardware by ``corellm bench calibrate`` or derived from a device's published peaks (a roofline).
+Everything else is the real engine: the configured scheduler and policy, the KV-cache manager
+and its prefix cache, preemption, the output path and ``corellm bench``. Each step the engine's
+clock (a ``VirtualClock`` this executor owns) advances by the predicted time, so hours of
+traffic take seconds and every metric comes out as if measured on the profiled hardware.
+
+The executor keeps no per-request state: the plan says how many tokens each request computes,
+how many it has computed and which requests sample (``SchedulerOutput.num_computed_tokens`` and
+``sampling_req_ids``). It reads only the checkpoint's ``config.json`` (never its weights) to
+check the profile is the model's and to size the KV pool as the real engine would. Sampled
+tokens are synthetic (one fixed, non-special id), so requests end by ``max_tokens`` (as with
+``ignore_eos``), never by an EOS the model would have produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+from pydantic import Field
+
+from corellm import hookimpl
+from corellm.block_pool import num_blocks_for_budget
+from corellm.clock import VirtualClock
+from corellm.components import BuildContext, ExecutorOptions, ExecutorSpec
+from corellm.costmodel import Profile, StepShape, model_fingerprint
+from corellm.errors import ConfigError
+from corellm.interfaces import Executor, ModelInfo
+from corellm.model_config import (checkpoint_name, model_path, parse_arch_config,
+                                  read_checkpoint_config, resolve_dtype_name,
+                                  resolve_max_model_len)
+from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+
+EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+class SimOptions(ExecutorOptions):
+    name: str = "sim"
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=1, description="Must be 1: the profile prices the whole model's step.")
+    profile: str = Field(
+        ..., description="Step-time profile (JSON) from `corellm bench calibrate`, measured "
+                         "on real hardware or derived from a device's peaks (--roofline).")
+    clock: Literal["virtual", "real"] = Field(
+        "virtual", description="virtual: the engine's clock jumps by each predicted step "
+                               "(offline, corellm bench); real: each step sleeps its predicted "
+                               "time, so a server answers at the profiled device's pace.")
+    token_id: int | None = Field(
+        None, ge=0, description="The token every sampled row gets (default: the first id "
+                                "from 1000 up that is no special token of the checkpoint).")
+
+
+def _special_ids(raw: dict) -> set[int]:
+    ids: set[int] = set()
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = raw.get(key)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int):
+                ids.add(v)
+    return ids
+
+
+class SimExecutor(Executor):
+    def __init__(self, options: SimOptions, ctx: BuildContext) -> None:
+        config = ctx.config
+        path = model_path(config)
+        cfg, source = read_checkpoint_config(path)
+        arch, _ = parse_arch_config(cfg, source, ctx.registry)
+        self.profile = profile = Profile.load(options.profile)
+        device = config.model.device
+        dtype = resolve_dtype_name(config.model.dtype, arch,
+                                   profile.device.get("kind", "cpu") if device == "auto"
+                                   else device)
+        profile.check_compatible(checkpoint_name(path), model_fingerprint(arch), dtype, device)
+        self.cost_model = profile.cost_model
+        self._model_info = ModelInfo(
+            vocab_size=arch.vocab_size,
+            max_model_len=resolve_max_model_len(arch, config.model.max_model_len),
+            architecture=(arch.architectures or ("?",))[0])
+        # The real engine's KV bytes per token (measured by calibration), for this block size.
+        per_token = profile.kv_bytes_per_block / profile.block_size
+        self._kv = config.kv_cache
+        self.kv_bytes_per_block = max(1, round(per_token * config.kv_cache.block_size))
+        self.clock = VirtualClock() if options.clock == "virtual" else None
+        if options.token_id is not None:
+            if options.token_id >= arch.vocab_size:
+                raise ConfigError([("executor.token_id", f"{options.token_id} is outside the "
+                                    f"vocabulary [0, {arch.vocab_size})")])
+            self.token_id = options.token_id
+        else:
+            special = _special_ids(arch.raw)
+            start = min(1000, arch.vocab_size - 1)
+            self.token_id = next((t for t in range(start, arch.vocab_size) if t not in special),
+                                 start)
+        self.num_blocks = 0
+        self.num_steps = 0
+        self.simulated_s = 0.0      # the sum of every step's predicted time
+        self._pending: list[str] = []
+        self._pending_s = 0.0
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def determine_num_kv_blocks(self) -> int:
+        kv = self._kv
+        return num_blocks_for_budget(kv.num_blocks, kv.memory_gib, self.kv_bytes_per_block)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self._pending, self._pending_s = [], 0.0
+            return
+        seconds = self.cost_model.predict(StepShape.from_plan(scheduler_output))
+        self.num_steps += 1
+        self.simulated_s += seconds
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            time.sleep(seconds)
+        self._pending, self._pending_s = scheduler_output.sampling_req_ids, seconds
+
+    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        req_ids, seconds = self._pending, self._pending_s
+        self._pending, self._pending_s = [], 0.0
+        if not seconds:
+            return EMPTY
+        return ModelRunnerOutput(req_ids=list(req_ids),
+                                 sampled_token_ids=[self.token_id] * len(req_ids),
+                                 timings={"forward": seconds})
+
+
+@hookimpl
+def corellm_executors() -> Iterator[ExecutorSpec]:
+    yield ExecutorSpec(name="sim", factory=SimExecutor, options=SimOptions,
+                       summary="No model: step times predicted by a calibrated cost model, on "
+                               "virtual time (A/B tests at scale, hardware what-ifs).")
