@@ -222,6 +222,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
     the profile and a report: per workload group, the measured and predicted mean step time."""
     import corellm
     from corellm.engine.llm import LLM
+    from corellm.model_config import resolve_dtype_name
 
     llm = LLM(config)
     try:
@@ -238,8 +239,8 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         shapes, seconds, groups = measure(llm, design, progress=progress)
         took = time.perf_counter() - t0
         name, arch, mshape = _model_facts(cfg, llm.registry)
-        dtype = str(llm.engine.executor.worker.runner.dtype).replace("torch.", "") \
-            if hasattr(llm.engine.executor, "worker") else cfg.model.dtype
+        device = device_description()
+        dtype = resolve_dtype_name(cfg.model.dtype, arch, device["kind"])
     finally:
         llm.shutdown()
     model = FittedCostModel.fit(shapes, seconds)
@@ -248,7 +249,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         kind="measured",
         model={"name": name, "architecture": (arch.architectures or ("?",))[0],
                "fingerprint": model_fingerprint(arch)},
-        dtype=dtype, device=device_description(), corellm_version=corellm.__version__,
+        dtype=dtype, device=device, corellm_version=corellm.__version__,
         created=_dt.datetime.now().astimezone().strftime(PROFILE_DATE_FORMAT),
         block_size=cfg.kv_cache.block_size,
         kv_bytes_per_block=mshape.kv_bytes_per_token(dtype_bytes) * cfg.kv_cache.block_size,
