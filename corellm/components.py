@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from corellm.distributed import SINGLE, ParallelContext
+
 if TYPE_CHECKING:
     from corellm.config import EngineConfig
     from corellm.interfaces import AttentionBackend, KVCacheManager
@@ -57,7 +59,6 @@ class AttentionOptions(ComponentOptions):
 
 class ExecutorOptions(ComponentOptions):
     name: str = "uniproc"
-    tensor_parallel_size: int = Field(1, ge=1, description="Workers the model is sharded across.")
 
 
 class SamplerOptions(ComponentOptions):
@@ -86,6 +87,9 @@ class BuildContext:
     num_kv_blocks: int | None = None
     attention_backend: AttentionBackend | None = None
     max_model_len: int | None = None
+    # This worker's rank among parallel.tensor_parallel_size (corellm.distributed); the one-rank
+    # context outside workers and without tensor parallelism.
+    parallel: ParallelContext = field(default_factory=lambda: SINGLE)
 
 
 # --------------------------------------------------------------------------- specs
@@ -130,11 +134,20 @@ class AttentionBackendSpec(ComponentSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class ExecutorSpec(ComponentSpec):
-    """``factory(options, ctx) -> Executor``."""
+    """``factory(options, ctx) -> Executor``.
+
+    ``tensor_parallel``: the executor runs ``parallel.tensor_parallel_size`` workers (one per
+    rank); otherwise a size above 1 is a config error. ``launcher_worker(config, registry) ->
+    exit status``: what a process of rank > 0 runs when a launcher such as ``torchrun`` started
+    every rank (``parallel.init_method: env://``): ``corellm serve`` and ``corellm generate``
+    call it there instead of building an engine.
+    """
 
     kind: ClassVar[str] = "executor"
     section: ClassVar[str] = "executor"
     options: type[ComponentOptions] = ExecutorOptions
+    tensor_parallel: bool = False
+    launcher_worker: Callable[..., int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,40 @@ class ModelConfig(BaseModel):
         return None if value is None else os.path.expanduser(value)
 
 
+class ParallelConfig(BaseModel):
+    """The ``parallel`` section (owned by the core: the executor, the model factory and the
+    sharded layers all read it, through the workers' ``corellm.distributed.ParallelContext``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks the model is sharded across (attention heads, MLP, "
+                             "vocabulary); needs an executor that runs that many workers.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl on CUDA, gloo on CPU.")
+    init_method: str = Field(
+        "tcp://127.0.0.1:0",
+        description="Rendezvous of the ranks: tcp://HOST:PORT (port 0 = a free one) for the "
+                    "workers an executor spawns on this machine, or env:// for processes "
+                    "started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on one "
+                    "machine or many.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="A collective (or the rendezvous) waiting longer than this "
+                                "fails the step instead of hanging.")
+
+    @field_validator("init_method")
+    @classmethod
+    def _check_init_method(cls, value: str) -> str:
+        if value != "env://" and not re.fullmatch(r"tcp://[^:/]+:\d+", value):
+            raise ValueError("expected tcp://HOST:PORT or env://")
+        return value
+
+    @property
+    def external_launcher(self) -> bool:
+        """The ranks are processes some launcher (torchrun) started, not the executor."""
+        return self.init_method == "env://"
+
+
 class PluginsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -68,6 +102,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scheduler: SerializeAsAny[SchedulerOptions] = Field(default_factory=SchedulerOptions)
     kv_cache: SerializeAsAny[KVCacheOptions] = Field(default_factory=KVCacheOptions)
     attention: SerializeAsAny[AttentionOptions] = Field(default_factory=AttentionOptions)
@@ -84,7 +119,7 @@ PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
     "scheduler": SchedulerOptions, "kv_cache": KVCacheOptions, "attention": AttentionOptions,
     "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
 }
-SECTIONS = ["model", *PLUGIN_SECTIONS, "plugins"]
+SECTIONS = ["model", "parallel", *PLUGIN_SECTIONS, "plugins"]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -138,6 +173,9 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     values: dict[str, Any] = {}
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
     values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
+    data = _move_tp_shorthand(data, problems)
+    values["parallel"] = _validate_model(ParallelConfig, data.get("parallel"), "parallel",
+                                         problems)
     if values["plugins"] is None:
         raise ConfigError(problems, source=origin)
     if registry is None:
@@ -153,7 +191,12 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
             problems.append((section, f"expected a mapping, got {type(raw).__name__}"))
             continue
         raw = dict(raw)
-        name = raw.get("name", base.model_fields["name"].default)
+        default = base.model_fields["name"].default
+        if (section == "executor" and values["parallel"] is not None
+                and values["parallel"].tensor_parallel_size > 1
+                and "multiproc" in registry.choices("executor")):
+            default = "multiproc"     # as vLLM picks its multiprocess executor for TP > 1
+        name = raw.get("name", default)
         if not isinstance(name, str):
             problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
             continue
@@ -165,9 +208,34 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         raw["name"] = name
         values[section] = _validate_model(entry.spec.options, raw, section, problems,
                                           owner=entry.plugin.describe())
+        if section == "executor" and values["parallel"] is not None:
+            tp = values["parallel"].tensor_parallel_size
+            if tp > 1 and not getattr(entry.spec, "tensor_parallel", False):
+                problems.append(("parallel.tensor_parallel_size",
+                                 f"{tp} needs an executor that runs one worker per rank; "
+                                 f"executor {name!r} ({entry.plugin.describe()}) runs one "
+                                 "(set executor.name: multiproc)"))
     if problems:
         raise ConfigError(problems, source=origin)
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def _move_tp_shorthand(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """``executor: {tensor_parallel_size: N}`` (vLLM's spelling, next to the executor that runs
+    the ranks) is ``parallel: {tensor_parallel_size: N}``; both differing is an error."""
+    executor = data.get("executor")
+    if not isinstance(executor, Mapping) or "tensor_parallel_size" not in executor:
+        return data
+    executor = dict(executor)
+    size = executor.pop("tensor_parallel_size")
+    parallel = data.get("parallel")
+    parallel = dict(parallel) if isinstance(parallel, Mapping) else {}
+    if "tensor_parallel_size" in parallel and parallel["tensor_parallel_size"] != size:
+        problems.append(("executor.tensor_parallel_size",
+                         f"{size!r} contradicts parallel.tensor_parallel_size="
+                         f"{parallel['tensor_parallel_size']!r} (they are one setting; give one)"))
+    parallel.setdefault("tensor_parallel_size", size)
+    return {**data, "executor": executor, "parallel": parallel}
 
 
 def _validate_model(model: type[BaseModel], raw: Any, section: str,
@@ -254,6 +322,7 @@ def config_schema(registry: Registry) -> dict[str, Any]:
     over the installed plugins of that kind, discriminated by ``name``."""
     properties: dict[str, Any] = {
         "model": ModelConfig.model_json_schema(),
+        "parallel": ParallelConfig.model_json_schema(),
         "plugins": PluginsConfig.model_json_schema(),
     }
     for section in PLUGIN_SECTIONS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -265,7 +266,9 @@ class Sampler(ABC):
 
 
 class Executor(ABC):
-    """Runs the workers. The engine core calls it once or twice per step.
+    """Runs the workers: one in-process, one process per tensor-parallel rank, or none at all
+    (a simulation). The engine core makes one call per step, ``execute_model``, and reaches the
+    workers for everything else through ``collective_rpc``.
 
     ``clock``: None for an executor that runs a model (the engine runs on the wall clock); an
     executor that simulates its steps returns a ``corellm.clock.VirtualClock`` it advances by
@@ -275,19 +278,25 @@ class Executor(ABC):
     clock: Clock | None = None
 
     @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Call ``method`` of every worker (``corellm.worker.Worker``) and return their results,
+        rank 0 first: loading, memory profiling, KV-cache set-up, anything a plugin adds."""
+
     def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks fit the configured budget (or the configured ``num_blocks``)."""
+        """KV blocks every worker can hold: the smallest of what each measures (its share of
+        the heads, its memory)."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
-
-    @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Run the forward pass for the plan; logits stay with the workers."""
-
-    @abstractmethod
-    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Sample from the logits of the last ``execute_model`` call."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run the step: forward pass on every worker and sampling on rank 0. Returns rank 0's
+        output, or a future of it (the engine waits on it; an executor with worker processes
+        hands the wait back, so a failure can surface as the future's exception)."""
 
     @property
     @abstractmethod
@@ -295,6 +304,11 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Release workers. Idempotent."""
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot go on (a worker died or raised): the engine fails every unfinished
+    request with it and stops. The message names the rank and the cause."""
 
 
 @dataclass(frozen=True)

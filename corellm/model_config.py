@@ -486,9 +486,11 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
+def iter_weights(path: str | Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (Hugging Face name, tensor) for every tensor of the checkpoint, one shard (or one
-    GGUF tensor, dequantized to float32) at a time."""
+    GGUF tensor, dequantized to float32) at a time. ``lazy``: safetensors tensors come as lazy
+    slices (read with ``corellm.layers.loading.narrow_weight`` / ``as_tensor``, valid until the
+    next item), so a tensor-parallel rank reads only its shard."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -501,6 +503,6 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, Any]]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         except SafetensorError as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc

@@ -47,13 +47,18 @@ def test_throughput_benchmark(llama_path, tmp_path):
     results = bench.run_benchmark(["--model", str(llama_path), "--num-requests", "4",
                                    "--input-len", "8:16", "--output-len", "4:8",
                                    "--hf-batch-size", "2", "--warmup-requests", "1",
-                                   "--no-tqdm"])
+                                   "--tp", "1,2", "--no-tqdm"])
     rows = {r.get("label", r["engine"]): r for r in results["engines"]}
     core = rows["corellm"]
     assert core["output_tokens"] == results["workload"]["requested_output_tokens"]
     assert core["prefill_tokens_computed"] == results["workload"]["prompt_tokens"]
     assert results["agreement"]["corellm vs transformers"]["identical"] == 4
-    assert "corellm time split" in bench.format_tables(results)
+    assert results["agreement"]["corellm tp=2 vs corellm"]["identical"] == 4
+    tp2 = rows["corellm tp=2"]
+    assert len(tp2["memory_per_rank"]) == 2 and all(m["peak_rss"] > 0
+                                                    for m in tp2["memory_per_rank"])
+    table = bench.format_tables(results)
+    assert "corellm time split" in table and "peak RSS per rank" in table
 
 
 def test_serve_benchmark(llama_path, tmp_path):

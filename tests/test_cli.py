@@ -82,7 +82,7 @@ def test_vllm_flags_set_the_config_keys_of_the_same_name(llama_path, tmp_path):
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (3, 96)
     assert (config.kv_cache.block_size, config.kv_cache.enable_prefix_caching,
             config.kv_cache.num_blocks) == (8, False, 64)
-    assert config.executor.tensor_parallel_size == 1
+    assert config.parallel.tensor_parallel_size == 1 and config.executor.name == "uniproc"
     fe = config.frontend
     assert (fe.name, fe.served_model_name, fe.api_key, fe.host, fe.port) == \
         ("openai", "tiny", "k", "0.0.0.0", 0)
@@ -112,7 +112,9 @@ def test_dotted_overrides_reach_any_key_and_win(llama_path):
     (["--set", "max_num_seqs"], "--set: 'max_num_seqs': expected KEY=VALUE"),
     (["--set", "model.path.x=1"], "model.path: is "),
     (["--set", "kv_cache.bogus=1"], "kv_cache.bogus: unknown option"),
-    (["-tp", "2"], "executor.tensor_parallel_size: Input should be less than or equal to 1"),
+    (["-tp", "2", "--set", "executor.name=uniproc"],
+     "parallel.tensor_parallel_size: 2 needs an executor that runs one worker per rank; "
+     "executor 'uniproc'"),
     (["--model", "/elsewhere"], "model.path: given twice"),
 ])
 def test_flag_and_override_errors_name_the_key(llama_path, argv, message, capsys):

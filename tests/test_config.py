@@ -30,7 +30,7 @@ def test_defaults(registry):
     assert cfg.scheduler.name == "fcfs" and cfg.kv_cache.name == "paged"
     assert cfg.attention.name == "torch_sdpa" and cfg.executor.name == "uniproc"
     assert cfg.sampler.name == "default" and cfg.frontend is None
-    assert cfg.executor.tensor_parallel_size == 1
+    assert cfg.parallel.tensor_parallel_size == 1 and cfg.parallel.init_method.startswith("tcp")
     assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib > 0
 
 
@@ -103,8 +103,8 @@ def test_wrong_type_and_out_of_range(registry):
 
 
 def test_plugin_enforces_its_own_bounds(registry):
-    p = problems({"executor": {"tensor_parallel_size": 2}}, registry)
-    assert "less than or equal to 1" in p["executor.tensor_parallel_size"]
+    p = problems({"executor": {"name": "multiproc", "ring_slots": 1}}, registry)
+    assert "greater than or equal to 2" in p["executor.ring_slots"]
 
 
 def test_unknown_plugin_lists_choices(registry):

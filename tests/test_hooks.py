@@ -201,18 +201,12 @@ class RecordingExecutor(Executor):
     def model_info(self):
         return self.worker.model_info
 
-    def determine_num_kv_blocks(self):
-        return self.worker.determine_num_kv_blocks()
-
-    def initialize_kv_cache(self, n):
-        self.worker.initialize_kv_cache(n)
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def execute_model(self, plan):
         self.plans.append(plan.total_num_scheduled_tokens)
-        self.worker.execute_model(plan)
-
-    def sample_tokens(self, plan):
-        return self.worker.sample_tokens(plan)
+        return self.worker.execute_model(plan)
 
 
 class ExecutorPlugin:

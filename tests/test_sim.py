@@ -103,10 +103,7 @@ class PlanLog:
                            tuple(plan.sampling_req_ids), tuple(sorted(plan.preempted_req_ids)),
                            tuple(sorted(plan.finished_req_ids)),
                            tuple(r.req_id for r in plan.scheduled_new_reqs)))
-        self.inner.execute_model(plan)
-
-    def sample_tokens(self, plan):
-        return self.inner.sample_tokens(plan)
+        return self.inner.execute_model(plan)
 
 
 WORKLOADS = {

@@ -118,13 +118,10 @@ class _PlanRecorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def execute_model(self, plan: Any) -> None:
+    def execute_model(self, plan: Any) -> Any:
         if plan.total_num_scheduled_tokens:
             self.shapes.append(StepShape.from_plan(plan))
-        self.inner.execute_model(plan)
-
-    def sample_tokens(self, plan: Any) -> Any:
-        return self.inner.sample_tokens(plan)
+        return self.inner.execute_model(plan)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

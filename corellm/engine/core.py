@@ -11,13 +11,15 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
 from corellm.errors import ConfigError, PluginError
-from corellm.interfaces import NO_CACHED_PREFIX, Executor, KVCacheManager, ModelInfo, Scheduler
+from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCacheManager,
+                                ModelInfo, Scheduler)
 from corellm.outputs import EngineCoreOutput, EngineStats, FinishedRequestStats, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
@@ -237,10 +239,15 @@ class EngineCore:
             raise
         t1 = time.perf_counter()
         try:
-            self.executor.execute_model(plan)
-            sampled = self.executor.sample_tokens(plan)
+            sampled = self.executor.execute_model(plan)
+            if isinstance(sampled, Future):
+                sampled = sampled.result()
             t2 = time.perf_counter()
             outputs = self.scheduler.update_from_output(plan, sampled)
+        except ExecutorError:
+            # The workers are gone: no request can make progress, so none is left waiting.
+            self._fail(self.scheduler.get_request_ids())
+            raise
         except BaseException:
             self._fail(plan.num_scheduled_tokens)
             raise

@@ -2,14 +2,22 @@
 
 ``materialize`` turns a module built on the meta device (no memory, no random init) into one
 with uninitialized storage on the target device, keeping tied parameters tied. ``load_weights``
-copies ``(checkpoint name, tensor)`` pairs into the parameters, including into row ranges of
-fused parameters (Q/K/V into one ``qkv_proj``), and fails with a ``CheckpointError`` on any
-missing, unexpected or mis-shaped weight, so a model never runs with a parameter left unset.
+copies ``(checkpoint name, tensor)`` pairs into the parameters, including into parts of fused
+parameters (Q/K/V into one ``qkv_proj``), and fails with a ``CheckpointError`` on any missing,
+unexpected or mis-shaped weight, so a model never runs with a parameter left unset. A parameter
+with a ``weight_loader`` attribute (every parameter of ``corellm.layers.linear``'s sharded
+layers) loads itself: ``param.weight_loader(param, loaded, shard_id)`` copies its rank's slice.
+
+The checkpoint tensors may be lazy safetensors slices (``iter_weights(path, lazy=True)``, what
+the model runner passes to a model whose ``lazy_weights`` is True): ``weight_shape`` and
+``narrow_weight`` read a shard of one without reading the rest from disk, ``as_tensor`` reads
+it whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +41,12 @@ def materialize(model: nn.Module, device: torch.device | str,
         if id(t) not in new:
             data = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                device=device)
-            new[id(t)] = (nn.Parameter(data, requires_grad=t.requires_grad)
-                          if isinstance(t, nn.Parameter) else data)
+            if isinstance(t, nn.Parameter):
+                param = nn.Parameter(data, requires_grad=t.requires_grad)
+                param.__dict__.update(t.__dict__)       # weight_loader and other attributes
+                new[id(t)] = param
+            else:
+                new[id(t)] = data
         return new[id(t)]
 
     for module in model.modules():
@@ -45,65 +57,91 @@ def materialize(model: nn.Module, device: torch.device | str,
     return model
 
 
-Stacked = Sequence[tuple[str, str, int]]
+def weight_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or lazy safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
+def narrow_weight(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded[..., start:start + size, ...]`` along ``dim`` as a tensor; from a lazy slice only
+    that part is read."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return loaded[index]
+
+
+def as_tensor(loaded: Any) -> torch.Tensor:
+    """A checkpoint tensor, or a lazy slice read whole."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+
+
+Stacked = Sequence[tuple[str, str, Any]]
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
                  stacked: Stacked = (), shard_sizes: Callable[[str], Sequence[int]] | None = None,
                  skip: Callable[[str], bool] | None = None, model_name: str = "model") -> None:
     """Copy checkpoint tensors into ``model``'s parameters, by name.
 
-    ``stacked`` lists fused parameters as ``(checkpoint part, fused part, index)``, e.g.
-    ``("q_proj", "qkv_proj", 0)``: a checkpoint name containing ``.q_proj.`` goes to the
-    parameter named with ``.qkv_proj.`` instead, into the rows of shard ``index``, whose sizes
-    ``shard_sizes(fused parameter name)`` gives. ``skip(name)`` drops checkpoint tensors the model
-    does not need (e.g. ``rotary_emb.inv_freq``). A tied parameter may be loaded under any of
-    its names. Raises ``CheckpointError`` naming the weights that are unexpected, missing or of
-    the wrong shape; ``model_name`` names the model in those messages.
+    ``stacked`` lists fused parameters as ``(checkpoint part, fused part, shard_id)``, e.g.
+    ``("q_proj", "qkv_proj", "q")``: a checkpoint name containing ``.q_proj.`` goes to the
+    parameter named with ``.qkv_proj.`` instead, as its part ``shard_id``. A parameter with a
+    ``weight_loader`` attribute gets ``weight_loader(param, tensor, shard_id)`` (``shard_id``
+    None for an unfused one) and copies its own slice; otherwise the tensor is copied whole, or,
+    for a fused parameter without one, into the rows of part ``shard_id`` (an int) whose sizes
+    ``shard_sizes(fused parameter name)`` gives. ``skip(name)`` drops checkpoint tensors the
+    model does not need (e.g. ``rotary_emb.inv_freq``). A tied parameter may be loaded under any
+    of its names. Raises ``CheckpointError`` naming the weights that are unexpected, missing or
+    of the wrong shape; ``model_name`` names the model in those messages.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    fused_names = {fused for _, fused, _ in stacked}
-    parts: dict[str, int] = {}
-    for _, fused, idx in stacked:
-        parts[fused] = max(parts.get(fused, 0), idx + 1)
-    if stacked and shard_sizes is None:
-        raise ValueError("load_weights: stacked parameters need shard_sizes")
+    parts: dict[str, list[Any]] = {}
+    for _, fused, shard in stacked:
+        parts.setdefault(fused, [])
+        if shard not in parts[fused]:
+            parts[fused].append(shard)
 
-    # Each tensor once (tied names share it), each fused one once per shard.
-    expected: dict[tuple[int, int | None], str] = {}
+    # Each tensor once (tied names share it), each fused one once per part.
+    expected: dict[tuple[int, Any], str] = {}
     for name, param in params.items():
-        fused = next((f for f in fused_names if f".{f}." in name), None)
-        for idx in ([None] if fused is None else range(parts[fused])):
-            expected.setdefault((id(param), idx), name if idx is None else f"{name}[shard {idx}]")
-    loaded: set[tuple[int, int | None]] = set()
+        fused = next((f for f in parts if f".{f}." in name), None)
+        for shard in ([None] if fused is None else parts[fused]):
+            expected.setdefault((id(param), shard),
+                                name if shard is None else f"{name}[{shard}]")
+    loaded: set[tuple[int, Any]] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
         if skip is not None and skip(name):
             continue
         part = next(((p, f, i) for p, f, i in stacked if f".{p}." in name), None)
-        if part is not None:
-            target = name.replace(f".{part[0]}.", f".{part[1]}.")
-            param = params.get(target)
-            if param is None:
-                unexpected.append(name)
-                continue
-            sizes = shard_sizes(target)                  # type: ignore[misc]
-            idx = part[2]
-            try:
-                load_shard(param, tensor, sum(sizes[:idx]), sizes[idx])
-            except ValueError as exc:
-                raise CheckpointError(f"weight {name}: {exc}") from exc
-            loaded.add((id(param), idx))
-            continue
-        param = params.get(name)
+        target, shard = (name, None) if part is None else (
+            name.replace(f".{part[0]}.", f".{part[1]}."), part[2])
+        param = params.get(target)
         if param is None:
             unexpected.append(name)
             continue
-        if param.shape != tensor.shape:
-            raise CheckpointError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != "
-                                  f"model shape {tuple(param.shape)}")
-        param.data.copy_(tensor)
-        loaded.add((id(param), None))
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, shard)
+            elif shard is not None:
+                if shard_sizes is None:
+                    raise ValueError("fused parameters without a weight_loader need "
+                                     "shard_sizes")
+                sizes = shard_sizes(target)
+                load_shard(param, as_tensor(tensor), sum(sizes[:shard]), sizes[shard])
+            else:
+                shape = weight_shape(tensor)
+                if tuple(param.shape) != shape:
+                    raise ValueError(f"checkpoint shape {shape} != model shape "
+                                     f"{tuple(param.shape)}")
+                param.data.copy_(as_tensor(tensor))
+        except ValueError as exc:
+            raise CheckpointError(f"weight {name}: {exc}") from exc
+        loaded.add((id(param), shard))
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} weight(s) this {model_name} "
                               f"model does not use, e.g. {', '.join(sorted(unexpected)[:5])}")

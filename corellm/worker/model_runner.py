@@ -17,7 +17,8 @@ import torch
 from corellm.attention import AttentionMetadata
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
-from corellm.errors import CheckpointError, ConfigError
+from corellm.distributed import SINGLE, ParallelContext
+from corellm.errors import CheckpointError
 from corellm.interfaces import CausalLM, ModelInfo
 from corellm.model_config import (ModelArchConfig, iter_weights, parse_arch_config,
                                   read_checkpoint_config, resolve_dtype_name,
@@ -43,20 +44,26 @@ class ResolvedModel:
     device: torch.device
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The worker's device; on CUDA the ``local_rank``-th visible one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("model.device: 'cuda' requested but no CUDA device is available")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError("model.device: 'cuda' requested but no CUDA device is "
+                                  "available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
-def resolve_model(config: EngineConfig, model_path: str, registry: Registry) -> ResolvedModel:
+def resolve_model(config: EngineConfig, model_path: str, registry: Registry,
+                  local_rank: int = 0) -> ResolvedModel:
     """Checkpoint facts combined with the config: the model plugin and its parsed config, the
     final max_model_len, dtype and device."""
     cfg, source = read_checkpoint_config(model_path)
     arch, model_entry = parse_arch_config(cfg, source, registry)
-    device = resolve_device(config.model.device)
+    device = resolve_device(config.model.device, local_rank)
     max_len = resolve_max_model_len(arch, config.model.max_model_len)
     dtype = _DTYPES[resolve_dtype_name(config.model.dtype, arch, device.type)]
     return ResolvedModel(model_path, arch, model_entry, source, max_len, dtype, device)
@@ -77,7 +84,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
     """Linux's estimate of the memory available to new allocations (bytes), or None."""
     try:
         with open("/proc/meminfo") as f:
@@ -117,15 +124,17 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, registry: Registry, resolved: ResolvedModel) -> None:
+    def __init__(self, config: EngineConfig, registry: Registry, resolved: ResolvedModel,
+                 parallel: ParallelContext = SINGLE) -> None:
         self.config = config
         self.resolved = resolved
         self.device = resolved.device
         self.dtype = resolved.dtype
         self.block_size = config.kv_cache.block_size
+        self.parallel = parallel
         ctx = BuildContext(config=config, registry=registry, arch=resolved.arch,
                            device=self.device, dtype=self.dtype,
-                           max_model_len=resolved.max_model_len)
+                           max_model_len=resolved.max_model_len, parallel=parallel)
         attn = registry.get("attention", config.attention.name)
         ctx.attention_backend = self.attn_backend = attn.spec.factory(config.attention, ctx)
         model_entry = resolved.model
@@ -137,7 +146,10 @@ class ModelRunner:
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
                             f"{type(model).__name__}, which does not implement CausalLM")
-        model.load_weights(iter_weights(resolved.path))
+        # Models that load through corellm.layers.load_weights take lazy checkpoint slices:
+        # each rank then reads only its shard of every weight.
+        model.load_weights(iter_weights(resolved.path,
+                                        lazy=getattr(model, "lazy_weights", False)))
         if self.device.type == "cpu" and config.model.cpu_weight_packing:
             from corellm.worker.cpu import pack_linear_weights
             pack_linear_weights(model)
@@ -160,18 +172,9 @@ class ModelRunner:
         return int(np.prod(shape)) * elem * self.model.num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the pool (its size checked against free memory by the worker first)."""
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
                                                  self.model.num_kv_heads, self.model.head_size)
-        if self.device.type == "cpu":
-            # Pages are taken as blocks are first used, so an oversized pool would start and
-            # fail later; refuse it now.
-            need = self.kv_cache_bytes_per_block() * num_blocks
-            available = _mem_available()
-            if available is not None and need > available:
-                key = ("kv_cache.num_blocks" if self.config.kv_cache.num_blocks is not None
-                       else "kv_cache.memory_gib")
-                raise ConfigError([(key, f"the KV cache needs {need / 2**30:.2f} GiB but only "
-                                         f"{available / 2**30:.2f} GiB of memory is available")])
         # Zeroed, not empty: padded attention reads unwritten slots (masked out, but 0 * NaN
         # would still poison the output).
         self.kv_caches = [_zeros(shape, self.dtype, self.device)
@@ -250,9 +253,22 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         hidden = self.model(input_ids, positions_t, backend_md)          # [T, hidden]
+        # With tensor parallelism only rank 0 gets the logits (the others get None).
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
         t2 = time.perf_counter()
         self._pending = (logits, sample_states, {"prepare_inputs": t1 - t0, "forward": t2 - t1})
+
+    def discard_pending(self) -> None:
+        """Drop the last forward's logits (ranks > 0 do not sample)."""
+        self._pending = None
+
+    def add_sampled_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Append tokens sampled elsewhere (by rank 0) to the requests' states."""
+        reqs = self.requests
+        for rid, token in zip(req_ids, token_ids):
+            state = reqs.get(rid)
+            if state is not None:
+                state.token_ids.append(token)
 
     @torch.inference_mode()
     def sample_tokens(self, so: SchedulerOutput) -> ModelRunnerOutput:

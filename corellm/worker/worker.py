@@ -1,43 +1,121 @@
-"""A worker: one device, one model replica (or shard), its KV cache and its model runner.
+"""A worker: one device, one model replica or tensor-parallel shard, its KV cache and its model
+runner.
 
-Executors create workers: in-process (``executor_uniproc``) or one per process.
+Executors create workers: in-process (``executor_uniproc``) or one per process and rank
+(``executor_multiproc``). Everything an executor asks of a worker besides the step goes through
+``Executor.collective_rpc`` by method name, so a method added here is reachable from every
+executor.
 """
 
 from __future__ import annotations
 
-from corellm.config import EngineConfig
+import logging
+
 from corellm.block_pool import num_blocks_for_budget
+from corellm.config import EngineConfig
+from corellm.distributed import SINGLE, ParallelContext
+from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
 from corellm.model_config import model_path
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import Registry, load_registry
 from corellm.worker.cpu import tune_malloc
-from corellm.worker.model_runner import ModelRunner, resolve_model
+from corellm.worker.model_runner import ModelRunner, mem_available, resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+    """``parallel`` is this worker's rank (``SINGLE`` without tensor parallelism);
+    ``local_world_size`` how many workers share this machine's memory (and ``local_rank`` which
+    CUDA device is this one's)."""
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None,
+                 parallel: ParallelContext = SINGLE, local_rank: int = 0,
+                 local_world_size: int = 1) -> None:
         self.config = config
+        self.parallel = parallel
+        self.local_world_size = local_world_size
         registry = registry or load_registry(disable=config.plugins.disable)
-        resolved = resolve_model(config, model_path(config), registry)
+        resolved = resolve_model(config, model_path(config), registry, local_rank=local_rank)
         if resolved.device.type == "cpu":
             tune_malloc()
-        self.runner = ModelRunner(config, registry, resolved)
+        self.runner = ModelRunner(config, registry, resolved, parallel)
 
     @property
     def model_info(self) -> ModelInfo:
         return self.runner.model_info
 
+    def get_model_info(self) -> ModelInfo:
+        return self.runner.model_info
+
     def determine_num_kv_blocks(self) -> int:
+        """The blocks this worker can hold: ``kv_cache.num_blocks``, or as many of its own
+        (its heads' share) as ``kv_cache.memory_gib`` holds; refused when more than the memory
+        this worker measures free (its share of the host's, or its device's)."""
         kv = self.config.kv_cache
-        return num_blocks_for_budget(kv.num_blocks, kv.memory_gib,
-                                     self.runner.kv_cache_bytes_per_block())
+        per_block = self.runner.kv_cache_bytes_per_block()
+        num = num_blocks_for_budget(kv.num_blocks, kv.memory_gib, per_block)
+        available = self.measure_free_memory()
+        need = per_block * num
+        if available is not None and need > available:
+            key = "kv_cache.num_blocks" if kv.num_blocks is not None else "kv_cache.memory_gib"
+            where = (f" (rank {self.parallel.tp_rank} of {self.parallel.tp_size})"
+                     if self.parallel.tp_size > 1 else "")
+            raise ConfigError([(key, f"the KV cache needs {need / 2**30:.2f} GiB but only "
+                                     f"{available / 2**30:.2f} GiB of memory is available"
+                                     f"{where}")])
+        return num
+
+    def measure_free_memory(self) -> int | None:
+        """Bytes this worker may still allocate: the device's free memory, or on the CPU its
+        share of the host's available memory (None where unknown)."""
+        device = self.runner.device
+        if device.type == "cuda":
+            import torch
+            free, _ = torch.cuda.mem_get_info(device)
+            return free
+        available = mem_available()
+        return None if available is None else available // self.local_world_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step: forward on every rank, sampling on rank 0, which alone returns tokens."""
         self.runner.execute_model(scheduler_output)
-
-    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not self.parallel.is_driver:
+            self.runner.discard_pending()
+            return None
         return self.runner.sample_tokens(scheduler_output)
+
+    def add_sampled_tokens(self, output: ModelRunnerOutput) -> None:
+        """On ranks > 0: record the tokens rank 0 sampled last step, so the next step's inputs
+        are the same on every rank."""
+        self.runner.add_sampled_tokens(output.req_ids, output.sampled_token_ids)
+
+    def memory_usage(self) -> dict[str, int]:
+        """This worker process's memory (bytes, from /proc/self/status): ``peak_rss`` (VmHWM,
+        the high-water mark, mapped checkpoint pages included) and ``rss_anon`` (its own
+        allocations now); on CUDA also the device's peak allocation."""
+        out: dict[str, int] = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmHWM", "RssAnon", "VmRSS"):
+                        out[{"VmHWM": "peak_rss", "RssAnon": "rss_anon",
+                             "VmRSS": "rss"}[key]] = int(value.split()[0]) * 1024
+        except OSError:
+            pass
+        if self.runner.device.type == "cuda":
+            import torch
+            out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(self.runner.device)
+        return out
+
+    def describe(self) -> dict:
+        """This worker's rank, its KV heads and the shape of each of its parameters."""
+        model = self.runner.model
+        return {"rank": self.parallel.tp_rank, "tp_size": self.parallel.tp_size,
+                "num_kv_heads": model.num_kv_heads,
+                "params": {n: list(p.shape) for n, p in model.named_parameters()}}

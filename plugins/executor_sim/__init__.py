@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -41,8 +41,6 @@ EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 class SimOptions(ExecutorOptions):
     name: str = "sim"
-    tensor_parallel_size: int = Field(
-        1, ge=1, le=1, description="Must be 1: the profile prices the whole model's step.")
     profile: str = Field(
         ..., description="Step-time profile (JSON) from `corellm bench calibrate`, measured "
                          "on real hardware or derived from a device's peaks (--roofline).")
@@ -100,8 +98,6 @@ class SimExecutor(Executor):
         self.num_blocks = 0
         self.num_steps = 0
         self.simulated_s = 0.0      # the sum of every step's predicted time
-        self._pending: list[str] = []
-        self._pending_s = 0.0
 
     @property
     def model_info(self) -> ModelInfo:
@@ -114,10 +110,14 @@ class SimExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        raise NotImplementedError(f"the sim executor runs no workers, so it cannot call "
+                                  f"{method!r} on them")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._pending, self._pending_s = [], 0.0
-            return
+            return EMPTY
         seconds = self.cost_model.predict(StepShape.from_plan(scheduler_output))
         self.num_steps += 1
         self.simulated_s += seconds
@@ -125,13 +125,7 @@ class SimExecutor(Executor):
             self.clock.advance(seconds)
         else:
             time.sleep(seconds)
-        self._pending, self._pending_s = scheduler_output.sampling_req_ids, seconds
-
-    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        req_ids, seconds = self._pending, self._pending_s
-        self._pending, self._pending_s = [], 0.0
-        if not seconds:
-            return EMPTY
+        req_ids = scheduler_output.sampling_req_ids
         return ModelRunnerOutput(req_ids=list(req_ids),
                                  sampled_token_ids=[self.token_id] * len(req_ids),
                                  timings={"forward": seconds})

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-from pydantic import Field
+from typing import Any
 
 from corellm import hookimpl
 from corellm.components import BuildContext, ExecutorOptions, ExecutorSpec
@@ -14,9 +13,6 @@ from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 
 class UniprocOptions(ExecutorOptions):
     name: str = "uniproc"
-    tensor_parallel_size: int = Field(
-        1, ge=1, le=1, description="Must be 1: uniproc runs a single worker "
-                                   "(use a multiprocess executor for tensor parallelism).")
 
 
 class UniprocExecutor(Executor):
@@ -28,17 +24,12 @@ class UniprocExecutor(Executor):
     def model_info(self) -> ModelInfo:
         return self.worker.model_info
 
-    def determine_num_kv_blocks(self) -> int:
-        return self.worker.determine_num_kv_blocks()
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self.worker.execute_model(scheduler_output)
-
-    def sample_tokens(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.sample_tokens(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
 
 
 @hookimpl

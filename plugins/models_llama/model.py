@@ -1,8 +1,10 @@
 """The Llama-family decoder, written against corellm's attention backend interface.
 
-Q/K/V and gate/up projections are fused into one matmul each; checkpoint tensors are loaded into
-their row ranges. Variants: "llama" (Llama, Mistral), "qwen2" (bias on Q/K/V), "qwen3" (RMSNorm
-on each head of Q and K before RoPE).
+Built from the core's tensor-parallel layers: Q/K/V and gate/up are fused column-parallel
+matmuls, o_proj and down_proj row-parallel (one all-reduce each), the embedding and head
+vocab-parallel; each rank holds its attention heads and loads only its slices. Variants: "llama"
+(Llama, Mistral), "qwen2" (bias on Q/K/V), "qwen3" (RMSNorm on each head of Q and K before
+RoPE).
 """
 
 from __future__ import annotations
@@ -14,25 +16,30 @@ import torch
 from torch import nn
 
 from corellm.components import BuildContext
+from corellm.distributed import ParallelContext
 from corellm.errors import CheckpointError
 from corellm.interfaces import AttentionBackend
-from corellm.layers import (Attention, DecoderForCausalLM, RMSNorm, SiluAndMul, get_rope,
-                            load_weights, materialize)
+from corellm.layers import (Attention, DecoderForCausalLM, MergedColumnParallelLinear,
+                            QKVParallelLinear, RMSNorm, RowParallelLinear, SiluAndMul,
+                            VocabParallelEmbedding, get_rope, load_weights, materialize)
 from corellm.model_config import LlamaArchConfig
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: LlamaArchConfig, layer_idx: int, backend: AttentionBackend,
-                 rope: nn.Module, variant: str) -> None:
+                 rope: nn.Module, variant: str, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = arch.attention_bias or variant == "qwen2"
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, self.head_dim,
+                                          arch.num_attention_heads, arch.num_key_value_heads,
+                                          bias=qkv_bias, parallel=parallel)
+        self.num_heads = self.qkv_proj.num_heads             # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * self.head_dim,
+                                        arch.hidden_size, bias=arch.attention_bias,
+                                        parallel=parallel)
         self.qk_norm = variant == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -55,14 +62,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArchConfig) -> None:
+    def __init__(self, arch: LlamaArchConfig, parallel: ParallelContext) -> None:
         super().__init__()
         if arch.hidden_act not in ("silu", "swish"):
             raise CheckpointError(f"hidden_act {arch.hidden_act!r} is not supported by the "
                                   "Llama-family decoder (only silu)")
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size,
-                                      bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter],
+                                                       bias=arch.mlp_bias, parallel=parallel)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, bias=arch.mlp_bias,
+                                           parallel=parallel)
         self.act = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -71,10 +80,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: LlamaArchConfig, layer_idx: int, backend: AttentionBackend,
-                 rope: nn.Module, variant: str) -> None:
+                 rope: nn.Module, variant: str, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_idx, backend, rope, variant)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, layer_idx, backend, rope, variant, parallel)
+        self.mlp = LlamaMLP(arch, parallel)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -85,14 +94,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: LlamaArchConfig, backend: AttentionBackend, variant: str,
-                 max_positions: int, device: torch.device) -> None:
+                 max_positions: int, device: torch.device, parallel: ParallelContext) -> None:
         super().__init__()
-        # An explicit (meta) weight skips nn.Embedding's random init, whose normal_ on the meta
-        # device imports torch._dynamo: about 0.7 s of start-up, for values never used.
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel)
         rope = get_rope(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, backend, rope, variant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, backend, rope, variant, parallel)
                                     for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -103,30 +109,25 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-# checkpoint shard name -> (fused parameter name, index of the shard in it)
-_STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+# checkpoint name part -> (fused parameter name part, shard_id its weight_loader takes)
+_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
+    lazy_weights = True       # load_weights reads lazy slices: each rank reads only its shard
+
     def __init__(self, arch: LlamaArchConfig, backend: AttentionBackend, variant: str,
-                 max_positions: int, device: torch.device) -> None:
-        super().__init__(arch, LlamaModel(arch, backend, variant, max_positions, device),
-                         tie_word_embeddings=arch.tie_word_embeddings)
+                 max_positions: int, device: torch.device, parallel: ParallelContext) -> None:
+        super().__init__(arch, LlamaModel(arch, backend, variant, max_positions, device, parallel),
+                         tie_word_embeddings=arch.tie_word_embeddings, parallel=parallel)
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        if ".qkv_proj." in fused:
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.arch.intermediate_size
-        return [inter, inter]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         tied = self.arch.tie_word_embeddings      # the embedding is the one weight of both
 
         def skip(name: str) -> bool:
             return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
-        load_weights(self, weights, stacked=_STACKED, shard_sizes=self._shard_sizes, skip=skip,
+        load_weights(self, weights, stacked=_STACKED, skip=skip,
                      model_name=self.arch.model_type or "llama")
 
 
@@ -134,8 +135,10 @@ def build_model(arch: LlamaArchConfig, ctx: BuildContext, variant: str) -> Llama
     if ctx.attention_backend is None or ctx.device is None or ctx.dtype is None:
         raise ValueError("model factories need ctx.attention_backend, ctx.device and ctx.dtype")
     max_positions = max(arch.max_position_embeddings, ctx.max_model_len or 0)
-    # Build on the meta device (no memory, no random init), then allocate on the target device;
-    # load_weights() fills every parameter and raises if the checkpoint leaves one unset.
+    # Build on the meta device (no memory, no random init), then allocate on the target device
+    # this rank's shard of each layer; load_weights() fills every parameter and raises if the
+    # checkpoint leaves one unset.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, ctx.attention_backend, variant, max_positions, ctx.device)
+        model = LlamaForCausalLM(arch, ctx.attention_backend, variant, max_positions, ctx.device,
+                                 ctx.parallel)
     return materialize(model, ctx.device, ctx.dtype)

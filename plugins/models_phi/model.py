@@ -11,22 +11,26 @@ import torch
 from torch import nn
 
 from corellm.components import BuildContext
+from corellm.distributed import ParallelContext
 from corellm.interfaces import AttentionBackend
-from corellm.layers import (Attention, DecoderForCausalLM, get_activation, get_rope, load_weights,
-                            materialize)
+from corellm.layers import (Attention, ColumnParallelLinear, DecoderForCausalLM,
+                            QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                            get_activation, get_rope, load_weights, materialize)
 from corellm_plugins.models_phi import PhiArchConfig
 
 
 class PhiAttention(nn.Module):
     def __init__(self, arch: PhiArchConfig, layer_idx: int, backend: AttentionBackend,
-                 rope: nn.Module) -> None:
+                 rope: nn.Module, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
-        self.dense = nn.Linear(self.q_size, arch.hidden_size, bias=True)
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, self.head_dim,
+                                          arch.num_attention_heads, arch.num_key_value_heads,
+                                          bias=True, parallel=parallel)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.dense = RowParallelLinear(arch.num_attention_heads * self.head_dim,
+                                       arch.hidden_size, bias=True, parallel=parallel)
         self.qk_layernorm = arch.qk_layernorm
         if self.qk_layernorm:
             self.q_layernorm = nn.LayerNorm(self.head_dim, eps=arch.layer_norm_eps)
@@ -47,10 +51,12 @@ class PhiAttention(nn.Module):
 
 
 class PhiMLP(nn.Module):
-    def __init__(self, arch: PhiArchConfig) -> None:
+    def __init__(self, arch: PhiArchConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(arch.hidden_size, arch.intermediate_size)
-        self.fc2 = nn.Linear(arch.intermediate_size, arch.hidden_size)
+        self.fc1 = ColumnParallelLinear(arch.hidden_size, arch.intermediate_size, bias=True,
+                                        parallel=parallel)
+        self.fc2 = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=True,
+                                     parallel=parallel)
         self.act = get_activation(arch.hidden_act)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -59,11 +65,11 @@ class PhiMLP(nn.Module):
 
 class PhiDecoderLayer(nn.Module):
     def __init__(self, arch: PhiArchConfig, layer_idx: int, backend: AttentionBackend,
-                 rope: nn.Module) -> None:
+                 rope: nn.Module, parallel: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
-        self.self_attn = PhiAttention(arch, layer_idx, backend, rope)
-        self.mlp = PhiMLP(arch)
+        self.self_attn = PhiAttention(arch, layer_idx, backend, rope, parallel)
+        self.mlp = PhiMLP(arch, parallel)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
         x = self.input_layernorm(h)
@@ -72,13 +78,12 @@ class PhiDecoderLayer(nn.Module):
 
 class PhiModel(nn.Module):
     def __init__(self, arch: PhiArchConfig, backend: AttentionBackend, max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel)
         rope = get_rope(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device,
                         rotary_dim=arch.rotary_dim)
-        self.layers = nn.ModuleList(PhiDecoderLayer(arch, i, backend, rope)
+        self.layers = nn.ModuleList(PhiDecoderLayer(arch, i, backend, rope, parallel)
                                     for i in range(arch.num_hidden_layers))
         self.final_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
@@ -89,25 +94,27 @@ class PhiModel(nn.Module):
         return self.final_layernorm(h)
 
 
-_STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2))
+_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"))
 
 
 class PhiForCausalLM(DecoderForCausalLM):
-    def __init__(self, arch: PhiArchConfig, backend: AttentionBackend, max_positions: int,
-                 device: torch.device) -> None:
-        super().__init__(arch, PhiModel(arch, backend, max_positions, device), lm_head_bias=True,
-                         tie_word_embeddings=arch.tie_word_embeddings)
+    lazy_weights = True
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        attn = self.model.layers[0].self_attn
-        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    def __init__(self, arch: PhiArchConfig, backend: AttentionBackend, max_positions: int,
+                 device: torch.device, parallel: ParallelContext) -> None:
+        super().__init__(arch, PhiModel(arch, backend, max_positions, device, parallel),
+                         lm_head_bias=True, tie_word_embeddings=arch.tie_word_embeddings,
+                         parallel=parallel)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         tied = self.arch.tie_word_embeddings
-        load_weights(self, weights, stacked=_STACKED, shard_sizes=lambda _: sizes,
+        load_weights(self, weights, stacked=_STACKED,
                      skip=lambda name: tied and name == "lm_head.weight", model_name="phi")
 
 
 def build_model(arch: PhiArchConfig, ctx: BuildContext) -> PhiForCausalLM:
     max_positions = max(arch.max_position_embeddings, ctx.max_model_len or 0)
     with torch.device("meta"):
-        model = PhiForCausalLM(arch, ctx.attention_backend, max_positions, ctx.device)
+        model = PhiForCausalLM(arch, ctx.attention_backend, max_positions, ctx.device,
+                               ctx.parallel)
     return materialize(model, ctx.device, ctx.dtype)
