@@ -346,6 +346,8 @@ class _SpawnBackend(_Backend):
                     return ExecutorError(f"tensor-parallel rank {rank} failed: {msg[1]}\n{msg[2]}")
         except (EOFError, OSError):
             pass
+        # Its sentinel closes while it exits, a moment before the kernel has its status.
+        self.procs[rank].join(2.0)
         code = self.procs[rank].exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None
                and code < 0 else f"exited with status {code}")
@@ -474,6 +476,7 @@ class _LauncherBackend(_Backend):
         self.parallel: Any = None
         self._out: ModelRunnerOutput | None = None
         self._stopped = False
+        self._broken = False
 
     def start(self) -> ModelInfo:
         env = launcher_env()
@@ -504,6 +507,7 @@ class _LauncherBackend(_Backend):
         try:
             return fn()
         except Exception as exc:
+            self._broken = True         # the group is unusable: stop() must not use it
             raise self._named_failure(exc, what) from None
 
     def _named_failure(self, exc: BaseException, what: str) -> ExecutorError:
@@ -551,13 +555,13 @@ class _LauncherBackend(_Backend):
         if self._stopped:
             return
         try:
-            if self.parallel is not None:
+            if self.parallel is not None and not self._broken:
                 import torch.distributed as dist
                 dist.broadcast_object_list([("stop",)], src=0, group=self.parallel.cpu_group)
         except Exception:
             pass
         self._stopped = True
-        if self.parallel is not None:
+        if self.parallel is not None and not self._broken:
             try:
                 destroy_parallel(self.parallel)
             except Exception:
