@@ -46,9 +46,6 @@ class Worker:
     def model_info(self) -> ModelInfo:
         return self.runner.model_info
 
-    def get_model_info(self) -> ModelInfo:
-        return self.runner.model_info
-
     def determine_num_kv_blocks(self) -> int:
         """The blocks this worker can hold: ``kv_cache.num_blocks``, or as many of its own
         (its heads' share) as ``kv_cache.memory_gib`` holds; refused when more than the memory
