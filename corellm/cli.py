@@ -111,7 +111,13 @@ def _launched_rank(config: Any, registry: Any) -> int | None:
         raise ConfigError([("executor.name", f"executor {config.executor.name!r} "
                             f"({entry.plugin.describe()}) cannot run the ranks of a torchrun "
                             "launch (parallel.init_method: env://); use multiproc")])
-    return run(config, registry)
+    status = run(config, registry)
+    # End as a spawned worker does, without the interpreter's teardown: once rank 0 has stopped
+    # and taken the group's TCP store down with it, the C++ destructors of torch.distributed's
+    # threads can abort (std::terminate, SIGABRT) and turn a clean stop into status -6.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -177,7 +183,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 for f, field in spec.options.model_fields.items() if f != "name"]
             row = {"kind": spec.kind, "name": name, "plugin": info.name,
                    "distribution": info.distribution, "version": info.version,
-                   "summary": spec.summary, "options": options}
+                   "summary": spec.summary, "options": options,
+                   "unavailable": spec.unavailable}
             if section == "model":
                 row["architectures"] = list(spec.architectures)  # type: ignore[attr-defined]
             rows.append(row)
@@ -206,6 +213,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print(next(lines))
     for row, line in zip(rows, lines):
         print(line)
+        if row["unavailable"]:
+            print(f"{'':<4}UNAVAILABLE: {row['unavailable']}")
         if row.get("architectures"):
             print(f"{'':<4}architectures: {', '.join(row['architectures'])}")
         for opt in row["options"]:

@@ -54,7 +54,11 @@ class KVCacheOptions(ComponentOptions):
 
 
 class AttentionOptions(ComponentOptions):
-    name: str = "torch_sdpa"
+    """``auto`` (the default) lets each worker pick, for its device, the available backend of
+    the highest ``auto_priority`` (Triton on CUDA when it is installed, torch SDPA elsewhere);
+    naming a backend selects it and its options."""
+
+    name: str = "auto"
 
 
 class ExecutorOptions(ComponentOptions):
@@ -103,6 +107,10 @@ class ComponentSpec:
     factory: Callable[..., Any]
     options: type[ComponentOptions] = NoOptions
     summary: str = ""
+    # Why the component cannot be used here (say, an optional dependency is missing), or None.
+    # It is still listed (``corellm plugins`` shows the reason) and selecting it is a config
+    # error that gives the reason.
+    unavailable: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,13 +131,27 @@ class KVCacheManagerSpec(ComponentSpec):
     options: type[ComponentOptions] = KVCacheOptions
 
 
+def _any_device(device: Any) -> str | None:
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionBackendSpec(ComponentSpec):
-    """``factory(options, ctx) -> AttentionBackend``; called in each worker."""
+    """``factory(options, ctx) -> AttentionBackend``; called in each worker.
+
+    ``check_device(device) -> reason or None``: why the backend cannot run on a
+    ``torch.device`` (checked in each worker before the factory is called). ``auto_priority``:
+    ``attention.name: auto`` picks, among the available backends that can run on the device
+    and list its type in ``auto_device_types`` (None: any), the one of the highest priority;
+    None keeps a backend out of ``auto`` (selected by name only).
+    """
 
     kind: ClassVar[str] = "attention_backend"
     section: ClassVar[str] = "attention"
     options: type[ComponentOptions] = AttentionOptions
+    check_device: Callable[[Any], str | None] = _any_device
+    auto_priority: int | None = None
+    auto_device_types: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

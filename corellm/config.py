@@ -200,12 +200,17 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if not isinstance(name, str):
             problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
             continue
+        raw["name"] = name
+        if section == "attention" and name == "auto":     # resolved by each worker, per device
+            values[section] = _validate_model(base, raw, section, problems,
+                                              owner="attention.name: auto (name a backend to set "
+                                                    "its options)")
+            continue
         try:
             entry = registry.get(section, name)
         except PluginError as exc:
             problems.append((f"{section}.name", str(exc)))
             continue
-        raw["name"] = name
         values[section] = _validate_model(entry.spec.options, raw, section, problems,
                                           owner=entry.plugin.describe())
         if section == "executor" and values["parallel"] is not None:
@@ -258,7 +263,8 @@ def _validate_model(model: type[BaseModel], raw: Any, section: str,
                     msg += (f" (options of {owner}: {', '.join(names)})" if names
                             else f" ({owner} takes no options besides name)")
             else:
-                msg = f"{err['msg']} (got {err.get('input')!r})"
+                text = err["msg"].removeprefix("Value error, ")   # a validator's own words
+                msg = f"{text} (got {err.get('input')!r})"
             problems.append((path, msg))
         return None
 
@@ -328,12 +334,17 @@ def config_schema(registry: Registry) -> dict[str, Any]:
     for section in PLUGIN_SECTIONS:
         variants = []
         for name in registry.choices(section):
-            entry = registry.get(section, name)
+            entry = registry.get(section, name, usable=False)
             schema = entry.spec.options.model_json_schema()
             schema["properties"]["name"] = {"const": name, "default": name}
             schema["title"] = f"{section}: {name}"
             schema["description"] = f"{entry.spec.summary} [{entry.plugin.describe()}]".strip()
             variants.append(schema)
+        if section == "attention":
+            variants.append({"title": "attention: auto", "type": "object",
+                             "additionalProperties": False,
+                             "description": AttentionOptions.__doc__.split("\n\n")[0],
+                             "properties": {"name": {"const": "auto", "default": "auto"}}})
         properties[section] = {"oneOf": variants} if variants else {"type": "object"}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -75,6 +75,9 @@ def corellm_attention_backends() -> Iterable[AttentionBackendSpec]:
     iterable of ``AttentionBackendSpec``. The factory runs inside each worker with
     ``ctx.device``, ``ctx.dtype``, ``ctx.arch`` (the parsed checkpoint config) and
     ``ctx.max_model_len`` set, and returns a ``corellm.interfaces.AttentionBackend``.
+    ``attention.name: auto`` (the default) picks among the specs with an ``auto_priority`` by
+    device; a spec with ``unavailable="reason"`` (a missing optional dependency) is listed but
+    refused with the reason.
     """
 
 

@@ -19,7 +19,7 @@ from corellm.request import RequestStatus
 if TYPE_CHECKING:
     import torch
 
-    from corellm.attention import AttentionMetadata
+    from corellm.attention import AttentionBuildLimits, AttentionMetadataBuilder, KVCacheSpec
     from corellm.outputs import (EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
                                  SchedulerStats)
     from corellm.request import Request
@@ -220,42 +220,80 @@ class KVCacheManager(ABC):
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """Static facts about one attention layer, given to the backend at every call."""
+    """Static facts about one attention layer, given to the backend at every call.
+
+    ``sliding_window``: the query at position p attends to the keys at positions
+    ``p - sliding_window + 1 .. p`` (the window counts the query's own token, as in Hugging
+    Face's Mistral and Qwen2); None for full attention. ``logit_soft_cap``: scores become
+    ``cap * tanh(scores / cap)`` before the softmax (Gemma 2, Grok); None for none. A backend
+    that does not support a feature a layer uses says so in ``AttentionBackend.supports``, and
+    the model runner refuses the model at start-up.
+    """
 
     layer_idx: int
     num_heads: int
     num_kv_heads: int
     head_size: int
     scale: float
+    sliding_window: int | None = None
+    logit_soft_cap: float | None = None
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the paged cache and computes attention over it."""
+    """Writes new K/V into the paged cache and computes attention over it.
+
+    At start-up the model runner asks the backend, for every layer of the model, whether it
+    ``supports`` it (head size, dtype, device, features), what its KV cache is
+    (``kv_cache_spec``), and for the step's metadata builder (``make_metadata_builder``); then,
+    each step, the builder turns the runner's common facts into the metadata every layer's
+    ``forward`` receives.
+    """
+
+    def supports(self, layer: AttentionLayerSpec, dtype: torch.dtype,
+                 device: torch.device) -> str | None:
+        """Why the backend cannot run ``layer`` in ``dtype`` on ``device`` (naming the value and
+        what is supported), or None when it can. Called once per layer at start-up: a refusal
+        there is a config error, never a failure mid-serving. The default refuses the optional
+        features (sliding window, logit soft-cap), which a backend supporting them must declare
+        by overriding this."""
+        if layer.sliding_window is not None:
+            return (f"sliding_window={layer.sliding_window} is not supported (the backend "
+                    "computes full attention)")
+        if layer.logit_soft_cap is not None:
+            return f"logit_soft_cap={layer.logit_soft_cap:g} is not supported"
+        return None
 
     @abstractmethod
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor (K and V together), in the backend's own layout.
+    def kv_cache_spec(self, layer: AttentionLayerSpec, num_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> KVCacheSpec:
+        """One layer's KV cache (``corellm.attention.KVCacheSpec``: shape in the backend's own
+        layout, K and V together; dtype; whether it must be zero-filled) for ``num_blocks``
+        blocks of ``block_size`` tokens, for a model running in ``dtype``.
 
-        The model runner allocates one zeroed tensor of this shape per layer, in the model's
-        dtype on the worker's device, and the model binds it to the layer. It also calls this
-        with ``num_blocks=1`` to size the pool, so the size must be proportional to
-        ``num_blocks``. ``num_kv_heads`` is per worker."""
+        The model runner allocates one tensor per layer on the worker's device and the model
+        binds it to the layer. It also calls this with ``num_blocks=1`` to size the pool, so
+        the size must be proportional to ``num_blocks``. ``layer.num_kv_heads`` is per
+        worker."""
 
-    def build_metadata(self, common: AttentionMetadata) -> Any:
-        """Precompute, once per step, whatever the backend needs beyond the common metadata."""
-        return common
+    def make_metadata_builder(self, limits: AttentionBuildLimits) -> AttentionMetadataBuilder:
+        """The per-step metadata builder (called once per worker). Default: the core's
+        ``CommonMetadataBuilder``, whose ``AttentionMetadata`` holds the common facts as int64
+        device tensors and host lists."""
+        from corellm.attention import CommonMetadataBuilder
+        return CommonMetadataBuilder(limits)
 
     @abstractmethod
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] in the query's dtype
-        (T: tokens this step; inputs may be non-contiguous views).
+        (T: tokens this step, in the builder's batch order; inputs may be non-contiguous
+        views; ``metadata``: what the builder returned this step).
 
-        Writes key/value into ``kv_cache`` at ``metadata.slot_mapping`` first, then attends over
-        each request's cached context plus its new tokens, causally, with grouped-query
-        attention (query head h reads KV head h // (H // Hkv)) and ``layer.scale``. One backend
-        object serves every layer: per-layer state is keyed by ``layer.layer_idx``."""
+        Writes key/value into ``kv_cache`` at the step's slots first, then attends over each
+        request's cached context plus its new tokens, causally, with grouped-query attention
+        (query head h reads KV head h // (H // Hkv)), ``layer.scale`` and the layer's window
+        and soft-cap. One backend object serves every layer: per-layer state is keyed by
+        ``layer.layer_idx``."""
 
 
 class Sampler(ABC):
@@ -355,3 +393,11 @@ class CausalLM(ABC):
 
     @abstractmethod
     def bind_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None: ...
+
+    def attention_layers(self) -> list[AttentionLayerSpec]:
+        """The spec of every attention layer, by ``layer_idx`` (the runner checks each against
+        the backend and allocates each its KV cache). Default: those of the model's
+        ``corellm.layers.Attention`` modules; a model attending through other modules
+        overrides this."""
+        from corellm.layers.attention import attention_layer_specs
+        return attention_layer_specs(self)

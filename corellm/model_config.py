@@ -173,7 +173,10 @@ class ModelArchConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    sliding_window: int | None = None   # the core refuses max_model_len beyond it
+    sliding_window: int | None = None   # tokens each query of a sliding layer sees
+    # Hugging Face's per-layer kinds ("full_attention", "sliding_attention"); None: every layer
+    # slides when sliding_window is set.
+    layer_types: tuple[str, ...] | None = None
     eos_token_id: int | list[int] | None = None
     checkpoint_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -218,6 +221,16 @@ class ModelArchConfig:
         exceed; None when the architecture sets no limit. Default: max_position_embeddings."""
         return self.max_position_embeddings
 
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (for its ``AttentionLayerSpec``), or None
+        when the layer attends to the whole sequence."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and layer_idx < len(self.layer_types):
+            return (self.sliding_window if self.layer_types[layer_idx] == "sliding_attention"
+                    else None)
+        return self.sliding_window
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaArchConfig(ModelArchConfig):
@@ -246,14 +259,23 @@ class LlamaArchConfig(ModelArchConfig):
         sliding = r.int("sliding_window", default=None)
         layer_types = r.raw("layer_types", default=None)
         if layer_types is not None:
-            if not isinstance(layer_types, list):
-                raise CheckpointError(f"{r.source}: 'layer_types' must be a list, got "
-                                      f"{layer_types!r}")
+            if not isinstance(layer_types, list) or not all(isinstance(t, str)
+                                                            for t in layer_types):
+                raise CheckpointError(f"{r.source}: 'layer_types' must be a list of strings, "
+                                      f"got {layer_types!r}")
+            if len(layer_types) != fields["num_hidden_layers"]:
+                raise CheckpointError(f"{r.source}: 'layer_types' has {len(layer_types)} "
+                                      f"entries for num_hidden_layers="
+                                      f"{fields['num_hidden_layers']}")
             if "sliding_attention" not in layer_types:
                 sliding = None
-        elif model_type in ("qwen2", "qwen3") and not r.bool("use_sliding_window",
-                                                              default=False):
-            sliding = None
+        elif model_type in ("qwen2", "qwen3"):
+            if not r.bool("use_sliding_window", default=False):
+                sliding = None
+            elif sliding:     # as Hugging Face's Qwen2Config: layers from max_window_layers on
+                first = r.int("max_window_layers", default=28)
+                layer_types = ["sliding_attention" if i >= first else "full_attention"
+                               for i in range(fields["num_hidden_layers"])]
         return dict(
             fields,
             intermediate_size=r.int("intermediate_size"),
@@ -265,6 +287,7 @@ class LlamaArchConfig(ModelArchConfig):
             mlp_bias=r.bool("mlp_bias", default=False),
             hidden_act=r.str("hidden_act", default="silu"),
             sliding_window=int(sliding) if sliding else None,
+            layer_types=tuple(layer_types) if sliding and layer_types is not None else None,
         )
 
     def max_len_limit(self) -> int | None:
@@ -347,18 +370,14 @@ def load_arch_config(path: str | Path, registry: Registry | None = None) -> Mode
 
 def resolve_max_model_len(arch: ModelArchConfig, requested: int | None) -> int:
     """``model.max_model_len`` (default: the checkpoint's max_position_embeddings), checked
-    against what the checkpoint and corellm's attention support."""
+    against what the checkpoint supports (a sliding window is the attention backend's to
+    support: the model runner asks it at start-up)."""
     max_len = requested or arch.max_position_embeddings
     limit = arch.max_len_limit()
     if limit is not None and max_len > limit:
         what = (f"max_position_embeddings={limit}" if limit == arch.max_position_embeddings
                 else f"limit of {limit} tokens")
         raise CheckpointError(f"model.max_model_len={max_len} exceeds the checkpoint's {what}")
-    if arch.sliding_window is not None and max_len > arch.sliding_window:
-        raise CheckpointError(
-            f"model.max_model_len={max_len} exceeds the checkpoint's sliding_window="
-            f"{arch.sliding_window}; corellm's attention backends compute full attention, so "
-            f"set model.max_model_len <= {arch.sliding_window}")
     return max_len
 
 

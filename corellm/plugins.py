@@ -108,11 +108,16 @@ class Registry:
     def choices(self, section: str) -> list[str]:
         return sorted(self.components.get(section, {}))
 
-    def get(self, section: str, name: str) -> RegisteredComponent:
+    def get(self, section: str, name: str, usable: bool = True) -> RegisteredComponent:
         """The component registered under ``name`` for ``section``, or a PluginError that lists
-        the available names and any plugin that failed to import (it might have provided it)."""
+        the available names and any plugin that failed to import (it might have provided it).
+        With ``usable`` (the default), a component that declares itself unavailable here is a
+        PluginError giving its reason."""
         found = self.components.get(section, {}).get(name)
         if found is not None:
+            if usable and found.spec.unavailable:
+                raise PluginError(f"{section} {name!r} ({found.plugin.describe()}) is "
+                                  f"unavailable: {found.spec.unavailable}")
             return found
         choices = self.choices(section)
         msg = f"unknown {section} {name!r}; available: {', '.join(choices) or '(none)'}"

@@ -105,3 +105,34 @@ def test_serve_benchmark(llama_path, tmp_path):
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z", pid
     assert out_png.stat().st_size > 0
+
+
+def test_attention_benchmark(tmp_path):
+    """Decode attention of torch_sdpa and triton (under the interpreter) on the same paged
+    cache: the script runs, the two agree, and the floor ratio is computed from the bytes."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    pytest.importorskip("triton")
+    out_json = tmp_path / "attn.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "attention.py"), "--backends", "torch_sdpa,triton",
+         "--heads", "4", "--kv-heads", "2", "--head-size", "64", "--batch", "1,3",
+         "--context", "40", "--iters", "1", "--bandwidth-mib", "16", "--device", "cpu",
+         "--json", str(out_json), "--plot", str(tmp_path / "attn.png")],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| triton | 3 | 40 |" in proc.stdout
+    results = json.loads(out_json.read_text())
+    rows = {(r["backend"], r["batch"]): r for r in results["rows"]}
+    assert len(rows) == 4
+    for batch in (1, 3):
+        assert rows[("torch_sdpa", batch)]["max_abs_diff_vs_first"] is None
+        assert rows[("triton", batch)]["max_abs_diff_vs_first"] < 1e-4
+        r = rows[("triton", batch)]
+        assert r["kv_mib"] == batch * 41 * 2 * 64 * 2 * 4 / 2**20
+        assert abs(r["of_floor"] - r["floor_us"] / r["median_us"]) < 1e-9
+    assert (tmp_path / "attn.png").stat().st_size > 0

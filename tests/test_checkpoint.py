@@ -125,14 +125,29 @@ def test_max_model_len_beyond_positions(llama_path):
         LLM(engine_config(llama_path, model={"max_model_len": 4096}))
 
 
-def test_sliding_window_checked(tmp_path, llama_path):
+def test_sliding_window_is_the_backends_to_support(tmp_path, llama_path):
+    """A window shorter than max_model_len runs on a backend that supports windows (torch_sdpa);
+    one that does not (the default of AttentionBackend.supports) refuses the model at start-up,
+    naming the layer and the fix, and accepts it once the window covers every sequence."""
+    from corellm.errors import ConfigError
+    from tests.test_hooks import NaiveAttentionPlugin
+
     copy = tmp_path / "mistral"
     shutil.copytree(llama_path, copy)
     _edit(copy, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128)
-    with pytest.raises(CheckpointError, match="sliding_window=128"):
-        LLM(engine_config(copy))
-    llm = LLM(engine_config(copy, model={"max_model_len": 128}))
-    assert llm.engine.model_info.max_model_len == 128
+    with LLM(engine_config(copy)) as llm:
+        assert llm.engine.model_info.max_model_len == 512
+        layers = llm.engine.executor.worker.runner.attn_layers
+        assert [layer.sliding_window for layer in layers] == [128, 128]
+    naive = {"name": "naive"}
+    with pytest.raises(ConfigError, match=r"attention.name: 'naive' \(plugin .*\) cannot run "
+                       r"layer 0 of .* sliding_window=128 is not supported \(the backend computes "
+                       r"full attention\); model.max_model_len <= 128 makes the window full "
+                       r"attention"):
+        LLM(engine_config(copy, attention=naive), plugins=[NaiveAttentionPlugin()])
+    with LLM(engine_config(copy, attention=naive, model={"max_model_len": 128}),
+             plugins=[NaiveAttentionPlugin()]) as llm:
+        assert llm.engine.model_info.max_model_len == 128
 
 
 def test_plain_tokenizers_skip_autotokenizer_and_load_the_same(llama_path, tmp_path):
@@ -158,3 +173,32 @@ def test_plain_tokenizers_skip_autotokenizer_and_load_the_same(llama_path, tmp_p
     (other / "tokenizer_config.json").write_text(
         json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"}))
     assert _plain_fast_tokenizer_class(other) is None
+
+
+@pytest.mark.parametrize("extra,expected", [
+    # Mistral: every layer slides.
+    ({"model_type": "mistral", "sliding_window": 8}, [8, 8, 8]),
+    # Qwen2 without layer_types: as Hugging Face's Qwen2Config, layers from max_window_layers.
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
+      "max_window_layers": 1}, [None, 8, 8]),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8}, [None] * 3),
+    # Explicit per-layer kinds (Hugging Face's layer_types) win.
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     [8, None, 8]),
+])
+def test_per_layer_sliding_windows(extra, expected):
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, **extra}
+    arch = LlamaArchConfig.from_dict(cfg)
+    assert [arch.layer_sliding_window(i) for i in range(3)] == expected
+
+
+def test_layer_types_must_cover_every_layer():
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "model_type": "mistral", "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(CheckpointError, match=r"'layer_types' has 2 entries for "
+                                              r"num_hidden_layers=3"):
+        LlamaArchConfig.from_dict(cfg)

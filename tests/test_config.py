@@ -28,10 +28,20 @@ def problems(data, registry) -> dict[str, str]:
 def test_defaults(registry):
     cfg = load_config({}, registry=registry)
     assert cfg.scheduler.name == "fcfs" and cfg.kv_cache.name == "paged"
-    assert cfg.attention.name == "torch_sdpa" and cfg.executor.name == "uniproc"
+    # auto: each worker picks the attention backend for its device (tests/test_attn_triton.py).
+    assert cfg.attention.name == "auto" and cfg.executor.name == "uniproc"
     assert cfg.sampler.name == "default" and cfg.frontend is None
     assert cfg.parallel.tensor_parallel_size == 1 and cfg.parallel.init_method.startswith("tcp")
     assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib > 0
+
+
+def test_auto_attention_takes_no_backend_options(registry):
+    found = problems({"attention": {"name": "auto", "block_m": 32}}, registry)
+    assert found == {"attention.block_m": "unknown option (attention.name: auto (name a "
+                                          "backend to set its options) takes no options "
+                                          "besides name)"}
+    schema = config_schema(registry)["properties"]["attention"]["oneOf"]
+    assert {v["properties"]["name"]["const"] for v in schema} >= {"auto", "torch_sdpa", "triton"}
 
 
 def test_sections_are_the_plugins_typed_options(registry):

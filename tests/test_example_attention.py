@@ -126,28 +126,35 @@ def test_greedy_matches_torch_sdpa(naive_module, reference, setting):
 
 # --------------------------------------------------------------------------- the interface alone
 def _metadata(reqs: list[tuple[int, int]], block_ids: list[list[int]], block_size: int):
-    """AttentionMetadata for requests given as (context_len, new tokens), decodes first, as the
-    model runner builds it."""
-    from corellm.attention import AttentionMetadata
+    """The step's metadata for requests given as (context_len, new tokens), decodes first, as
+    the model runner computes the common facts and the core's default builder turns them into
+    the backend's ``AttentionMetadata``."""
+    import numpy as np
+
+    from corellm.attention import (AttentionBuildLimits, CommonAttentionMetadata,
+                                   CommonMetadataBuilder)
 
     ctx = [c for c, _ in reqs]
     seq = [c + n for c, n in reqs]
     qsl = [0]
     for _, n in reqs:
         qsl.append(qsl[-1] + n)
-    table = torch.zeros(len(reqs), max(map(len, block_ids)), dtype=torch.int64)
+    table = np.zeros((len(reqs), max(map(len, block_ids))), dtype=np.int64)
     for i, ids in enumerate(block_ids):
-        table[i, :len(ids)] = torch.tensor(ids)
+        table[i, :len(ids)] = ids
     slots = [block_ids[i][p // block_size] * block_size + p % block_size
              for i, (c, s) in enumerate(zip(ctx, seq)) for p in range(c, s)]
     num_decodes = sum(n == 1 for _, n in reqs)
     assert all(n == 1 for _, n in reqs[:num_decodes]), "decodes come first"
-    return AttentionMetadata(
+    common = CommonAttentionMetadata(
         num_reqs=len(reqs), num_decodes=num_decodes, num_actual_tokens=qsl[-1],
-        query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq),
-        context_lens=torch.tensor(ctx), block_table=table, slot_mapping=torch.tensor(slots),
-        max_seq_len=max(seq), max_query_len=max(n for _, n in reqs), block_size=block_size,
-        query_start_loc_list=qsl, seq_lens_list=seq, context_lens_list=ctx)
+        query_start_loc=np.array(qsl), seq_lens=np.array(seq), context_lens=np.array(ctx),
+        block_table=table, slot_mapping=np.array(slots, dtype=np.int64), max_seq_len=max(seq),
+        max_query_len=max(n for _, n in reqs), block_size=block_size)
+    limits = AttentionBuildLimits(block_size=block_size, max_num_seqs=8,
+                                  max_num_batched_tokens=64, max_model_len=64,
+                                  device=torch.device("cpu"))
+    return CommonMetadataBuilder(limits).build(common)
 
 
 @pytest.mark.parametrize("dtype,compute_dtype", [(torch.float32, "float32"),
@@ -165,7 +172,7 @@ def test_backend_matches_dense_causal_attention(naive_module, dtype, compute_dty
     H, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 16
     layer = AttentionLayerSpec(layer_idx=0, num_heads=H, num_kv_heads=HKV, head_size=D, scale=0.3)
     backend = NaiveAttentionBackend(compute_dtype)
-    kv_cache = torch.zeros(backend.kv_cache_shape(NUM_BLOCKS, BS, HKV, D), dtype=dtype)
+    kv_cache = torch.zeros(backend.kv_cache_spec(layer, NUM_BLOCKS, BS, dtype).shape, dtype=dtype)
 
     gen = torch.Generator().manual_seed(0)
     seq_lens = [6, 10, 7, 6]                     # final lengths of requests 0..3

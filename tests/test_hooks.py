@@ -146,8 +146,10 @@ class NaiveAttention(AttentionBackend):
     def __init__(self):
         self.calls = 0
 
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks * block_size, num_kv_heads, head_size)   # flat slots
+    def kv_cache_spec(self, layer, num_blocks, block_size, dtype):
+        from corellm.attention import KVCacheSpec
+        return KVCacheSpec((2, num_blocks * block_size, layer.num_kv_heads, layer.head_size),
+                           dtype)   # flat slots
 
     def forward(self, layer, q, k, v, kv_cache, md):
         self.calls += 1
@@ -188,6 +190,66 @@ def test_corellm_attention_backends(llama_path):
     b = [o.outputs[0].token_ids for o in sdpa.generate(prompts, GREEDY, use_tqdm=False)]
     assert a == b
     assert plugin.backend.calls > 0
+
+
+def test_attention_backend_of_the_old_interface_is_named(llama_path):
+    """A backend still defining kv_cache_shape (the interface of corellm 0.3.0) fails at
+    start-up with the plugin named and the fix."""
+    class OldBackend(AttentionBackend):
+        def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+            return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+        def forward(self, layer, q, k, v, kv_cache, md):
+            raise AssertionError("never reached")
+
+    class OldPlugin:
+        def corellm_attention_backends(self):
+            yield AttentionBackendSpec(name="old", factory=lambda o, ctx: OldBackend())
+
+    with pytest.raises(PluginError, match=r"attention backend 'old' of plugin .*registered "
+                       r"in-process\): Can't instantiate abstract class OldBackend.*kv_cache_spec"
+                       r".*The interface changed after corellm 0.3.0: kv_cache_shape"):
+        LLM(engine_config(llama_path, attention={"name": "old"}), plugins=[OldPlugin()])
+
+
+def test_attention_backend_keeping_build_metadata_is_named(llama_path):
+    """Half-migrated: kv_cache_spec written, build_metadata kept (nothing would call it)."""
+    class HalfBackend(NaiveAttention):
+        def build_metadata(self, common):
+            return common
+
+    class HalfPlugin:
+        def corellm_attention_backends(self):
+            yield AttentionBackendSpec(name="half", factory=lambda o, ctx: HalfBackend())
+
+    with pytest.raises(PluginError, match=r"HalfBackend defines build_metadata\(\), which "
+                       r"nothing calls any more. The interface changed"):
+        LLM(engine_config(llama_path, attention={"name": "half"}), plugins=[HalfPlugin()])
+
+
+def test_auto_passes_over_a_backend_that_refuses_the_model(llama_path, caplog):
+    """attention.name: auto checks each candidate, best first, against the layers the
+    checkpoint implies: a higher-priority backend that refuses head size 16 is passed over."""
+    made = []
+
+    class Picky(NaiveAttention):
+        def supports(self, layer, dtype, device):
+            return f"head_size {layer.head_size} is not supported (supported: 128)"
+
+    class PickyPlugin:
+        def corellm_attention_backends(self):
+            yield AttentionBackendSpec(name="picky", factory=lambda o, ctx: made.append(1)
+                                       or Picky(), auto_priority=1000)
+
+    with caplog.at_level("INFO", logger="corellm.worker.model_runner"):
+        with LLM(engine_config(llama_path), plugins=[PickyPlugin()]) as llm:
+            out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) > 0
+            runner = llm.engine.executor.worker.runner
+            assert runner.attn_entry.spec.name == "torch_sdpa"
+    assert made == [1]
+    assert "auto -> torch_sdpa on cpu (not triton: " in caplog.text
+    assert "; not picky: head_size 16 is not supported (supported: 128))" in caplog.text
 
 
 # --------------------------------------------------------------------------- executors

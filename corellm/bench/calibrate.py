@@ -206,11 +206,13 @@ def _model_facts(config: Any, registry: Any) -> tuple[str, Any, ModelShape]:
     return checkpoint_name(config.model.path), arch, ModelShape.from_arch(arch)
 
 
-def _engine_context(config: Any) -> dict[str, Any]:
+def _engine_context(config: Any, attention: str | None = None) -> dict[str, Any]:
+    """The engine settings a profile was measured with (``attention``: the backend the workers
+    run, which ``attention.name: auto`` leaves to them)."""
     s = config.scheduler
     return {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "enable_chunked_prefill": s.enable_chunked_prefill,
-            "attention": config.attention.name, "executor": config.executor.name,
+            "attention": attention or config.attention.name, "executor": config.executor.name,
             "block_size": config.kv_cache.block_size}
 
 
@@ -238,6 +240,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         name, arch, mshape = _model_facts(cfg, llm.registry)
         device = device_description()
         dtype = resolve_dtype_name(cfg.model.dtype, arch, device["kind"])
+        attention = llm.engine.executor.collective_rpc("describe")[0]["attention"]
     finally:
         llm.shutdown()
     model = FittedCostModel.fit(shapes, seconds)
@@ -250,7 +253,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         created=_dt.datetime.now().astimezone().strftime(PROFILE_DATE_FORMAT),
         block_size=cfg.kv_cache.block_size,
         kv_bytes_per_block=mshape.kv_bytes_per_token(dtype_bytes) * cfg.kv_cache.block_size,
-        engine=_engine_context(cfg), cost_model=model,
+        engine=_engine_context(cfg, attention), cost_model=model,
         samples=Profile.make_samples(shapes, seconds),
         notes=[f"{len(shapes)} steps measured in {took:.1f} s ({'quick' if quick else 'full'} "
                "design)"])

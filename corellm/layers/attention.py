@@ -14,11 +14,15 @@ class Attention(nn.Module):
     static facts and its KV-cache tensor (bound by the model runner after allocation)."""
 
     def __init__(self, backend: AttentionBackend, layer_idx: int, num_heads: int,
-                 num_kv_heads: int, head_size: int, scale: float | None = None) -> None:
+                 num_kv_heads: int, head_size: int, scale: float | None = None, *,
+                 sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.spec = AttentionLayerSpec(layer_idx, num_heads, num_kv_heads, head_size,
-                                       scale if scale is not None else head_size ** -0.5)
+                                       scale if scale is not None else head_size ** -0.5,
+                                       sliding_window=sliding_window,
+                                       logit_soft_cap=logit_soft_cap)
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -28,11 +32,25 @@ class Attention(nn.Module):
         return self.backend.forward(self.spec, q, k, v, self.kv_cache, metadata)
 
 
+def _attention_modules(model: nn.Module) -> list[Attention]:
+    return sorted((m for m in model.modules() if isinstance(m, Attention)),
+                  key=lambda a: a.spec.layer_idx)
+
+
+def attention_layer_specs(model: nn.Module) -> list[AttentionLayerSpec]:
+    """The specs of ``model``'s ``Attention`` modules, by layer index."""
+    layers = [a.spec for a in _attention_modules(model)]
+    if [s.layer_idx for s in layers] != list(range(len(layers))) or not layers:
+        raise ValueError(f"{type(model).__name__}: attention layers "
+                         f"{[s.layer_idx for s in layers]}; expected 0..n-1, one each (a model "
+                         "that attends through other modules overrides attention_layers())")
+    return layers
+
+
 def bind_kv_caches(model: nn.Module, kv_caches: Sequence[torch.Tensor]) -> None:
     """Hand every ``Attention`` module of ``model`` its layer's cache tensor (``kv_caches[i]``
     to the layer with ``layer_idx == i``): the whole of most models' ``bind_kv_caches``."""
-    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
-                    key=lambda a: a.spec.layer_idx)
+    layers = _attention_modules(model)
     if [a.spec.layer_idx for a in layers] != list(range(len(kv_caches))):
         raise ValueError(f"{len(kv_caches)} KV caches for attention layers "
                          f"{[a.spec.layer_idx for a in layers]}; expected layers 0.."

@@ -7,19 +7,23 @@ iteration per request, never per token).
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
 
-from corellm.attention import AttentionMetadata
-from corellm.components import BuildContext
+from corellm.attention import (AttentionBuildLimits, BatchOrder, CommonAttentionMetadata,
+                               KVCacheSpec)
+from corellm.components import AttentionOptions, BuildContext
 from corellm.config import EngineConfig
 from corellm.distributed import SINGLE, ParallelContext
-from corellm.errors import CheckpointError
-from corellm.interfaces import CausalLM, ModelInfo
+from corellm.errors import CheckpointError, ConfigError, PluginError
+from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
 from corellm.model_config import (ModelArchConfig, iter_weights, parse_arch_config,
                                   read_checkpoint_config, resolve_dtype_name,
                                   resolve_max_model_len)
@@ -27,6 +31,8 @@ from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from corellm.plugins import RegisteredComponent, Registry
 from corellm.sampling import SamplingMetadata
 from corellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -84,6 +90,116 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
+@dataclass
+class SelectedAttention:
+    entry: RegisteredComponent
+    options: AttentionOptions
+    why: str                     # how it was chosen, for the start-up log line
+    backend: Any = None          # the instance, once made
+
+
+_OLD_INTERFACE = ("The interface changed after corellm 0.3.0: kv_cache_shape(...) became "
+                  "kv_cache_spec(layer, num_blocks, block_size, dtype) -> KVCacheSpec, and "
+                  "build_metadata(common) became make_metadata_builder(limits) (docs/plugins.md, "
+                  "\"An attention backend\")")
+
+
+def attention_candidates(config: EngineConfig, registry: Registry,
+                         device: torch.device) -> tuple[list[SelectedAttention], list[str]]:
+    """The backends to try, best first, and why others were passed over. A named backend is the
+    only candidate (its device checked: a refusal is a ConfigError). For ``auto``: the available
+    backends with an ``auto_priority`` that can run on ``device`` and list its type among their
+    ``auto_device_types``, by priority (Triton on CUDA, torch SDPA elsewhere, with the
+    built-ins)."""
+    name = config.attention.name
+    if name != "auto":
+        entry = registry.get("attention", name)
+        reason = entry.spec.check_device(device)
+        if reason:
+            raise ConfigError([("attention.name", f"{name!r} ({entry.plugin.describe()}) cannot "
+                                                  f"run on {device}: {reason}")])
+        return [SelectedAttention(entry, config.attention, f"attention.name: {name}")], []
+    skipped, candidates = [], []
+    for cand in registry.choices("attention"):
+        entry = registry.get("attention", cand, usable=False)
+        spec = entry.spec
+        if spec.auto_priority is None:
+            continue
+        reason = (spec.unavailable or spec.check_device(device)
+                  or (None if spec.auto_device_types is None
+                      or device.type in spec.auto_device_types
+                      else f"auto picks it only on {', '.join(spec.auto_device_types)}"))
+        if reason:
+            skipped.append(f"{cand}: {reason}")
+        else:
+            candidates.append((spec.auto_priority, cand, entry))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    return [SelectedAttention(entry, entry.spec.options(name=cand),
+                              f"attention.name: auto -> {cand} on {device}")
+            for _, cand, entry in candidates], skipped
+
+
+def select_attention_backend(config: EngineConfig, registry: Registry, device: torch.device,
+                             ctx: BuildContext | None = None,
+                             layers: Sequence[AttentionLayerSpec] = (),
+                             dtype: torch.dtype | None = None) -> SelectedAttention:
+    """The backend to run: the named one, or for ``auto`` the first candidate
+    (``attention_candidates``) that accepts every one of ``layers`` in ``dtype`` (the layers
+    the checkpoint's config predicts, so a head size the best backend lacks falls back to the
+    next one), made with ``ctx`` when given."""
+    found, skipped = attention_candidates(config, registry, device)
+    auto = config.attention.name == "auto"
+    for cand in found:
+        if ctx is not None:
+            cand.backend = _make_backend(cand, ctx)
+        refusal = None
+        if auto and layers and cand.backend is not None:
+            refusal = next((r for layer in layers
+                            if (r := cand.backend.supports(layer, dtype, device))), None)
+        if refusal is None:
+            if skipped:
+                cand.why += f" (not {'; not '.join(skipped)})"
+            return cand
+        skipped.append(f"{cand.entry.spec.name}: {refusal}")
+    raise ConfigError([("attention.name", f"auto: no installed attention backend can run this "
+                                          f"model on {device}"
+                                          + "".join(f"; {s}" for s in skipped))])
+
+
+def _make_backend(selected: SelectedAttention, ctx: BuildContext) -> Any:
+    """The backend from its factory; a class still written for the interface of corellm 0.3.0
+    (no ``kv_cache_spec``, or a ``build_metadata`` the runner would ignore) is a PluginError
+    that names the plugin and the fix."""
+    owner = f"attention backend {selected.entry.spec.name!r} of {selected.entry.plugin.describe()}"
+    try:
+        backend = selected.entry.spec.factory(selected.options, ctx)
+    except TypeError as exc:
+        if "abstract" not in str(exc):
+            raise
+        raise PluginError(f"{owner}: {exc}. {_OLD_INTERFACE}") from exc
+    if hasattr(backend, "build_metadata"):
+        raise PluginError(f"{owner}: {type(backend).__name__} defines build_metadata(), which "
+                          f"nothing calls any more. {_OLD_INTERFACE}")
+    return backend
+
+
+def predicted_attention_layers(arch: ModelArchConfig, parallel: ParallelContext,
+                               max_model_len: int) -> list[AttentionLayerSpec]:
+    """The attention layers a checkpoint's config implies for one rank (its heads, KV heads,
+    head size, windows shorter than ``max_model_len``), before any model is built: what
+    ``auto`` checks its candidates against. The built model's own specs are checked again."""
+    tp = parallel.tp_size
+    heads = max(1, arch.num_attention_heads // tp)
+    kv_heads = max(1, arch.num_key_value_heads // tp)
+    layers = []
+    for i in range(arch.num_hidden_layers):
+        window = arch.layer_sliding_window(i)
+        layers.append(AttentionLayerSpec(
+            i, heads, kv_heads, arch.head_dim, arch.head_dim ** -0.5,
+            sliding_window=window if window is not None and window < max_model_len else None))
+    return layers
+
+
 def mem_available() -> int | None:
     """Linux's estimate of the memory available to new allocations (bytes), or None."""
     try:
@@ -135,8 +251,14 @@ class ModelRunner:
         ctx = BuildContext(config=config, registry=registry, arch=resolved.arch,
                            device=self.device, dtype=self.dtype,
                            max_model_len=resolved.max_model_len, parallel=parallel)
-        attn = registry.get("attention", config.attention.name)
-        ctx.attention_backend = self.attn_backend = attn.spec.factory(config.attention, ctx)
+        selected = select_attention_backend(
+            config, registry, self.device, ctx,
+            predicted_attention_layers(resolved.arch, parallel, resolved.max_model_len),
+            self.dtype)
+        self.attn_entry = selected.entry
+        logger.info("attention backend %r (%s): %s", selected.entry.spec.name,
+                    selected.entry.plugin.describe(), selected.why)
+        ctx.attention_backend = self.attn_backend = selected.backend
         model_entry = resolved.model
         try:
             model = model_entry.spec.factory(resolved.arch, ctx)
@@ -146,6 +268,8 @@ class ModelRunner:
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
                             f"{type(model).__name__}, which does not implement CausalLM")
+        # Refused layers fail here, before the weights are read.
+        self.attn_layers = self._check_attention_layers(model)
         # Models that load through corellm.layers.load_weights take lazy checkpoint slices:
         # each rank then reads only its shard of every weight.
         model.load_weights(iter_weights(resolved.path,
@@ -154,6 +278,13 @@ class ModelRunner:
             from corellm.worker.cpu import pack_linear_weights
             pack_linear_weights(model)
         self.model: CausalLM = model.eval()
+        sched = config.scheduler
+        self.attn_builder = self.attn_backend.make_metadata_builder(AttentionBuildLimits(
+            block_size=self.block_size,
+            max_num_seqs=getattr(sched, "max_num_seqs", 256),
+            max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", 8192),
+            max_model_len=resolved.max_model_len, device=self.device))
+        self.batch_order = BatchOrder(self.attn_builder.batch_order)
         self.sampler = registry.get("sampler", config.sampler.name).spec.factory(config.sampler, ctx)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -164,21 +295,49 @@ class ModelRunner:
                                     max_model_len=resolved.max_model_len,
                                     architecture=(resolved.arch.architectures or ("?",))[0])
 
-    # ------------------------------------------------------------------ KV cache
+    # ------------------------------------------------------------------ attention and KV cache
+    def _check_attention_layers(self, model: CausalLM) -> list[AttentionLayerSpec]:
+        """Every layer's spec, each accepted by the backend (a refusal is a config error at
+        start-up naming the backend, its plugin, the layer and the reason). A window at least
+        as long as the longest sequence is full attention, and is checked as such."""
+        backend = self.attn_entry
+        max_len = self.resolved.max_model_len
+        try:
+            layers = model.attention_layers()
+        except ValueError as exc:      # the default found no corellm.layers.Attention modules
+            raise PluginError(f"model {self.resolved.model.spec.name!r} of "
+                              f"{self.resolved.model.plugin.describe()}: {exc}") from exc
+        for layer in layers:
+            checked = layer
+            if layer.sliding_window is not None and layer.sliding_window >= max_len:
+                checked = replace(layer, sliding_window=None)
+            reason = self.attn_backend.supports(checked, self.dtype, self.device)
+            if reason:
+                hint = ""
+                if checked.sliding_window is not None and not self.attn_backend.supports(
+                        replace(checked, sliding_window=None), self.dtype, self.device):
+                    hint = (f"; model.max_model_len <= {checked.sliding_window} makes the "
+                            "window full attention")
+                raise ConfigError([("attention.name",
+                                    f"{backend.spec.name!r} ({backend.plugin.describe()}) cannot "
+                                    f"run layer {layer.layer_idx} of {self.resolved.source} in "
+                                    f"{str(self.dtype).replace('torch.', '')} on {self.device}: "
+                                    f"{reason}{hint}")])
+        return layers
+
+    def kv_cache_specs(self, num_blocks: int) -> list[KVCacheSpec]:
+        return [self.attn_backend.kv_cache_spec(layer, num_blocks, self.block_size, self.dtype)
+                for layer in self.attn_layers]
+
     def kv_cache_bytes_per_block(self) -> int:
-        shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.model.num_kv_heads,
-                                                 self.model.head_size)
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return int(np.prod(shape)) * elem * self.model.num_layers
+        return sum(spec.nbytes for spec in self.kv_cache_specs(1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool (its size checked against free memory by the worker first)."""
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size,
-                                                 self.model.num_kv_heads, self.model.head_size)
-        # Zeroed, not empty: padded attention reads unwritten slots (masked out, but 0 * NaN
-        # would still poison the output).
-        self.kv_caches = [_zeros(shape, self.dtype, self.device)
-                          for _ in range(self.model.num_layers)]
+        """Allocate the pool (its size checked against free memory by the worker first), one
+        tensor per layer as the backend specifies, zero-filled only where it asks."""
+        self.kv_caches = [_zeros(spec.shape, spec.dtype, self.device) if spec.zero_init
+                          else torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                          for spec in self.kv_cache_specs(num_blocks)]
         self.model.bind_kv_caches(self.kv_caches)
 
     # ------------------------------------------------------------------ one step
@@ -201,17 +360,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
             return
-        # Decodes (one query token) first, shortest context first, then prefills: backends
-        # batch the decodes, and similar lengths batched together waste less padding.
+        # The batch in the order the backend's metadata builder asks for (by default decodes
+        # first, shortest context first, then prefills: similar lengths batch together).
         reqs = self.requests
-        order = sorted(so.num_scheduled_tokens.items(),
-                       key=lambda kv: (kv[1] != 1, reqs[kv[0]].num_computed_tokens))
+        order = list(so.num_scheduled_tokens.items())
+        if self.batch_order is BatchOrder.DECODES_FIRST:
+            order.sort(key=lambda kv: (kv[1] != 1, reqs[kv[0]].num_computed_tokens))
         states = [reqs[rid] for rid, _ in order]
         n_sched = np.fromiter((n for _, n in order), dtype=np.int64, count=len(order))
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                              count=len(states))
         num_reqs = len(states)
-        num_decodes = int(np.count_nonzero(n_sched == 1))
+        not_decode = np.flatnonzero(n_sched != 1)
+        num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
         total = int(n_sched.sum())
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(n_sched, out=cu[1:])
@@ -236,17 +397,12 @@ class ModelRunner:
         logits_indices = cu[1:][sample_rows] - 1
 
         dev = self.device
-        md = AttentionMetadata(
+        common = CommonAttentionMetadata(
             num_reqs=num_reqs, num_decodes=num_decodes, num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            context_lens=torch.from_numpy(starts).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_seq_len=int(seq_lens.max()), max_query_len=int(n_sched.max()),
-            block_size=bs, query_start_loc_list=cu.tolist(), seq_lens_list=seq_lens.tolist(),
-            context_lens_list=starts.tolist())
-        backend_md = self.attn_backend.build_metadata(md)
+            query_start_loc=cu, seq_lens=seq_lens, context_lens=starts, block_table=block_table,
+            slot_mapping=slot_mapping, max_seq_len=int(seq_lens.max()),
+            max_query_len=int(n_sched.max()), block_size=bs)
+        backend_md = self.attn_builder.build(common)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions_t = torch.from_numpy(positions).to(dev)
         sample_states = [states[i] for i in sample_rows.tolist()]

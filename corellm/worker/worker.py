@@ -111,8 +111,10 @@ class Worker:
         return out
 
     def describe(self) -> dict:
-        """This worker's rank, its KV heads and the shape of each of its parameters."""
+        """This worker's rank, its attention backend, its KV heads and the shape of each of
+        its parameters."""
         model = self.runner.model
         return {"rank": self.parallel.tp_rank, "tp_size": self.parallel.tp_size,
+                "attention": self.runner.attn_entry.spec.name,
                 "num_kv_heads": model.num_kv_heads,
                 "params": {n: list(p.shape) for n, p in model.named_parameters()}}

@@ -17,5 +17,6 @@ def _make(options: AttentionOptions, ctx: BuildContext):
 
 @hookimpl
 def corellm_attention_backends() -> Iterator[AttentionBackendSpec]:
-    yield AttentionBackendSpec(name="torch_sdpa", factory=_make,
-                               summary="Paged KV cache + torch SDPA (any device).")
+    yield AttentionBackendSpec(name="torch_sdpa", factory=_make, auto_priority=10,
+                               summary="Paged KV cache + torch SDPA (any device; sliding "
+                                       "windows as masks).")

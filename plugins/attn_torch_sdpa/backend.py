@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from corellm.attention import AttentionMetadata
+from corellm.attention import (AttentionBuildLimits, AttentionMetadataBuilder, BatchOrder,
+                               CommonAttentionMetadata, DeviceArray, KVCacheSpec)
 from corellm.interfaces import AttentionBackend, AttentionLayerSpec
 
 
@@ -16,26 +17,86 @@ class _Prefill:
     context_len: int                # tokens of this request already in the cache
     seq_len: int
     block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)]; None when context_len == 0
-    mask: torch.Tensor | None       # [n, seq_len] bool, True = attend; None: plain causal
 
 
 @dataclass
 class _DecodeGroup:
     start: int                      # rows [start, end) of the decode part
     end: int
+    nblk: int                       # blocks gathered per row (the longest row's)
     block_ids: torch.Tensor         # [(end - start) * nblk] block ids, row-major
-    mask: torch.Tensor              # [end - start, 1, 1, nblk * block_size] bool
 
 
 @dataclass
 class SDPAMetadata:
-    common: AttentionMetadata
+    slot_mapping: torch.Tensor      # [T] int64
+    seq_lens: torch.Tensor          # [num_reqs] int64, on the device
+    block_size: int
     decode_groups: list[_DecodeGroup]
     prefills: list[_Prefill]
+    # Masks by sliding window (None: full attention), built on first use by a layer with that
+    # window and shared by the step's other such layers: decode groups' [n, 1, 1, L] and
+    # prefills' [n, seq_len] (None: plain causal, SDPA's is_causal).
+    _masks: dict = field(default_factory=dict)
 
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.common.slot_mapping
+    def masks(self, window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        found = self._masks.get(window)
+        if found is None:
+            found = self._masks[window] = self._build_masks(window)
+        return found
+
+    def _build_masks(self, window: int | None):
+        dev, bs = self.seq_lens.device, self.block_size
+        decode = []
+        for g in self.decode_groups:
+            k_pos = torch.arange(g.nblk * bs, device=dev)[None, :]
+            seq = self.seq_lens[g.start:g.end, None]
+            mask = k_pos < seq
+            if window is not None:
+                mask &= k_pos >= seq - window           # the query sits at seq - 1
+            decode.append(mask[:, None, None, :])
+        prefill = []
+        for p in self.prefills:
+            if p.context_len == 0 and (window is None or p.seq_len <= window):
+                prefill.append(None)
+                continue
+            q_pos = torch.arange(p.context_len, p.seq_len, device=dev)[:, None]
+            k_pos = torch.arange(p.seq_len, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            prefill.append(mask)
+        return decode, prefill
+
+
+class SDPAMetadataBuilder(AttentionMetadataBuilder):
+    """Decodes first, by ascending length (the decode groups are contiguous runs of similar
+    length); persistent int64 buffers for the slots, lengths and block table."""
+
+    batch_order = BatchOrder.DECODES_FIRST
+
+    def __init__(self, limits: AttentionBuildLimits) -> None:
+        dev, n = limits.device, limits.max_num_seqs
+        self._slots = DeviceArray((limits.max_num_batched_tokens,), torch.int64, dev)
+        self._seq = DeviceArray((n,), torch.int64, dev)
+        self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int64, dev)
+
+    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
+        bs = common.block_size
+        seqs = common.seq_lens.tolist()
+        table = self._table.put(common.block_table)
+        groups = []
+        for start, end in _decode_groups(seqs[:common.num_decodes], bs):
+            nblk = -(-max(seqs[start:end]) // bs)
+            groups.append(_DecodeGroup(start, end, nblk, table[start:end, :nblk].reshape(-1)))
+        prefills = []
+        qsl, ctxs = common.query_start_loc.tolist(), common.context_lens.tolist()
+        for i in range(common.num_decodes, common.num_reqs):
+            ctx, seq = ctxs[i], seqs[i]
+            blocks = table[i, :-(-seq // bs)] if ctx > 0 else None
+            prefills.append(_Prefill(qsl[i], qsl[i + 1], ctx, seq, blocks))
+        return SDPAMetadata(self._slots.put(common.slot_mapping),
+                            self._seq.put(common.seq_lens), bs, groups, prefills)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -44,39 +105,31 @@ class TorchSDPABackend(AttentionBackend):
     persistent buffer: allocating it afresh each layer cost more than the copy) into
     [nd, Hkv, L, D] and attended in one SDPA call, with each KV head's query group folded into
     the query axis so K/V are read once per KV head rather than once per query head.
-    Prefills: one SDPA call each, causal (4-D inputs, which keep the CPU flash kernel)."""
+    Prefills: one SDPA call each, causal (4-D inputs, which keep the CPU flash kernel).
+    Sliding windows are masks (the whole context is still gathered); logit soft-capping is
+    refused (SDPA has no hook between the scores and the softmax)."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
+    def supports(self, layer: AttentionLayerSpec, dtype: torch.dtype,
+                 device: torch.device) -> str | None:
+        if layer.logit_soft_cap is not None:
+            return (f"logit_soft_cap={layer.logit_soft_cap:g} is not supported (SDPA applies "
+                    "the softmax itself; the triton backend supports soft-capping)")
+        return None
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, num_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> KVCacheSpec:
         # [K|V, block, slot in block, kv head, head dim]: a gathered block run views as
         # [tokens, Hkv, D] without copying, and SDPA takes the head-major transpose as is.
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        # Zeroed: a gathered group pads short rows with unwritten slots (masked out, but
+        # 0 * NaN would still poison the output).
+        return KVCacheSpec((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size),
+                           dtype, zero_init=True)
 
-    def build_metadata(self, common: AttentionMetadata) -> SDPAMetadata:
-        bs = common.block_size
-        groups = []
-        for start, end in _decode_groups(common.seq_lens_list[:common.num_decodes], bs):
-            nblk = -(-common.seq_lens_list[end - 1] // bs)       # rows sorted by length
-            nblk = max(nblk, -(-max(common.seq_lens_list[start:end]) // bs))
-            arange = torch.arange(nblk * bs, device=common.seq_lens.device)
-            mask = (arange[None, :] < common.seq_lens[start:end, None])[:, None, None, :]
-            groups.append(_DecodeGroup(start, end,
-                                       common.block_table[start:end, :nblk].reshape(-1), mask))
-        prefills = []
-        qsl, ctxs, seqs = common.query_start_loc_list, common.context_lens_list, common.seq_lens_list
-        for i in range(common.num_decodes, common.num_reqs):
-            ctx, seq = ctxs[i], seqs[i]
-            blocks = mask = None
-            if ctx > 0:
-                blocks = common.block_table[i, :-(-seq // bs)]
-                dev = common.block_table.device
-                q_pos = torch.arange(ctx, seq, device=dev)
-                mask = torch.arange(seq, device=dev)[None, :] <= q_pos[:, None]
-            prefills.append(_Prefill(qsl[i], qsl[i + 1], ctx, seq, blocks, mask))
-        return SDPAMetadata(common, groups, prefills)
+    def make_metadata_builder(self, limits: AttentionBuildLimits) -> SDPAMetadataBuilder:
+        return SDPAMetadataBuilder(limits)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache [2, nb, bs, Hkv, D], block_ids [n] -> [2, n, bs * Hkv * D] (a reused buffer,
@@ -102,30 +155,33 @@ class TorchSDPABackend(AttentionBackend):
         value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
         gqa = layer.num_heads != hkv
         out = torch.empty_like(query)                               # [T, H, D]
+        decode_masks, prefill_masks = md.masks(layer.sliding_window)
 
         group = layer.num_heads // hkv
-        for g in md.decode_groups:
+        for g, mask in zip(md.decode_groups, decode_masks):
             n = g.end - g.start
             kv = self._gather(kv_cache, g.block_ids)               # [2, n * nblk, bs*Hkv*D]
             k = kv[0].view(n, -1, hkv, d).transpose(1, 2)           # [n, Hkv, L, D]
             v = kv[1].view(n, -1, hkv, d).transpose(1, 2)
             q = query[g.start:g.end].reshape(n, hkv, group, d)      # [n, Hkv, G, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask,
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                scale=layer.scale)  # [n, Hkv, G, D]
             out[g.start:g.end] = o.reshape(n, layer.num_heads, d)
 
-        for p in md.prefills:
+        for p, mask in zip(md.prefills, prefill_masks):
             q = query[p.start:p.end].transpose(0, 1)[None]          # [1, H, n, D]
             if p.block_ids is None:
                 k = key[p.start:p.end].transpose(0, 1)[None]        # [1, Hkv, n, D]
                 v = value[p.start:p.end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale,
-                                                   enable_gqa=gqa)
             else:
                 kv = self._gather(kv_cache, p.block_ids)
                 k = kv[0].view(-1, hkv, d)[:p.seq_len].transpose(0, 1)[None]
                 v = kv[1].view(-1, hkv, d)[:p.seq_len].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=layer.scale,
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale,
+                                                   enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale,
                                                    enable_gqa=gqa)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out

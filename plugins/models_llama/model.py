@@ -45,7 +45,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.rope = rope
-        self.attn = Attention(backend, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(backend, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              sliding_window=arch.layer_sliding_window(layer_idx))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
         t = h.shape[0]

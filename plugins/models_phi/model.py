@@ -36,7 +36,8 @@ class PhiAttention(nn.Module):
             self.q_layernorm = nn.LayerNorm(self.head_dim, eps=arch.layer_norm_eps)
             self.k_layernorm = nn.LayerNorm(self.head_dim, eps=arch.layer_norm_eps)
         self.rope = rope
-        self.attn = Attention(backend, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(backend, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              sliding_window=arch.layer_sliding_window(layer_idx))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
         t = h.shape[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from corellm.attention import AttentionMetadata
+from corellm.attention import AttentionMetadata, KVCacheSpec
 from corellm.interfaces import AttentionBackend, AttentionLayerSpec
 
 
@@ -20,10 +20,12 @@ class NaiveAttentionBackend(AttentionBackend):
         # None: compute in the query's dtype, which is the model's.
         self.compute_dtype = torch.float32 if compute_dtype == "float32" else None
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
+    def kv_cache_spec(self, layer: AttentionLayerSpec, num_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> KVCacheSpec:
         # [block, K|V, slot in block, kv head, head dim]: a block's keys and values sit together.
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+        # Every read is of a written slot, so the pool need not be zero-filled.
+        return KVCacheSpec((num_blocks, 2, block_size, layer.num_kv_heads, layer.head_size),
+                           dtype, zero_init=False)
 
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
