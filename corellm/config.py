@@ -46,8 +46,10 @@ class ModelConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
     cpu_weight_packing: bool = Field(
-        True, description="On CPU, also keep fp32 linear weights in MKL's packed GEMM layout: "
-                          "1.3-2x faster decode matmuls for about 2x the weights' memory again.")
+        True, description="On CPU, run each fp32 linear layer through the GEMM path measured "
+                          "fastest for its shape and batch size (plain, MKL packed, oneDNN "
+                          "prepacked; cached per machine), keeping a weight copy per packed "
+                          "path used.")
 
     @field_validator("path", "tokenizer")
     @classmethod

@@ -13,19 +13,83 @@ from tests.conftest import engine_config
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def test_packed_weights_give_the_same_tokens(llama_path):
-    prompts = [{"prompt_token_ids": list(range(4, 4 + n))} for n in (1, 9, 33, 120)]
-    packed = LLM(engine_config(llama_path))
-    plain = LLM(engine_config(llama_path, model={"cpu_weight_packing": False}))
-    linears = [m for m in packed.engine.executor.worker.runner.model.modules()
-               if hasattr(m, "packed_weight")]
-    from corellm.worker.cpu import _mkl_packing_available
-    assert bool(linears) == _mkl_packing_available()
-    assert not any(hasattr(m, "packed_weight")
-                   for m in plain.engine.executor.worker.runner.model.modules())
-    a = [o.outputs[0].token_ids for o in packed.generate(prompts, GREEDY, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+def _tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+PROMPTS = [{"prompt_token_ids": list(range(4, 4 + n))} for n in (1, 9, 33, 120)]
+
+
+@pytest.mark.parametrize("plan", [("mkl", "onednn", "dense"), ("onednn",) * 3, ("mkl",) * 3])
+def test_gemm_paths_give_the_same_tokens(llama_path, monkeypatch, plan):
+    """Every packed path, alone or mixed by row bucket (one-row decodes, four-row decode
+    batches, prefills), gives the plain path's greedy tokens."""
+    from corellm.worker import cpu
+    missing = set(plan) - set(cpu.available_gemm_paths())
+    if missing:
+        pytest.skip(f"this torch build lacks the {sorted(missing)} path")
+    monkeypatch.setattr(cpu, "gemm_plan",
+                        lambda shape, paths=None: cpu.GemmPlan(shape, (1, 16, 64), plan))
+    with LLM(engine_config(llama_path)) as planned:
+        linears = [m for m in planned.engine.executor.worker.runner.model.modules()
+                   if hasattr(m, "gemm_routes")]
+        assert linears and all(m.gemm_plan.paths == plan for m in linears)
+        a = _tokens(planned, PROMPTS)
+    with LLM(engine_config(llama_path, model={"cpu_weight_packing": False})) as plain:
+        assert not any(hasattr(m, "gemm_routes")
+                       for m in plain.engine.executor.worker.runner.model.modules())
+        b = _tokens(plain, PROMPTS)
     assert a == b
+
+
+def test_gemm_plan_buckets():
+    from corellm.worker.cpu import GemmPlan
+    plan = GemmPlan((8, 4), (1, 16, 64, 256), ("mkl", "onednn", "onednn", "dense"))
+    assert [plan.path_for(r) for r in (1, 2, 16, 17, 64, 65, 256, 4096)] == [
+        "mkl", "onednn", "onednn", "onednn", "onednn", "dense", "dense", "dense"]
+    assert plan.describe() == "8x4 rows 1: mkl, 2-16: onednn, 17-64: onednn, 65-256: dense " \
+                              "(and beyond)"
+
+
+def test_measured_plan_takes_the_fastest_path_per_bucket(monkeypatch):
+    """With a clock the test controls: oneDNN is slowest at one row and fastest from 16 up to
+    64, dense fastest from 256; probes too large for the budget end the plan early."""
+    from corellm.worker import cpu
+    clock = [0.0]
+    cost = {1: {"dense": 2, "mkl": 1, "onednn": 9}, 16: {"dense": 3, "mkl": 2, "onednn": 1},
+            64: {"dense": 3, "mkl": 2, "onednn": 1}, 256: {"dense": 1, "mkl": 2, "onednn": 3}}
+
+    def run(path, x, weight, packed, bias):
+        clock[0] += cost[x.shape[0]][path] * 1e-6       # microseconds
+
+    monkeypatch.setattr(cpu, "_run", run)
+    monkeypatch.setattr(cpu, "_pack", lambda path, weight: None)
+    plan = cpu.measure_gemm_plan((32, 16), ("dense", "mkl", "onednn"), timer=lambda: clock[0])
+    assert plan.bounds == (1, 16, 64, 256)
+    assert plan.paths == ("mkl", "onednn", "onednn", "dense")
+    assert plan.gflops["16"]["onednn"] > plan.gflops["16"]["dense"]
+    monkeypatch.setattr(cpu, "_PROBE_MAX_FLOP", 2.0 * 16 * 32 * 16)
+    assert cpu.measure_gemm_plan((32, 16), ("dense", "mkl", "onednn"),
+                                 timer=lambda: clock[0]).bounds == (1, 16)
+
+
+def test_plans_are_cached_on_disk(monkeypatch, tmp_path):
+    from corellm.worker import cpu
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_plans", {})
+    measured = []
+    real = cpu.measure_gemm_plan
+
+    def measure(shape, paths=None, timer=None):
+        measured.append(shape)
+        return real(shape, paths)
+
+    monkeypatch.setattr(cpu, "measure_gemm_plan", measure)
+    first = cpu.gemm_plan((24, 16))
+    monkeypatch.setattr(cpu, "_plans", {})            # a new process: only the disk remains
+    assert cpu.gemm_plan((24, 16)) == first
+    assert measured == [(24, 16)]
+    assert (tmp_path / "corellm" / "cpu-gemm-plans.json").exists()
 
 
 @pytest.mark.parametrize("seed", range(5))

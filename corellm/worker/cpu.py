@@ -1,4 +1,4 @@
-"""CPU-specific tuning for workers: the allocator, and packed GEMM weights.
+"""CPU-specific tuning for workers: the allocator, and the GEMM path of each weight shape.
 
 glibc serves large allocations with mmap and returns freed memory to the OS (the mmap and trim
 thresholds), so the big temporaries of every forward pass (activations, logits, gathered KV) are
@@ -14,12 +14,19 @@ processes it owns (``CORELLM_MALLOC_TUNING=0`` keeps it off there too).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
+import hashlib
+import json
 import logging
 import os
+import platform
 import sys
+import time
 import types
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,54 +61,230 @@ def tune_malloc() -> bool:
     return ok
 
 
-# Row counts up to this use the packed weight; larger (prefill-sized) batches run as fast or
-# faster through the plain GEMM (measured: packed 316 vs 231 GFLOP/s at 64 rows, 281 vs 317 at
-# 2048 rows, for a 4096x768 fp32 weight on this project's 2-core CPU).
-_PACKED_MAX_ROWS = 512
+# --------------------------------------------------------------------------- GEMM paths
+# Which library runs a small fp32 matmul fastest depends on the CPU, not on its vendor string:
+# on an Intel Xeon with AMX, MKL's packed GEMM was 1.3-2x the plain one for decode batches; on an
+# AMD EPYC (AVX2) oneDNN's prepacked linear is 1.5-2x MKL's packed path from 16 to 256 rows
+# and loses badly at one row (docs/benchmarks.md). So each weight shape gets a plan, measured
+# at start-up: for each row bucket, the fastest of the available paths.
+#   dense   F.linear on the weight as loaded
+#   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout
+#   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout
+# A plan is cached per process and on disk (keyed by CPU, torch, threads and shape), so only
+# the first start on a machine pays the measurement.
+_PROBE_ROWS = (1, 16, 64, 256)         # a bucket is (previous probe, probe]; larger -> last
+_PROBE_MAX_FLOP = 2e9                  # larger probes of big shapes are skipped (start-up time)
 _PACK_HINT_ROWS = 64
+_plans: dict[str, GemmPlan] = {}
 
 
-def _mkl_packing_available() -> bool:
+def available_gemm_paths() -> tuple[str, ...]:
+    paths = ["dense"]
     try:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+        if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+            paths.append("mkl")
     except (AttributeError, RuntimeError):
-        return False
+        pass
+    try:
+        if (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            paths.append("onednn")
+    except (AttributeError, RuntimeError):
+        pass
+    return tuple(paths)
 
 
-def pack_linear_weights(model: torch.nn.Module) -> int:
+def _pack(path: str, weight: torch.Tensor) -> torch.Tensor | None:
+    if path == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
+    if path == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
+    return None
+
+
+def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    if path == "mkl":
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    if path == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The path for each row bucket of one weight shape: rows <= ``bounds[i]`` (and above the
+    previous bound) take ``paths[i]``; more rows than the last bound take the last path.
+    ``gflops``: what was measured, per probe and path (for the log and the benchmark)."""
+
+    shape: tuple[int, int]
+    bounds: tuple[int, ...]
+    paths: tuple[str, ...]
+    gflops: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
+
+    def path_for(self, rows: int) -> str:
+        return self.paths[min(bisect.bisect_left(self.bounds, rows), len(self.paths) - 1)]
+
+    def describe(self) -> str:
+        parts, low = [], 1
+        for bound, path in zip(self.bounds, self.paths):
+            parts.append(f"{low}-{bound}: {path}" if low < bound else f"{bound}: {path}")
+            low = bound + 1
+        return f"{self.shape[0]}x{self.shape[1]} rows " + ", ".join(parts) + " (and beyond)"
+
+
+def _machine_key() -> str:
+    """The CPU (model name and feature flags) and torch build a measurement holds for."""
+    model, flags = platform.processor() or "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == (platform.processor() or "?"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{model}|flags={digest}|torch={torch.__version__}"
+
+
+def _cache_key(shape: tuple[int, int], paths: tuple[str, ...]) -> str:
+    return (f"{_machine_key()}|threads={torch.get_num_threads()}|{shape[0]}x{shape[1]}|"
+            f"{','.join(paths)}")
+
+
+def _cache_file() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "corellm" / "cpu-gemm-plans.json"
+
+
+def _read_cached(key: str) -> GemmPlan | None:
+    try:
+        entry = json.loads(_cache_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if not entry:
+        return None
+    try:
+        return GemmPlan(tuple(entry["shape"]), tuple(entry["bounds"]), tuple(entry["paths"]),
+                        entry.get("gflops", {}))
+    except (KeyError, TypeError):
+        return None
+
+
+def _write_cached(key: str, plan: GemmPlan) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = {"shape": list(plan.shape), "bounds": list(plan.bounds),
+                     "paths": list(plan.paths), "gflops": plan.gflops}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:       # a read-only home: measure again next time
+        logger.debug("cannot cache the GEMM plan in %s: %s", path, exc)
+
+
+def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None,
+                      timer=time.perf_counter) -> GemmPlan:
+    """Time every path on a random fp32 weight of ``shape`` (out, in) at each probe row count
+    (the best of 3 rounds that run the paths in turn, so a passing slowdown of the machine hits
+    them alike, after a warm-up) and keep the fastest per bucket. Probes above
+    ``_PROBE_MAX_FLOP`` are skipped: their bucket joins the last one measured."""
+    paths = paths or available_gemm_paths()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen)
+    packed = {p: _pack(p, weight) for p in paths}
+    bounds, chosen, gflops = [], [], {}
+    for rows in _PROBE_ROWS:
+        flop = 2.0 * rows * shape[0] * shape[1]
+        if bounds and flop > _PROBE_MAX_FLOP:
+            break
+        x = torch.randn(rows, shape[1], generator=gen)
+        times = dict.fromkeys(paths, float("inf"))
+        for p in paths:
+            _run(p, x, weight, packed[p], None)
+        for _ in range(3):
+            for p in paths:
+                t0 = timer()
+                _run(p, x, weight, packed[p], None)
+                times[p] = min(times[p], timer() - t0)
+        best = min(paths, key=lambda p: (times[p], paths.index(p)))
+        gflops[str(rows)] = {p: round(flop / max(t, 1e-9) / 1e9, 1) for p, t in times.items()}
+        bounds.append(rows)
+        chosen.append(best)
+    return GemmPlan(tuple(shape), tuple(bounds), tuple(chosen), gflops)
+
+
+def gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None) -> GemmPlan:
+    """The plan for ``shape``: this process's, the disk cache's, or measured now (and
+    cached)."""
+    paths = paths or available_gemm_paths()
+    key = _cache_key(shape, paths)
+    plan = _plans.get(key) or _read_cached(key)
+    if plan is None:
+        plan = measure_gemm_plan(shape, paths)
+        _write_cached(key, plan)
+    _plans[key] = plan
+    return plan
+
+
+def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPlan]:
     """Give every fp32 linear layer on the CPU (``nn.Linear``, and the layers of
-    ``corellm.layers.linear``, whose ``linear`` method is their one matmul) a copy of its weight
-    in MKL's packed GEMM layout, used for small batches (decode steps), where it is 1.3-2x
-    faster. Costs about twice the weights' memory again. Returns how many layers were packed (0
-    when MKL is unavailable)."""
-    if not _mkl_packing_available():
-        return 0
+    ``corellm.layers.linear``, whose ``linear`` method is their one matmul) the measured plan
+    of its weight's shape, and a copy of the weight in the layout of each packed path its plan
+    uses (memory: up to the weights' size again per packed path). Returns the plans by shape
+    (empty when only the plain path exists)."""
+    paths = available_gemm_paths()
+    if paths == ("dense",):
+        return {}
     from corellm.layers.linear import LinearBase, ParallelLMHead
-    packed = 0
+    plans: dict[tuple[int, int], GemmPlan] = {}
+    t0 = time.perf_counter()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
                 and weight.device.type == "cpu" and weight.dim() == 2):
             continue
-        if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_packed_forward, module)
-        elif isinstance(module, (LinearBase, ParallelLMHead)):
-            module.linear = types.MethodType(_packed_linear, module)
-        else:
+        if not (type(module) is torch.nn.Linear or isinstance(module, (LinearBase,
+                                                                       ParallelLMHead))):
             continue
-        module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(),
-                                                                        _PACK_HINT_ROWS)
-        packed += 1
-    return packed
+        shape = (int(weight.shape[0]), int(weight.shape[1]))
+        plan = plans.get(shape) or plans.setdefault(shape, gemm_plan(shape, paths))
+        if set(plan.paths) == {"dense"}:
+            continue
+        w = weight.detach()
+        module.gemm_plan = plan
+        module.gemm_routes = _routes(plan, w)
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_planned_forward, module)
+        else:
+            module.linear = types.MethodType(_planned_linear, module)
+    if plans:
+        logger.info("CPU GEMM paths, measured or cached (%.2f s): %s", time.perf_counter() - t0,
+                    "; ".join(p.describe() for p in plans.values()))
+    return plans
 
 
-def _packed_linear(self: torch.nn.Module, x: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if rows > _PACKED_MAX_ROWS or x.dim() != 2:
+def _routes(plan: GemmPlan, weight: torch.Tensor) -> tuple[tuple[int, ...], tuple]:
+    """(bounds, one (path, packed weight) per bucket), the packed copies shared by buckets."""
+    packed = {p: _pack(p, weight) for p in set(plan.paths)}
+    return plan.bounds, tuple((p, packed[p]) for p in plan.paths)
+
+
+def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() != 2:
         return F.linear(x, self.weight, bias)
-    return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, bias, rows)
+    bounds, routes = self.gemm_routes
+    path, packed = routes[min(bisect.bisect_left(bounds, x.shape[0]), len(routes) - 1)]
+    return _run(path, x, self.weight, packed, bias)
 
 
-def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _packed_linear(self, x, self.bias)
+def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _planned_linear(self, x, self.bias)
