@@ -47,7 +47,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = args.model
     if model is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from throughput import make_model
         model = str(make_model(args.make_model))
     paths = cpu.available_gemm_paths()

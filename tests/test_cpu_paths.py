@@ -32,11 +32,11 @@ def test_gemm_paths_give_the_same_tokens(llama_path, monkeypatch, plan):
                         lambda shape, paths=None: cpu.GemmPlan(shape, (1, 16, 64), plan))
     with LLM(engine_config(llama_path)) as planned:
         linears = [m for m in planned.engine.executor.worker.runner.model.modules()
-                   if hasattr(m, "gemm_routes")]
+                   if hasattr(m, "gemm_plan")]
         assert linears and all(m.gemm_plan.paths == plan for m in linears)
         a = _tokens(planned, PROMPTS)
     with LLM(engine_config(llama_path, model={"cpu_weight_packing": False})) as plain:
-        assert not any(hasattr(m, "gemm_routes")
+        assert not any(hasattr(m, "gemm_plan")
                        for m in plain.engine.executor.worker.runner.model.modules())
         b = _tokens(plain, PROMPTS)
     assert a == b

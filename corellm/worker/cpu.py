@@ -260,7 +260,7 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
             continue
         w = weight.detach()
         module.gemm_plan = plan
-        module.gemm_routes = _routes(plan, w)
+        module.gemm_packed = {p: _pack(p, w) for p in set(plan.paths)}
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_planned_forward, module)
         else:
@@ -271,19 +271,12 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
     return plans
 
 
-def _routes(plan: GemmPlan, weight: torch.Tensor) -> tuple[tuple[int, ...], tuple]:
-    """(bounds, one (path, packed weight) per bucket), the packed copies shared by buckets."""
-    packed = {p: _pack(p, weight) for p in set(plan.paths)}
-    return plan.bounds, tuple((p, packed[p]) for p in plan.paths)
-
-
 def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     if x.dim() != 2:
         return F.linear(x, self.weight, bias)
-    bounds, routes = self.gemm_routes
-    path, packed = routes[min(bisect.bisect_left(bounds, x.shape[0]), len(routes) - 1)]
-    return _run(path, x, self.weight, packed, bias)
+    path = self.gemm_plan.path_for(x.shape[0])
+    return _run(path, x, self.weight, self.gemm_packed[path], bias)
 
 
 def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
