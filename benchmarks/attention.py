@@ -10,6 +10,7 @@ with a large device-to-device copy; ``of floor`` is floor / measured time (1.0: 
     python3 benchmarks/attention.py                                    # CUDA: torch_sdpa vs triton
     python3 benchmarks/attention.py --batch 1,16,64 --context 512,2048 --json a.json --plot a.png
     python3 benchmarks/attention.py --backends torch_sdpa              # the CPU
+    python3 benchmarks/attention.py --backends "torch_sdpa:decode=gather,torch_sdpa"  # CPU paths
     TRITON_INTERPRET=1 python3 benchmarks/attention.py --backends torch_sdpa,triton \\
         --batch 2 --context 64 --iters 1                            # the script, checked on a CPU
 
@@ -90,16 +91,20 @@ def decode_step(backend, layer, batch: int, context: int, block_size: int, dtype
     return q, k, v, cache, md
 
 
-def make_backend(name: str, registry, device, dtype):
+def make_backend(label: str, registry, device, dtype):
+    """``name`` or ``name:key=value,...`` (the backend's options, e.g.
+    ``torch_sdpa:decode=gather``)."""
     from corellm.components import BuildContext
     from corellm.config import load_config
 
+    name, _, opts = label.partition(":")
+    options = dict(kv.split("=", 1) for kv in opts.split(";") if kv)
     entry = registry.get("attention", name)
     reason = entry.spec.check_device(device)
     if reason:
         raise SystemExit(f"attention backend {name!r} cannot run on {device}: {reason}")
     ctx = BuildContext(config=load_config({}), registry=registry, device=device, dtype=dtype)
-    return entry.spec.factory(entry.spec.options(name=name), ctx)
+    return entry.spec.factory(entry.spec.options(name=name, **options), ctx)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +213,9 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="torch_sdpa,triton",
-                   help="comma-separated attention backends; the first is the reference")
+                   help="comma-separated attention backends, each NAME or NAME:KEY=VALUE[;...] "
+                        "with its options (torch_sdpa:decode=gather); the first is the "
+                        "reference")
     p.add_argument("--batch", type=parse_int_list, default=[1, 8, 32, 128])
     p.add_argument("--context", type=parse_int_list, default=[512, 2048, 8192])
     p.add_argument("--heads", type=int, default=16)

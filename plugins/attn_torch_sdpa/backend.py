@@ -1,13 +1,21 @@
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from corellm.attention import (AttentionBuildLimits, AttentionMetadataBuilder, BatchOrder,
                                CommonAttentionMetadata, DeviceArray, KVCacheSpec)
+from corellm.errors import ConfigError
 from corellm.interfaces import AttentionBackend, AttentionLayerSpec
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("paged_cpu.c")
+_NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @dataclass
@@ -32,8 +40,10 @@ class SDPAMetadata:
     slot_mapping: torch.Tensor      # [T] int64
     seq_lens: torch.Tensor          # [num_reqs] int64, on the device
     block_size: int
-    decode_groups: list[_DecodeGroup]
+    decode_groups: list[_DecodeGroup]   # empty on the native decode path
     prefills: list[_Prefill]
+    num_decodes: int = 0
+    block_table: torch.Tensor | None = None   # [num_reqs, max blocks] (native decode path)
     # Masks by sliding window (None: full attention), built on first use by a layer with that
     # window and shared by the step's other such layers: decode groups' [n, 1, 1, L] and
     # prefills' [n, seq_len] (None: plain causal, SDPA's is_causal).
@@ -75,8 +85,9 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
 
     batch_order = BatchOrder.DECODES_FIRST
 
-    def __init__(self, limits: AttentionBuildLimits) -> None:
+    def __init__(self, limits: AttentionBuildLimits, native_decode: bool = False) -> None:
         dev, n = limits.device, limits.max_num_seqs
+        self.native_decode = native_decode
         self._slots = DeviceArray((limits.max_num_batched_tokens,), torch.int64, dev)
         self._seq = DeviceArray((n,), torch.int64, dev)
         self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int64, dev)
@@ -86,9 +97,11 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         seqs = common.seq_lens.tolist()
         table = self._table.put(common.block_table)
         groups = []
-        for start, end in _decode_groups(seqs[:common.num_decodes], bs):
-            nblk = -(-max(seqs[start:end]) // bs)
-            groups.append(_DecodeGroup(start, end, nblk, table[start:end, :nblk].reshape(-1)))
+        if not self.native_decode:
+            for start, end in _decode_groups(seqs[:common.num_decodes], bs):
+                nblk = -(-max(seqs[start:end]) // bs)
+                groups.append(_DecodeGroup(start, end, nblk,
+                                           table[start:end, :nblk].reshape(-1)))
         prefills = []
         qsl, ctxs = common.query_start_loc.tolist(), common.context_lens.tolist()
         for i in range(common.num_decodes, common.num_reqs):
@@ -96,21 +109,27 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             blocks = table[i, :-(-seq // bs)] if ctx > 0 else None
             prefills.append(_Prefill(qsl[i], qsl[i + 1], ctx, seq, blocks))
         return SDPAMetadata(self._slots.put(common.slot_mapping),
-                            self._seq.put(common.seq_lens), bs, groups, prefills)
+                            self._seq.put(common.seq_lens), bs, groups, prefills,
+                            common.num_decodes, table)
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Decodes: grouped by length (rows arrive sorted), the blocks of each group's requests are
-    gathered (``index_select`` into a
-    persistent buffer: allocating it afresh each layer cost more than the copy) into
-    [nd, Hkv, L, D] and attended in one SDPA call, with each KV head's query group folded into
-    the query axis so K/V are read once per KV head rather than once per query head.
+    """Decodes, native path (CPU, float32/bfloat16): one call of a C kernel (``paged_cpu.c``)
+    for all of a step's decodes, reading each K/V row in place through the block table, with
+    the new K/V written to their slots by the same library; windows are a key range.
+    Decodes, gather path (elsewhere): grouped by length (rows arrive sorted), the blocks of
+    each group's requests are gathered (``index_select`` into a persistent buffer: allocating
+    it afresh each layer cost more than the copy) into [nd, Hkv, L, D] and attended in one SDPA
+    call, with each KV head's query group folded into the query axis so K/V are read once per
+    KV head rather than once per query head; windows are masks.
     Prefills: one SDPA call each, causal (4-D inputs, which keep the CPU flash kernel).
-    Sliding windows are masks (the whole context is still gathered); logit soft-capping is
-    refused (SDPA has no hook between the scores and the softmax)."""
+    Logit soft-capping is refused (SDPA has no hook between the scores and the softmax)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: str = "auto", device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self._buffer: torch.Tensor | None = None
+        self._native = _native_kernels(decode, device, dtype)
+        self.decode_path = "native" if self._native else "gather"
 
     def supports(self, layer: AttentionLayerSpec, dtype: torch.dtype,
                  device: torch.device) -> str | None:
@@ -123,13 +142,14 @@ class TorchSDPABackend(AttentionBackend):
                       dtype: torch.dtype) -> KVCacheSpec:
         # [K|V, block, slot in block, kv head, head dim]: a gathered block run views as
         # [tokens, Hkv, D] without copying, and SDPA takes the head-major transpose as is.
-        # Zeroed: a gathered group pads short rows with unwritten slots (masked out, but
-        # 0 * NaN would still poison the output).
+        # Zeroed for the gather path: a gathered group pads short rows with unwritten slots
+        # (masked out, but 0 * NaN would still poison the output). The native path reads
+        # written slots only.
         return KVCacheSpec((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size),
-                           dtype, zero_init=True)
+                           dtype, zero_init=self._native is None)
 
     def make_metadata_builder(self, limits: AttentionBuildLimits) -> SDPAMetadataBuilder:
-        return SDPAMetadataBuilder(limits)
+        return SDPAMetadataBuilder(limits, native_decode=self._native is not None)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache [2, nb, bs, Hkv, D], block_ids [n] -> [2, n, bs * Hkv * D] (a reused buffer,
@@ -138,8 +158,9 @@ class TorchSDPABackend(AttentionBackend):
         buf = self._buffer
         if (buf is None or buf.shape[1] < n or buf.shape[2] != row or buf.dtype != kv_cache.dtype
                 or buf.device != kv_cache.device):
-            buf = self._buffer = torch.empty((2, max(n, 2 * (buf.shape[1] if buf is not None else 0)),
-                                              row), dtype=kv_cache.dtype, device=kv_cache.device)
+            grow = max(n, 2 * (buf.shape[1] if buf is not None else 0))
+            buf = self._buffer = torch.empty((2, grow, row), dtype=kv_cache.dtype,
+                                             device=kv_cache.device)
         out = buf[:, :n]
         nb = kv_cache.shape[1]
         torch.index_select(kv_cache[0].view(nb, row), 0, block_ids, out=out[0])
@@ -151,10 +172,14 @@ class TorchSDPABackend(AttentionBackend):
         hkv, d = layer.num_kv_heads, layer.head_size
         key_cache, value_cache = kv_cache[0], kv_cache[1]          # [nb, bs, Hkv, D]
         slots = md.slot_mapping
-        key_cache.view(-1, hkv, d).index_copy_(0, slots, key.to(key_cache.dtype))
-        value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
+        native = self._native
+        if native is None or not native.write_kv(key, value, kv_cache, slots):
+            key_cache.view(-1, hkv, d).index_copy_(0, slots, key.to(key_cache.dtype))
+            value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
         gqa = layer.num_heads != hkv
         out = torch.empty_like(query)                               # [T, H, D]
+        if native is not None and md.num_decodes:
+            native.decode(layer, query, kv_cache, md, out)
         decode_masks, prefill_masks = md.masks(layer.sliding_window)
 
         group = layer.num_heads // hkv
@@ -185,6 +210,82 @@ class TorchSDPABackend(AttentionBackend):
                                                    enable_gqa=gqa)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out
+
+
+class _NativeKernels:
+    """ctypes bindings of ``paged_cpu.c`` for one dtype."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._decode = getattr(lib, f"corellm_paged_decode_{_NATIVE_DTYPES[dtype]}")
+        self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                 ctypes.c_float, i64, ctypes.c_int]
+        self._decode.restype = ctypes.c_int
+        self._write = lib.corellm_write_kv
+        self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._write.restype = ctypes.c_int
+        self.dtype = dtype
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """Copy each token's K/V row to its slot; False (nothing done) for inputs it does not
+        take: another dtype than the cache's, or heads not contiguous within a token."""
+        t, hkv, d = key.shape
+        for x in (key, value):
+            if (x.dtype != kv_cache.dtype or x.stride(2) != 1 or x.stride(1) != d
+                    or x.device.type != "cpu"):
+                return False
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != t:
+            return False
+        row = hkv * d * kv_cache.element_size()
+        self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                    kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), t, row,
+                    kv_cache.element_size(), torch.get_num_threads())
+        return True
+
+    def decode(self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor,
+               md: SDPAMetadata, out: torch.Tensor) -> None:
+        """Attention of the step's decode rows (the first ``md.num_decodes``) into ``out``."""
+        nd = md.num_decodes
+        q = query[:nd]
+        if q.stride(2) != 1 or q.stride(1) != layer.head_size:
+            q = q.contiguous()
+        table, seq = md.block_table, md.seq_lens
+        rc = self._decode(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
+                          kv_cache[1].data_ptr(), table.data_ptr(), table.stride(0),
+                          seq.data_ptr(), out.data_ptr(), nd, layer.num_heads,
+                          layer.num_kv_heads, layer.head_size, md.block_size, layer.scale,
+                          layer.sliding_window or 0, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("paged decode attention: out of memory for its score buffers")
+
+
+def _native_kernels(decode: str, device: torch.device | None,
+                    dtype: torch.dtype | None) -> _NativeKernels | None:
+    """The native decode kernels when ``decode`` asks for them and they can run here, else
+    None (``auto``: with the reason logged). ``native`` that cannot run is a ConfigError."""
+    if decode == "gather":
+        return None
+    reason = None
+    if device is None or torch.device(device).type != "cpu":
+        reason = f"runs on the CPU only (device: {device})"
+    elif dtype not in _NATIVE_DTYPES:
+        reason = f"takes float32 or bfloat16 (dtype: {dtype})"
+    lib = None
+    if reason is None:
+        from corellm.native import NativeBuildError, load_library
+        try:
+            lib = load_library("corellm_paged_cpu", _SOURCE, ("-ffast-math",))
+        except NativeBuildError as exc:
+            reason = str(exc)
+    if reason is not None:
+        if decode == "native":
+            raise ConfigError([("attention.decode", f"native: the in-place decode kernel {reason}; "
+                                                    "use decode: auto or gather")])
+        logger.info("torch_sdpa: decodes gather KV blocks (the native kernel %s)", reason)
+        return None
+    logger.info("torch_sdpa: decodes read KV blocks in place (native kernel, %s)", dtype)
+    return _NativeKernels(lib, dtype)
 
 
 # A decode group costs one gather and one SDPA call per layer: splitting pays when it saves more

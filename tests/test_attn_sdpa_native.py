@@ -1,0 +1,202 @@
+"""The torch_sdpa backend's native decode path on the CPU (``paged_cpu.c``, built on first use by
+``corellm.native``), and the gather path it replaces there.
+
+The backend runs whole steps (decodes next to a prefill and a chunk after cached context)
+against attention computed here in float64 from the paged cache. The cache is poisoned with NaN
+everywhere no token was written, so a kernel that reads a slot past a sequence's end, or a block
+it does not own, fails; outputs are poisoned too. Then the engine: native and gather decodes give
+the same greedy tokens, and both equal transformers. Then the choices: ``decode: native`` where
+it cannot run is a ConfigError naming ``attention.decode``; ``auto`` falls back to gather with
+the reason; a failed build names the compiler and its message.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from corellm.attention import AttentionBuildLimits
+from corellm.errors import ConfigError
+from corellm.interfaces import AttentionLayerSpec
+from tests.attn_reference import common_metadata, reference_attention
+from tests.conftest import assert_pool_whole, engine_config
+from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
+
+CPU = torch.device("cpu")
+NUM_BLOCKS = 48
+
+
+def _backend(decode: str, dtype=torch.float32):
+    from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
+    return TorchSDPABackend(decode, CPU, dtype)
+
+
+def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan")):
+    """One step of ``reqs`` ((context length, new tokens), decodes first) through
+    ``backend.forward`` over a cache that is ``fill`` (NaN) wherever no token was written."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d = layer.num_kv_heads, layer.head_size
+    spec = backend.kv_cache_spec(layer, NUM_BLOCKS, bs, dtype)
+    cache = torch.full(spec.shape, fill, dtype=spec.dtype)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()     # scattered blocks
+    tables, used = [], 0
+    for ctx, n in reqs:
+        k = -(-(ctx + n) // bs)
+        tables.append(perm[used:used + k])
+        used += k
+    for (ctx, _), table in zip(reqs, tables):
+        for p in range(ctx):
+            cache[:, table[p // bs], p % bs] = torch.randn(2, hkv, d, generator=gen).to(dtype)
+    t = sum(n for _, n in reqs)
+    # The query and new K/V as the model hands them: views into one fused projection.
+    qkv = torch.randn(t, (layer.num_heads + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([layer.num_heads * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(t, -1, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    common = common_metadata(reqs, tables, bs, pad_blocks=1)
+    slots = common.slot_mapping
+    builder = backend.make_metadata_builder(AttentionBuildLimits(
+        block_size=bs, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+        device=CPU))
+    out = backend.forward(layer, q, k, v, cache, builder.build(common))
+    ref = reference_attention(layer, q, cache, reqs, tables, bs)
+    flat = cache.flatten(1, 2)                                     # [2, slots, Hkv, D]
+    assert torch.equal(flat[0, torch.from_numpy(slots)], k)      # new K/V exactly at its slot
+    assert torch.equal(flat[1, torch.from_numpy(slots)], v)
+    return out, ref
+
+
+# Decodes (a one-token prompt, contexts inside one block, on a block boundary, across many
+# blocks), then a whole 19-token prefill and a 7-token chunk after 33 cached tokens.
+MIXED = [(0, 1), (5, 1), (15, 1), (16, 1), (70, 1), (0, 19), (33, 7)]
+_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size,dtype", [
+    (4, 2, 64, 16, torch.float32),
+    (8, 1, 128, 16, torch.float32),      # one KV head for eight query heads
+    (6, 2, 64, 4, torch.float32),        # a group of 3, 4-token blocks
+    (4, 4, 80, 8, torch.float32),        # a head size without a specialised loop
+    (4, 2, 64, 16, torch.bfloat16),
+    (6, 3, 128, 8, torch.bfloat16),
+])
+def test_native_decode_matches_float64_reference(heads, kv_heads, head_size, block_size, dtype):
+    backend = _backend("native", dtype)
+    assert backend.decode_path == "native"
+    layer = AttentionLayerSpec(0, heads, kv_heads, head_size, scale=0.7 * head_size ** -0.5)
+    out, ref = _step(backend, layer, MIXED, block_size, dtype)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 8, 16, 100])
+def test_native_decode_sliding_window(window):
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125, sliding_window=window)
+    out, ref = _step(_backend("native"), layer, MIXED, 8, torch.float32, seed=window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_gather_path_still_matches_reference():
+    """The path every non-CPU device takes (and CPUs without a C compiler): zero-filled
+    cache, since a gathered group pads short rows with slots nobody wrote."""
+    backend = _backend("gather")
+    assert backend.decode_path == "gather"
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125)
+    assert backend.kv_cache_spec(layer, 4, 16, torch.float32).zero_init
+    assert not _backend("native").kv_cache_spec(layer, 4, 16, torch.float32).zero_init
+    # the gather path reads padding slots (masked out): a zeroed cache, as zero_init asks
+    out, ref = _step(backend, layer, [(5, 1), (70, 1), (33, 7)], 16, torch.float32, fill=0.0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_native_refusals_name_the_key(caplog):
+    from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
+    with pytest.raises(ConfigError, match=r"attention\.decode.*CPU only"):
+        TorchSDPABackend("native", torch.device("cuda"), torch.float32)
+    with pytest.raises(ConfigError, match=r"attention\.decode.*float32 or bfloat16"):
+        TorchSDPABackend("native", CPU, torch.float16)
+    with caplog.at_level(logging.INFO):
+        assert TorchSDPABackend("auto", CPU, torch.float16).decode_path == "gather"
+    assert "float32 or bfloat16" in caplog.text
+
+
+def test_without_a_compiler_auto_gathers(monkeypatch, tmp_path, caplog):
+    from corellm import native
+    from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))        # nothing cached to fall back on
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with caplog.at_level(logging.INFO):
+        assert TorchSDPABackend("auto", CPU, torch.float32).decode_path == "gather"
+    assert "needs a C compiler" in caplog.text
+    with pytest.raises(ConfigError, match=r"attention\.decode.*needs a C compiler"):
+        TorchSDPABackend("native", CPU, torch.float32)
+
+
+def test_native_build_is_cached_and_errors_are_clear(monkeypatch, tmp_path):
+    from corellm import native
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    src = tmp_path / "k.c"
+    src.write_text("int twice(int x) { return 2 * x; }\n")
+    lib = native.load_library("k", src)
+    assert lib.twice(21) == 42
+    built = list((tmp_path / "corellm" / "native").glob("k-*/libk.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", {})                 # a new process: disk only
+    assert native.load_library("k", src).twice(2) == 4
+    assert built[0].stat().st_mtime_ns == mtime                 # not rebuilt
+    src.write_text("int twice(int x) { return 2 * x }\n")       # edited, and broken
+    with pytest.raises(native.NativeBuildError, match=r"(?s)building k failed.*error"):
+        native.load_library("k", src)
+
+
+def test_decode_paths_equal_transformers(make_checkpoint):
+    """Greedy tokens of both decode paths equal transformers' (GQA checkpoint, prompts from 1
+    to 131 tokens, chunked prefill beside decodes), and each other."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from corellm import LLM, SamplingParams
+    path = make_checkpoint("llama", num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(model.config.vocab_size)[:6]
+    reference = hf_greedy(model, prompts, GenerationConfig(
+        max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for decode in ("native", "gather"):
+        cfg = engine_config(path, attention={"name": "torch_sdpa", "decode": decode},
+                            scheduler={"max_num_batched_tokens": 48})
+        with LLM(cfg) as llm:
+            assert llm.engine.executor.worker.runner.attn_backend.decode_path == decode
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            assert_pool_whole(llm)
+        tokens[decode] = [o.outputs[0].token_ids for o in outs]
+        notes = [n for o, (t, lg) in zip(tokens[decode], reference) if (n := compare(o, t, lg))]
+        assert not notes, (decode, notes)
+    assert tokens["native"] == tokens["gather"]
+
+
+def test_decode_option_is_validated_at_its_key():
+    from corellm.config import load_config
+    assert load_config({"attention": {"name": "torch_sdpa"}}).attention.decode == "auto"
+    with pytest.raises(ConfigError, match=r"attention\.decode.*'auto', 'native' or 'gather'"):
+        load_config({"attention": {"name": "torch_sdpa", "decode": "inplace"}})
+
+
+def test_loading_the_kernel_keeps_ieee_subnormals(tmp_path, monkeypatch):
+    """Built with -ffast-math for its own loops, the library must not switch the process to
+    flush-to-zero / denormals-are-zero on load (GCC's crtfastmath.o, linked into shared
+    libraries built with -ffast-math, does): that would change every float op of the program."""
+    import subprocess
+    import sys
+    code = ("import numpy as np, torch; from corellm_plugins.attn_torch_sdpa.backend import "
+            "TorchSDPABackend; b = TorchSDPABackend('native', torch.device('cpu'), torch.float32);"
+            " assert b.decode_path == 'native'; tiny = np.finfo(np.float32).smallest_subnormal;"
+            " print(float(tiny * np.float32(3)) > 0, float(torch.tensor(tiny) * 3) > 0)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # a fresh build
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
