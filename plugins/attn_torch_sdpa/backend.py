@@ -177,7 +177,7 @@ class TorchSDPABackend(AttentionBackend):
             key_cache.view(-1, hkv, d).index_copy_(0, slots, key.to(key_cache.dtype))
             value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
         gqa = layer.num_heads != hkv
-        out = torch.empty_like(query)                               # [T, H, D]
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
         if native is not None and md.num_decodes:
             native.decode(layer, query, kv_cache, md, out)
         decode_masks, prefill_masks = md.masks(layer.sliding_window)
