@@ -51,3 +51,21 @@ def common_metadata(reqs, tables, bs, pad_blocks: int = 0) -> CommonAttentionMet
         query_start_loc=np.cumsum([0] + [n for _, n in reqs]), seq_lens=seq,
         context_lens=np.array([c for c, _ in reqs]), block_table=table, slot_mapping=slots,
         max_seq_len=int(seq.max()), max_query_len=max(n for _, n in reqs), block_size=bs)
+
+
+def paged_cache(shape, dtype, reqs, bs, gen, fill=float("nan")):
+    """A KV cache of ``shape`` ([2, blocks, bs, Hkv, D]) that is ``fill`` except the context
+    slots of ``reqs`` ((context length, new tokens)), which hold random K/V, in scattered blocks:
+    returns (cache, each request's block ids)."""
+    cache = torch.full(shape, fill, dtype=dtype)
+    hkv, d = shape[3], shape[4]
+    perm = torch.randperm(shape[1], generator=gen).tolist()
+    tables, used = [], 0
+    for ctx, n in reqs:
+        k = -(-(ctx + n) // bs)
+        tables.append(perm[used:used + k])
+        used += k
+    for (ctx, _), table in zip(reqs, tables):
+        for p in range(ctx):
+            cache[:, table[p // bs], p % bs] = torch.randn(2, hkv, d, generator=gen).to(dtype)
+    return cache, tables

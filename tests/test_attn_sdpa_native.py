@@ -20,7 +20,7 @@ import torch
 from corellm.attention import AttentionBuildLimits
 from corellm.errors import ConfigError
 from corellm.interfaces import AttentionLayerSpec
-from tests.attn_reference import common_metadata, reference_attention
+from tests.attn_reference import common_metadata, paged_cache, reference_attention
 from tests.conftest import assert_pool_whole, engine_config
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
 
@@ -39,16 +39,7 @@ def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan")):
     gen = torch.Generator().manual_seed(seed)
     hkv, d = layer.num_kv_heads, layer.head_size
     spec = backend.kv_cache_spec(layer, NUM_BLOCKS, bs, dtype)
-    cache = torch.full(spec.shape, fill, dtype=spec.dtype)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()     # scattered blocks
-    tables, used = [], 0
-    for ctx, n in reqs:
-        k = -(-(ctx + n) // bs)
-        tables.append(perm[used:used + k])
-        used += k
-    for (ctx, _), table in zip(reqs, tables):
-        for p in range(ctx):
-            cache[:, table[p // bs], p % bs] = torch.randn(2, hkv, d, generator=gen).to(dtype)
+    cache, tables = paged_cache(spec.shape, spec.dtype, reqs, bs, gen, fill)
     t = sum(n for _, n in reqs)
     # The query and new K/V as the model hands them: views into one fused projection.
     qkv = torch.randn(t, (layer.num_heads + 2 * hkv) * d, generator=gen).to(dtype)

@@ -32,7 +32,7 @@ if hasattr(triton, "knobs"):
 from corellm.attention import AttentionBuildLimits  # noqa: E402
 from corellm.errors import ConfigError  # noqa: E402
 from corellm.interfaces import AttentionLayerSpec  # noqa: E402
-from tests.attn_reference import common_metadata  # noqa: E402
+from tests.attn_reference import common_metadata, paged_cache  # noqa: E402
 from tests.attn_reference import reference_attention as _reference  # noqa: E402
 from tests.conftest import assert_pool_whole, engine_config  # noqa: E402
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts  # noqa: E402
@@ -55,16 +55,7 @@ def _step(backend, layer, reqs, bs, dtype, seed=0):
     hkv, d = layer.num_kv_heads, layer.head_size
     spec = backend.kv_cache_spec(layer, NUM_BLOCKS, bs, dtype)
     assert not spec.zero_init
-    cache = torch.full(spec.shape, float("nan"), dtype=spec.dtype)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()     # scattered blocks
-    tables, used = [], 0
-    for ctx, n in reqs:
-        k = -(-(ctx + n) // bs)
-        tables.append(perm[used:used + k])
-        used += k
-    for (ctx, _), table in zip(reqs, tables):
-        for p in range(ctx):
-            cache[:, table[p // bs], p % bs] = torch.randn(2, hkv, d, generator=gen).to(dtype)
+    cache, tables = paged_cache(spec.shape, spec.dtype, reqs, bs, gen)
     t = sum(n for _, n in reqs)
     q = torch.randn(t, layer.num_heads, d, generator=gen).to(dtype)
     k = torch.randn(t, hkv, d, generator=gen).to(dtype)
