@@ -50,6 +50,10 @@ class ModelConfig(BaseModel):
                           "fastest for its shape and batch size (plain, MKL packed, oneDNN "
                           "prepacked; cached per machine), keeping a weight copy per packed "
                           "path used.")
+    cpu_fused_ops: bool = Field(
+        True, description="On CPU, run RMSNorm, SiLU-and-multiply and rotary embeddings of "
+                          "float32 models as one C kernel each (built on first use; without a C "
+                          "compiler, the torch ops).")
 
     @field_validator("path", "tokenizer")
     @classmethod

@@ -68,9 +68,13 @@ _TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
     (4, 2, 64, 16, torch.float32),
     (8, 1, 128, 16, torch.float32),      # one KV head for eight query heads
     (6, 2, 64, 4, torch.float32),        # a group of 3, 4-token blocks
-    (4, 4, 80, 8, torch.float32),        # a head size without a specialised loop
+    (4, 4, 80, 8, torch.float32),        # a head size without an unrolled loop (vector path)
+    (3, 1, 96, 12, torch.float32),       # 12-token blocks: key tiles of 8 and 4; 64 + 32 dims
+    (4, 2, 36, 16, torch.float32),       # not a multiple of 8: the scalar path
     (4, 2, 64, 16, torch.bfloat16),
     (6, 3, 128, 8, torch.bfloat16),
+    (2, 2, 256, 5, torch.bfloat16),      # two register passes per head, partial key tiles
+    (4, 2, 36, 16, torch.bfloat16),
 ])
 def test_native_decode_matches_float64_reference(heads, kv_heads, head_size, block_size, dtype):
     backend = _backend("native", dtype)
@@ -79,6 +83,22 @@ def test_native_decode_matches_float64_reference(heads, kv_heads, head_size, blo
     out, ref = _step(backend, layer, MIXED, block_size, dtype)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
+    """Fewer decodes than threads split by KV head (one work item per request and KV head);
+    as many or more take whole requests: the same results either way."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = AttentionLayerSpec(0, 6, 3, 64, scale=0.125, sliding_window=40)
+        for reqs in ([(70, 1)], [(70, 1), (33, 1), (0, 19)]):
+            out, ref = _step(_backend("native", dtype), layer, reqs, 16, dtype, seed=threads)
+            torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("window", [1, 8, 16, 100])

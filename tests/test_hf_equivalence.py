@@ -117,3 +117,49 @@ def test_greedy_matches_transformers(reference, setting):
     else:
         assert stats.num_preemptions == 0
     assert_pool_whole(llm)
+
+
+# bfloat16: weights and activations in bf16 (matmuls and attention accumulate in fp32), against
+# transformers in bf16 on the same weights. Both round every layer's output to 8 mantissa bits,
+# in different places, so a near tie is a reference logit gap within a few bf16 steps of the
+# logits' magnitude (4 units in the last place of the larger logit).
+BF16_ULPS = 4
+
+
+def _bf16_near_tie(logits: torch.Tensor, a: int, b: int) -> tuple[bool, float, float]:
+    gap = float(logits[b] - logits[a])
+    mag = max(abs(float(logits[a])), abs(float(logits[b])), 2.0 ** -100)
+    ulp = 2.0 ** (torch.floor(torch.log2(torch.tensor(mag))).item() - 7)
+    return gap <= BF16_ULPS * ulp, gap, ulp
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = make_checkpoint(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(model.config.vocab_size)
+    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+    results = hf_greedy(model, prompts, gen_cfg)
+    cfg = engine_config(path, model={"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN})
+    with LLM(cfg) as llm:
+        assert next(llm.engine.executor.worker.runner.model.parameters()).dtype == torch.bfloat16
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                              ignore_eos=True), use_tqdm=False)
+        assert_pool_whole(llm)
+    identical = 0
+    for i, (out, (hf_tokens, hf_logits)) in enumerate(zip(outputs, results)):
+        ours = out.outputs[0].token_ids
+        first = next((j for j, (a, b) in enumerate(zip(ours, hf_tokens)) if a != b), None)
+        if first is None:
+            identical += 1
+            continue
+        ok, gap, ulp = _bf16_near_tie(hf_logits[first], ours[first], hf_tokens[first])
+        assert ok, (f"prompt {i}, position {first}: corellm chose {ours[first]}, transformers "
+                    f"{hf_tokens[first]}; reference logit gap {gap:.3g} is over {BF16_ULPS} "
+                    f"bf16 steps ({ulp:.3g})")
+    # Ties are rare: most prompts give the reference's 32 tokens exactly.
+    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} identical"

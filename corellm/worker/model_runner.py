@@ -277,6 +277,9 @@ class ModelRunner:
         if self.device.type == "cpu" and config.model.cpu_weight_packing:
             from corellm.worker.cpu import pack_linear_weights
             pack_linear_weights(model)
+        if self.device.type == "cpu" and config.model.cpu_fused_ops:
+            from corellm.worker.cpu import fuse_elementwise
+            fuse_elementwise(model)
         self.model: CausalLM = model.eval()
         sched = config.scheduler
         self.attn_builder = self.attn_backend.make_metadata_builder(AttentionBuildLimits(

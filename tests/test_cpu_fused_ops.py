@@ -1,0 +1,120 @@
+"""The fused CPU element-wise kernels (corellm/worker/cpu_ops.c) against the torch code of the
+same layers: RoPE bit for bit, RMSNorm and SiLU-and-multiply to float32 rounding, every row
+independent of the batch around it, and the torch code wherever a kernel does not apply."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from corellm import LLM, SamplingParams
+from corellm.layers import RMSNorm, SiluAndMul
+from corellm.layers.rotary import RotaryEmbedding
+from corellm.worker import cpu
+from tests.conftest import engine_config
+
+pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="no C compiler on this machine")
+
+
+def _fused(*modules):
+    mods = torch.nn.ModuleList(modules)
+    assert cpu.fuse_elementwise(mods) == len(modules)
+    return modules
+
+
+def _qkv(t, h, hkv, d, seed=0):
+    """q [t, h, d] and k [t, hkv, d] as strided views of one fused QKV output, as models make
+    them."""
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(seed))
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
+    return q, k
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 32])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 300])
+def test_rope_is_bit_equal_to_torch(rotary_dim, tokens):
+    (rope,) = _fused(RotaryEmbedding(64, 4096, 10000.0, rotary_dim=rotary_dim))
+    q, k = _qkv(tokens, 12, 4, 64, seed=tokens)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
+    want_q, want_k = RotaryEmbedding.forward(rope, positions, q, k)
+    got_q, got_k = rope(positions, q.clone(), k.clone())
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (64, 768), (5, 100), (0, 64)])
+def test_rms_norm_matches_torch(shape):
+    (norm,) = _fused(RMSNorm(shape[1], 1e-5))
+    torch.nn.init.normal_(norm.weight.data)
+    x = torch.randn(*shape) * 3
+    with torch.inference_mode():
+        got, want = norm(x), RMSNorm.forward(norm, x)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        if shape[0] > 1:   # a row's result does not depend on the rows around it
+            assert torch.equal(norm(x[1:2])[0], got[1])
+
+
+def test_rms_norm_of_strided_heads_matches_torch():
+    """Qwen3's per-head norm runs on q [T, H, D], a strided view of the QKV output."""
+    (norm,) = _fused(RMSNorm(64, 1e-6))
+    torch.nn.init.normal_(norm.weight.data)
+    q, _ = _qkv(9, 6, 2, 64)
+    assert not q.is_contiguous()
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(q), RMSNorm.forward(norm, q), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 64])
+def test_silu_and_mul_matches_torch(rows):
+    (act,) = _fused(SiluAndMul())
+    x = torch.randn(rows, 2 * 1000) * 8          # deep into both tails of the sigmoid
+    torch.testing.assert_close(act(x), SiluAndMul.forward(act, x), rtol=2e-6, atol=2e-6)
+
+
+def test_inputs_the_kernels_do_not_take_run_the_torch_code():
+    norm, act, rope = _fused(RMSNorm(64, 1e-6), SiluAndMul(), RotaryEmbedding(64, 128, 1e4))
+    with torch.inference_mode():
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        assert torch.equal(norm.to(torch.bfloat16)(x), RMSNorm.forward(norm, x))
+        g = torch.randn(64, 4).t()                                # last dim not contiguous
+        assert torch.equal(act(g), SiluAndMul.forward(act, g))
+        q, k = _qkv(3, 2, 1, 64)
+        q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
+        pos = torch.tensor([0, 5, 9])
+        for got, want in zip(rope(pos, q16, k16), RotaryEmbedding.forward(rope, pos, q16, k16)):
+            assert torch.equal(got, want)
+
+
+def test_rope_positions_outside_the_table_raise_as_torch_does():
+    (rope,) = _fused(RotaryEmbedding(64, 128, 1e4))
+    q, k = _qkv(2, 2, 1, 64)
+    with pytest.raises(IndexError):
+        rope(torch.tensor([0, 128]), q, k)
+    pos = torch.tensor([-1, 3])           # torch indexing wraps a negative position: so does this
+    want = RotaryEmbedding.forward(rope, pos, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(rope(pos, q.clone(), k.clone()), want))
+
+
+def test_without_a_compiler_the_torch_ops_run(monkeypatch, tmp_path, caplog):
+    from corellm import native
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(cpu, "_cpu_ops", [])
+    with caplog.at_level(logging.INFO):
+        assert cpu.fuse_elementwise(torch.nn.ModuleList([RMSNorm(8), SiluAndMul()])) == 0
+    assert "using torch ops" in caplog.text
+
+
+def test_engine_tokens_are_the_same_fused_or_not(llama_path):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(4, 4 + n))} for n in (1, 9, 33, 120)]
+    runs = {}
+    for fused in (True, False):
+        with LLM(engine_config(llama_path, model={"cpu_fused_ops": fused})) as llm:
+            model = llm.engine.executor.worker.runner.model
+            assert any(hasattr(m, "cpu_ops") for m in model.modules()) == fused
+            runs[fused] = [o.outputs[0].token_ids
+                           for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert runs[True] == runs[False]
