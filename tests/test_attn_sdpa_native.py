@@ -68,12 +68,12 @@ _TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
     (4, 2, 64, 16, torch.float32),
     (8, 1, 128, 16, torch.float32),      # one KV head for eight query heads
     (6, 2, 64, 4, torch.float32),        # a group of 3, 4-token blocks
-    (4, 4, 80, 8, torch.float32),        # a head size without an unrolled loop (vector path)
-    (3, 1, 96, 12, torch.float32),       # 12-token blocks: key tiles of 8 and 4; 64 + 32 dims
-    (4, 2, 36, 16, torch.float32),       # not a multiple of 8: the scalar path
+    (4, 4, 80, 8, torch.float32),        # a head size without an unrolled loop
+    (3, 1, 96, 12, torch.float32),       # blocks of 12 tokens
+    (4, 2, 36, 16, torch.float32),       # a head size not a multiple of 8 (no full vectors)
     (4, 2, 64, 16, torch.bfloat16),
     (6, 3, 128, 8, torch.bfloat16),
-    (2, 2, 256, 5, torch.bfloat16),      # two register passes per head, partial key tiles
+    (2, 2, 256, 5, torch.bfloat16),      # a large head, blocks of 5 tokens
     (4, 2, 36, 16, torch.bfloat16),
 ])
 def test_native_decode_matches_float64_reference(heads, kv_heads, head_size, block_size, dtype):

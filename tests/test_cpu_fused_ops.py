@@ -5,6 +5,7 @@ independent of the batch around it, and the torch code wherever a kernel does no
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -16,6 +17,13 @@ from corellm.worker import cpu
 from tests.conftest import engine_config
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(autouse=True)
+def _silu_kernel_used(monkeypatch):
+    """Check the SiLU kernel's results wherever it builds, whether or not it is the faster
+    one on this machine (the check that decides is tested on its own below)."""
+    monkeypatch.setattr(cpu, "_silu_faster", [True])
 
 
 def _fused(*modules):
@@ -36,12 +44,33 @@ def _qkv(t, h, hkv, d, seed=0):
 @pytest.mark.parametrize("rotary_dim", [None, 32])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
 def test_rope_is_bit_equal_to_torch(rotary_dim, tokens):
+    """In place on the views of a fused QKV output, as models call it: q and k rotated exactly
+    as the torch code rotates them; v, the rest of each head past rotary_dim, untouched."""
     (rope,) = _fused(RotaryEmbedding(64, 4096, 10000.0, rotary_dim=rotary_dim))
-    q, k = _qkv(tokens, 12, 4, 64, seed=tokens)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
-    want_q, want_k = RotaryEmbedding.forward(rope, positions, q, k)
-    got_q, got_k = rope(positions, q.clone(), k.clone())
+    h, hkv, d = 12, 4, 64
+    want_q, want_k = RotaryEmbedding.forward(rope, positions, *_qkv(tokens, h, hkv, d, tokens))
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(tokens))
+    before = qkv.clone()
+    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + hkv) * d].view(tokens, hkv, d)
+    got_q, got_k = rope(positions, q, k)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.data_ptr() == qkv.data_ptr()                   # rotated in place
+    assert torch.equal(qkv[:, (h + hkv) * d:], before[:, (h + hkv) * d:])          # v
+    if rotary_dim:
+        rest = qkv[:, :(h + hkv) * d].view(tokens, h + hkv, d)[..., rotary_dim:]
+        assert torch.equal(rest, before[:, :(h + hkv) * d].view(tokens, h + hkv, d)[
+            ..., rotary_dim:])
+
+
+def test_rope_refuses_heads_narrower_than_its_rotation():
+    """A layout the kernel cannot rotate goes to the torch code (which raises), never to a
+    write past the heads."""
+    (rope,) = _fused(RotaryEmbedding(64, 128, 1e4))
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    assert not rope.cpu_ops.rope_(torch.arange(3), q, k, rope.cos, rope.sin, 64)
+    with pytest.raises(RuntimeError):
+        rope(torch.arange(3), q, k)
 
 
 @pytest.mark.parametrize("shape", [(1, 768), (64, 768), (5, 100), (0, 64)])
@@ -73,6 +102,20 @@ def test_silu_and_mul_matches_torch(rows):
     torch.testing.assert_close(act(x), SiluAndMul.forward(act, x), rtol=2e-6, atol=2e-6)
 
 
+def test_silu_and_mul_of_extreme_gates_is_finite():
+    """exp(-g) overflows below g = -88.7: the kernel must give torch's -0, not NaN, wherever
+    the value sits (vector body or scalar tail of a row)."""
+    (act,) = _fused(SiluAndMul())
+    d = 37                                       # 4 vectors of 8 and a tail of 5
+    gate = torch.full((3, d), -1000.0)
+    gate[1] = torch.linspace(-3e4, 3e4, d)
+    gate[2, ::2] = 100.0
+    x = torch.cat([gate, torch.full((3, d), 2.0)], dim=1)
+    got, want = act(x), SiluAndMul.forward(act, x)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
 def test_inputs_the_kernels_do_not_take_run_the_torch_code():
     norm, act, rope = _fused(RMSNorm(64, 1e-6), SiluAndMul(), RotaryEmbedding(64, 128, 1e4))
     with torch.inference_mode():
@@ -95,6 +138,19 @@ def test_rope_positions_outside_the_table_raise_as_torch_does():
     pos = torch.tensor([-1, 3])           # torch indexing wraps a negative position: so does this
     want = RotaryEmbedding.forward(rope, pos, q, k)
     assert all(torch.equal(a, b) for a, b in zip(rope(pos, q.clone(), k.clone()), want))
+
+
+def test_a_silu_kernel_slower_than_torch_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "_silu_faster", [])
+    monkeypatch.setattr(cpu.CpuOps, "silu_and_mul", lambda self, x: (time.sleep(0.002), x)[1])
+    mods = torch.nn.ModuleList([RMSNorm(8), SiluAndMul()])
+    with caplog.at_level(logging.INFO):
+        assert cpu.fuse_elementwise(mods) == 1
+    assert hasattr(mods[0], "cpu_ops") and not hasattr(mods[1], "cpu_ops")
+    assert "slower than torch's here" in caplog.text
+    monkeypatch.setattr(cpu, "_silu_faster", [])
+    monkeypatch.undo()
+    assert isinstance(cpu._silu_kernel_is_faster(cpu.cpu_ops()), bool)
 
 
 def test_without_a_compiler_the_torch_ops_run(monkeypatch, tmp_path, caplog):

@@ -29,7 +29,8 @@ def test_gemm_paths_give_the_same_tokens(llama_path, monkeypatch, plan):
     if missing:
         pytest.skip(f"this torch build lacks the {sorted(missing)} path")
     monkeypatch.setattr(cpu, "gemm_plan",
-                        lambda shape, paths=None: cpu.GemmPlan(shape, (1, 16, 64), plan))
+                        lambda shape, paths=None, dtype=None:
+                        cpu.GemmPlan(shape, (1, 16, 64), plan))
     with LLM(engine_config(llama_path)) as planned:
         linears = [m for m in planned.engine.executor.worker.runner.model.modules()
                    if hasattr(m, "gemm_plan")]
@@ -56,7 +57,8 @@ def test_measured_plan_takes_the_fastest_path_per_bucket(monkeypatch):
     64, dense fastest from 256; probes too large for the budget end the plan early."""
     from corellm.worker import cpu
     clock = [0.0]
-    cost = {1: {"dense": 2, "mkl": 1, "onednn": 9}, 16: {"dense": 3, "mkl": 2, "onednn": 1},
+    cost = {1: {"dense": 2, "mkl": 1, "onednn": 9}, 4: {"dense": 2, "mkl": 1, "onednn": 9},
+            16: {"dense": 3, "mkl": 2, "onednn": 1},
             64: {"dense": 3, "mkl": 2, "onednn": 1}, 256: {"dense": 1, "mkl": 2, "onednn": 3}}
 
     def run(path, x, weight, packed, bias):
@@ -65,12 +67,12 @@ def test_measured_plan_takes_the_fastest_path_per_bucket(monkeypatch):
     monkeypatch.setattr(cpu, "_run", run)
     monkeypatch.setattr(cpu, "_pack", lambda path, weight: None)
     plan = cpu.measure_gemm_plan((32, 16), ("dense", "mkl", "onednn"), timer=lambda: clock[0])
-    assert plan.bounds == (1, 16, 64, 256)
-    assert plan.paths == ("mkl", "onednn", "onednn", "dense")
+    assert plan.bounds == (1, 4, 16, 64, 256)
+    assert plan.paths == ("mkl", "mkl", "onednn", "onednn", "dense")
     assert plan.gflops["16"]["onednn"] > plan.gflops["16"]["dense"]
     monkeypatch.setattr(cpu, "_PROBE_MAX_FLOP", 2.0 * 16 * 32 * 16)
     assert cpu.measure_gemm_plan((32, 16), ("dense", "mkl", "onednn"),
-                                 timer=lambda: clock[0]).bounds == (1, 16)
+                                 timer=lambda: clock[0]).bounds == (1, 4, 16)
 
 
 def test_plan_keeps_one_path_unless_another_wins_clearly(monkeypatch):
@@ -79,7 +81,8 @@ def test_plan_keeps_one_path_unless_another_wins_clearly(monkeypatch):
     switches. The timings are the best of several rounds, so one slow round is forgotten."""
     from corellm.worker import cpu
     clock, calls = [0.0], [0]
-    cost = {1: {"dense": 1.0, "onednn": 1.05}, 16: {"dense": 2.0, "onednn": 1.0},
+    cost = {1: {"dense": 1.0, "onednn": 1.05}, 4: {"dense": 1.0, "onednn": 1.05},
+            16: {"dense": 2.0, "onednn": 1.0},
             64: {"dense": 3.0, "onednn": 1.0}, 256: {"dense": 1.0, "onednn": 2.0}}
 
     def run(path, x, weight, packed, bias):
@@ -91,7 +94,7 @@ def test_plan_keeps_one_path_unless_another_wins_clearly(monkeypatch):
     monkeypatch.setattr(cpu, "_pack", lambda path, weight: None)
     monkeypatch.setattr(cpu, "_PROBE_MAX_CALLS", 1)
     plan = cpu.measure_gemm_plan((32, 16), ("dense", "onednn"), timer=lambda: clock[0])
-    assert plan.paths == ("onednn", "onednn", "onednn", "dense")
+    assert plan.paths == ("onednn", "onednn", "onednn", "onednn", "dense")
 
 
 def test_plans_are_cached_on_disk(monkeypatch, tmp_path):
@@ -101,9 +104,9 @@ def test_plans_are_cached_on_disk(monkeypatch, tmp_path):
     measured = []
     real = cpu.measure_gemm_plan
 
-    def measure(shape, paths=None, timer=None):
+    def measure(shape, paths=None, timer=None, **kw):
         measured.append(shape)
-        return real(shape, paths)
+        return real(shape, paths, **kw)
 
     monkeypatch.setattr(cpu, "measure_gemm_plan", measure)
     first = cpu.gemm_plan((24, 16))
@@ -111,6 +114,39 @@ def test_plans_are_cached_on_disk(monkeypatch, tmp_path):
     assert cpu.gemm_plan((24, 16)) == first
     assert measured == [(24, 16)]
     assert (tmp_path / "corellm" / "cpu-gemm-plans.json").exists()
+
+
+def test_a_plan_measured_in_a_slow_phase_is_measured_again(monkeypatch, tmp_path):
+    """A cached plan records the machine's calibration speed; when the machine is now
+    clearly faster (the plan was made in a slow phase of a shared machine), it is measured
+    again and the cache overwritten. A slower machine now keeps the cached plan."""
+    from corellm.worker import cpu
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    real = cpu.measure_gemm_plan
+
+    def measure(shape, paths=None, timer=None, **kw):
+        measured.append(shape)
+        return real(shape, paths, **kw)
+
+    monkeypatch.setattr(cpu, "measure_gemm_plan", measure)
+
+    def start(speed):                       # a new process on a machine running at `speed`
+        monkeypatch.setattr(cpu, "_plans", {})
+        monkeypatch.setattr(cpu, "_speed", [speed])
+        return cpu.gemm_plan((24, 16))
+
+    assert start(50.0).machine_gflops == 50.0 and len(measured) == 1   # the slow phase
+    assert start(60.0).machine_gflops == 50.0 and len(measured) == 1   # within noise: cached
+    assert start(40.0).machine_gflops == 50.0 and len(measured) == 1   # slower now: cached
+    assert start(100.0).machine_gflops == 100.0 and len(measured) == 2  # 2x faster: again
+    assert start(110.0).machine_gflops == 100.0 and len(measured) == 2  # and cached from then
+
+
+def test_machine_speed_is_measured_once():
+    from corellm.worker import cpu
+    speed = cpu.machine_gflops()
+    assert speed > 0 and cpu.machine_gflops() == speed
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -140,3 +176,52 @@ def test_malloc_tuning_is_opt_in(monkeypatch):
     monkeypatch.setenv("CORELLM_MALLOC_TUNING", "1")
     import sys
     assert tune_malloc() is sys.platform.startswith("linux")
+
+
+def test_bf16_weights_get_their_own_paths():
+    import torch
+
+    from corellm.worker import cpu
+    paths = cpu.available_gemm_paths(torch.bfloat16)
+    assert paths[0] == "dense" and "upcast" in paths and "mkl" not in paths
+    assert ("onednn" in paths) == cpu._onednn_takes_bf16()
+    assert cpu.available_gemm_paths(torch.float16) == ("dense",)      # nothing to plan
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=gen).to(torch.bfloat16)
+    w = torch.randn(24, 48, generator=gen).to(torch.bfloat16)
+    b = torch.randn(24, generator=gen).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for path in paths:
+        got = cpu._run(path, x, w, cpu._pack(path, w), b)
+        assert got.dtype == torch.bfloat16 and got.shape == (5, 24)
+        # fp32 accumulation, one rounding to bf16 (2^-8 relative) of the output
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_a_bf16_model_is_planned_per_dtype(llama_path, monkeypatch, tmp_path):
+    """A bf16 model's linears take bf16 plans (here forced: plain bf16 for one row, upcast
+    beyond), keep no weight copy for the upcast path, and generate; plans are cached per
+    dtype."""
+    import torch
+
+    from corellm.worker import cpu
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_plans", {})
+    plan = cpu.gemm_plan((24, 16), dtype=torch.bfloat16)                 # measured now
+    assert plan.dtype == "bfloat16" and set(plan.paths) <= set(cpu.available_gemm_paths(
+        torch.bfloat16))
+    assert "|bfloat16|" in (tmp_path / "corellm" / "cpu-gemm-plans.json").read_text()
+    seen = []
+
+    def forced(shape, paths=None, dtype=None):
+        seen.append(dtype)
+        return cpu.GemmPlan(shape, (1, 16), ("dense", "upcast"), dtype="bfloat16")
+
+    monkeypatch.setattr(cpu, "gemm_plan", forced)
+    with LLM(engine_config(llama_path, model={"dtype": "bfloat16"})) as llm:
+        model = llm.engine.executor.worker.runner.model
+        planned = [m for m in model.modules() if hasattr(m, "gemm_plan")]
+        assert planned and set(seen) == {torch.bfloat16}
+        assert all(m.gemm_packed == {"dense": None, "upcast": None} for m in planned)
+        outs = _tokens(llm, PROMPTS)          # prefills (upcast) and one-row decodes (dense)
+        assert [len(t) for t in outs] == [GREEDY.max_tokens] * len(PROMPTS)

@@ -452,7 +452,8 @@ def _assert_metrics_equal_stats(m: dict[str, float], stats) -> None:
     assert m["corellm:kv_cache_usage_perc"] == pytest.approx(used / stats.kv_blocks_total)
 
 
-def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0, **scheduler):
+def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0,
+                        max_model_len: int = MAX_MODEL_LEN, **scheduler):
     """``await scenario(engine, http, scrape, calls)`` against the server's app, in this process
     (an ``AsyncLLM`` with its engine core in a child process, the app over ASGI), so the test
     can see which utility calls (``calls``: method names) the engine client makes."""
@@ -462,7 +463,7 @@ def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0, **s
 
     async def main():
         engine = await AsyncLLM.create(engine_config(
-            llama_path, model={"max_model_len": MAX_MODEL_LEN}, scheduler=scheduler))
+            llama_path, model={"max_model_len": max_model_len}, scheduler=scheduler))
         calls: list[str] = []
         real = engine.client.call_utility_async
 
@@ -546,12 +547,15 @@ def test_metrics_come_from_the_step_stream_not_from_get_stats(llama_path):
 
 def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
     """One sample runs, one waits (max_num_seqs 1); aborting both is followed by no step, so
-    only the engine's "event" record brings the gauges back to 0."""
+    only the engine's "event" record brings the gauges back to 0. The running sample must still
+    be running at the first scrape: it may run to the test model's longest context (512), which
+    on a fast CPU is well under a second of steps."""
     from corellm.sampling_params import SamplingParams
+    max_model_len = 512
 
     async def scenario(engine, http, scrape, calls):
         stream = await engine.add_request(
-            "Hello", SamplingParams(n=2, max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True))
+            "Hello", SamplingParams(n=2, max_tokens=max_model_len - 8, ignore_eos=True))
         await stream.__anext__()
         m = await scrape()
         assert (m["corellm:num_requests_running"], m["corellm:num_requests_waiting"]) == (1, 1)
@@ -573,7 +577,7 @@ def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
         assert m["corellm:kv_cache_blocks_free"] == m["corellm:kv_cache_blocks_total"]
         assert calls.count("get_stats") == 2          # the seed and ours: never a scrape's
 
-    _run_in_process_app(llama_path, scenario, max_num_seqs=1)
+    _run_in_process_app(llama_path, scenario, max_model_len=max_model_len, max_num_seqs=1)
 
 
 # --------------------------------------------------------------------------- auth, faults

@@ -36,7 +36,11 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, H, D] and k [T, Hkv, D] at the given positions, from a cos/sin
     table precomputed for every position up to ``max_positions``. With ``rotary_dim < head_dim``
     only the first ``rotary_dim`` dimensions of each head are rotated (frequencies computed over
-    ``rotary_dim``, as the reference does); the rest pass through unchanged."""
+    ``rotary_dim``, as the reference does); the rest pass through unchanged.
+
+    Callers use the returned tensors and must not rely on q and k being left as they were: on
+    the CPU the worker's fused kernel (``model.cpu_fused_ops``) rotates them in place and
+    returns them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None, device: torch.device | str = "cpu",

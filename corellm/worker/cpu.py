@@ -68,12 +68,23 @@ def tune_malloc() -> bool:
 # (docs/benchmarks.md). So each weight shape gets a plan, measured at start-up: one preferred
 # path, and for a row bucket where another is clearly faster, that one.
 #   dense   F.linear on the weight as loaded
-#   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout
-#   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout
+#   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout (fp32)
+#   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout (fp32, and
+#           bf16 where the CPU has oneDNN's bf16 kernels: AVX-512 or AVX-NE-CONVERT)
+#   upcast  bf16 weights only: input and weight converted to fp32 for each call, fp32 GEMM,
+#           output rounded to bf16 (no copy kept). Without native bf16 dot products (AVX2),
+#           torch's bf16 GEMM ran at 18-20 GFLOP/s at every batch size, and this at 57-94 at 64
+#           rows; half the weight bytes still win at one row. So it is measured, per bucket.
 # A plan is cached per process and on disk (keyed by CPU, torch, threads, shape and the
 # measuring method's version), so only the first start on a machine pays the measurement.
-_PLAN_VERSION = 2
-_PROBE_ROWS = (1, 16, 64, 256)         # a bucket is (previous probe, probe]; larger -> last
+# A shared machine has slow phases (every path at half speed for a while), and a plan measured
+# in one can rank paths wrongly: each cached plan records the machine's speed when it was
+# measured (a small calibration matmul), and is measured again when the machine is now clearly
+# faster than it was then.
+_PLAN_VERSION = 3
+_CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (~2-5 ms)
+_STALE_SPEEDUP = 1.3                    # re-measure a plan made when the machine was this slower
+_PROBE_ROWS = (1, 4, 16, 64, 256)      # a bucket is (previous probe, probe]; larger -> last
 _PROBE_MAX_FLOP = 2e9                  # larger probes of big shapes are skipped (start-up time)
 _PROBE_COLD_BYTES = 32 << 20           # weight copies per probe: more than a CPU's cache holds
 _PROBE_MAX_COPIES = 16
@@ -84,9 +95,16 @@ _PROBE_ROUNDS = 5
 _SWITCH_MARGIN = 1.10                  # another path must be this much faster to be used
 _PACK_HINT_ROWS = 64
 _plans: dict[str, GemmPlan] = {}
+_speed: list[float] = []
 
 
-def available_gemm_paths() -> tuple[str, ...]:
+def available_gemm_paths(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The GEMM paths for weights of ``dtype`` on this machine (``("dense",)``: nothing to
+    plan)."""
+    if dtype == torch.bfloat16:
+        return ("dense", "onednn", "upcast") if _onednn_takes_bf16() else ("dense", "upcast")
+    if dtype != torch.float32:
+        return ("dense",)
     paths = ["dense"]
     try:
         if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
@@ -103,6 +121,23 @@ def available_gemm_paths() -> tuple[str, ...]:
     return tuple(paths)
 
 
+_bf16_onednn: list[bool] = []
+
+
+def _onednn_takes_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights here (it refuses on CPUs without its bf16 kernels)."""
+    if not _bf16_onednn:
+        try:
+            w = torch.zeros(8, 8, dtype=torch.bfloat16)
+            torch.ops.mkldnn._linear_pointwise(
+                torch.zeros(1, 8, dtype=torch.bfloat16),
+                torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+            _bf16_onednn.append(True)
+        except (AttributeError, RuntimeError):
+            _bf16_onednn.append(False)
+    return _bf16_onednn[0]
+
+
 def _pack(path: str, weight: torch.Tensor) -> torch.Tensor | None:
     if path == "mkl":
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
@@ -117,6 +152,9 @@ def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
     if path == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if path == "upcast":
+        return F.linear(x.float(), weight.float(),
+                        None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -130,6 +168,8 @@ class GemmPlan:
     bounds: tuple[int, ...]
     paths: tuple[str, ...]
     gflops: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
+    machine_gflops: float = field(default=0.0, compare=False)   # calibration when measured
+    dtype: str = "float32"                                        # of the weights
 
     def path_for(self, rows: int) -> str:
         return self.paths[min(bisect.bisect_left(self.bounds, rows), len(self.paths) - 1)]
@@ -139,7 +179,9 @@ class GemmPlan:
         for bound, path in zip(self.bounds, self.paths):
             parts.append(f"{low}-{bound}: {path}" if low < bound else f"{bound}: {path}")
             low = bound + 1
-        return f"{self.shape[0]}x{self.shape[1]} rows " + ", ".join(parts) + " (and beyond)"
+        dtype = "" if self.dtype == "float32" else f" {self.dtype}"
+        return (f"{self.shape[0]}x{self.shape[1]}{dtype} rows " + ", ".join(parts)
+                + " (and beyond)")
 
 
 def machine_key() -> str:
@@ -157,14 +199,30 @@ def machine_key() -> str:
     return f"{model}|flags={digest}|torch={torch.__version__}"
 
 
-def _cache_key(shape: tuple[int, int], paths: tuple[str, ...]) -> str:
+def _cache_key(shape: tuple[int, int], paths: tuple[str, ...], dtype: torch.dtype) -> str:
     return (f"{machine_key()}|threads={torch.get_num_threads()}|{shape[0]}x{shape[1]}|"
-            f"{','.join(paths)}|v{_PLAN_VERSION}")
+            f"{str(dtype).removeprefix('torch.')}|{','.join(paths)}|v{_PLAN_VERSION}")
 
 
 def _cache_file() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "corellm" / "cpu-gemm-plans.json"
+
+
+def machine_gflops() -> float:
+    """This process's fp32 GFLOP/s on the calibration matmul, best of 5 (measured once)."""
+    if not _speed:
+        m, k, n = _CALIBRATION
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        _speed.append(2.0 * m * k * n / max(best, 1e-9) / 1e9)
+    return _speed[0]
 
 
 def _read_cached(key: str) -> GemmPlan | None:
@@ -176,7 +234,8 @@ def _read_cached(key: str) -> GemmPlan | None:
         return None
     try:
         return GemmPlan(tuple(entry["shape"]), tuple(entry["bounds"]), tuple(entry["paths"]),
-                        entry.get("gflops", {}))
+                        entry.get("gflops", {}), float(entry.get("machine_gflops", 0.0)),
+                        str(entry.get("dtype", "float32")))
     except (KeyError, TypeError):
         return None
 
@@ -190,7 +249,8 @@ def _write_cached(key: str, plan: GemmPlan) -> None:
         except (OSError, ValueError):
             data = {}
         data[key] = {"shape": list(plan.shape), "bounds": list(plan.bounds),
-                     "paths": list(plan.paths), "gflops": plan.gflops}
+                     "paths": list(plan.paths), "gflops": plan.gflops,
+                     "machine_gflops": plan.machine_gflops, "dtype": plan.dtype}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
@@ -207,8 +267,8 @@ def _preferred(times: dict[int, dict[str, float]], paths: tuple[str, ...]) -> st
 
 
 def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None,
-                      timer=time.perf_counter) -> GemmPlan:
-    """Time every path at each probe row count on random fp32 weights of ``shape`` (out, in),
+                      timer=time.perf_counter, dtype: torch.dtype = torch.float32) -> GemmPlan:
+    """Time every path at each probe row count on random weights of ``shape`` (out, in),
     as a model runs them: runs of back-to-back calls (``_PROBE_RUN_FLOP`` or
     ``_PROBE_RUN_BYTES`` of work) that rotate over enough distinct copies of the weight
     (``_PROBE_COLD_BYTES``) that it is not in the cache. (Timing one call on one hot weight
@@ -222,11 +282,11 @@ def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = No
     copy of the weight, and paths within noise of each other would double the memory and
     the weights streamed per step for nothing. Probes above ``_PROBE_MAX_FLOP`` are skipped:
     their bucket joins the last one measured."""
-    paths = paths or available_gemm_paths()
+    paths = paths or available_gemm_paths(dtype)
     gen = torch.Generator().manual_seed(0)
-    wbytes = 4 * shape[0] * shape[1]
+    wbytes = torch.finfo(dtype).bits // 8 * shape[0] * shape[1]
     copies = max(1, min(_PROBE_MAX_COPIES, -(-_PROBE_COLD_BYTES // wbytes)))
-    weights = [torch.randn(shape, generator=gen) for _ in range(copies)]
+    weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(copies)]
     packed = {p: [_pack(p, w) for w in weights] for p in paths}
     probes: list[tuple[int, torch.Tensor, int]] = []          # (rows, input, calls per run)
     for rows in _PROBE_ROWS:
@@ -234,7 +294,7 @@ def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = No
         if probes and flop > _PROBE_MAX_FLOP:
             break
         calls = min(-(-_PROBE_RUN_FLOP // flop), -(-_PROBE_RUN_BYTES // wbytes))
-        probes.append((rows, torch.randn(rows, shape[1], generator=gen),
+        probes.append((rows, torch.randn(rows, shape[1], generator=gen).to(dtype),
                        int(max(1, min(_PROBE_MAX_CALLS, calls)))))
     turn = [0]
 
@@ -260,44 +320,55 @@ def measure_gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = No
         chosen.append(fastest if t[fastest] * _SWITCH_MARGIN < t[primary] else primary)
     gflops = {str(rows): {p: round(2.0 * rows * shape[0] * shape[1] / max(v, 1e-12) / 1e9, 1)
                           for p, v in t.items()} for rows, t in times.items()}
-    return GemmPlan(tuple(shape), tuple(times), tuple(chosen), gflops)
+    return GemmPlan(tuple(shape), tuple(times), tuple(chosen), gflops, machine_gflops(),
+                    str(dtype).removeprefix("torch."))
 
 
-def gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None) -> GemmPlan:
+def gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None,
+              dtype: torch.dtype = torch.float32) -> GemmPlan:
     """The plan for ``shape``: this process's, the disk cache's, or measured now (and
-    cached)."""
-    paths = paths or available_gemm_paths()
-    key = _cache_key(shape, paths)
-    plan = _plans.get(key) or _read_cached(key)
+    cached). A cached plan measured while the machine was ``_STALE_SPEEDUP`` or more slower
+    than it is now (a slow phase of a shared machine) is measured again."""
+    paths = paths or available_gemm_paths(dtype)
+    key = _cache_key(shape, paths, dtype)
+    plan = _plans.get(key)
     if plan is None:
-        plan = measure_gemm_plan(shape, paths)
+        plan = _read_cached(key)
+        if plan is not None and machine_gflops() > _STALE_SPEEDUP * plan.machine_gflops:
+            logger.info("GEMM plan of %dx%d was measured at %.0f GFLOP/s, the machine now does "
+                        "%.0f: measuring again", shape[0], shape[1], plan.machine_gflops,
+                        machine_gflops())
+            plan = None
+    if plan is None:
+        plan = measure_gemm_plan(shape, paths, dtype=dtype)
         _write_cached(key, plan)
     _plans[key] = plan
     return plan
 
 
 def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPlan]:
-    """Give every fp32 linear layer on the CPU (``nn.Linear``, and the layers of
+    """Give every fp32 or bf16 linear layer on the CPU (``nn.Linear``, and the layers of
     ``corellm.layers.linear``, whose ``linear`` method is their one matmul) the measured plan
-    of its weight's shape, and a copy of the weight in the layout of each packed path its plan
-    uses (memory: up to the weights' size again per packed path). Returns the plans by shape
-    (empty when only the plain path exists)."""
-    paths = available_gemm_paths()
-    if paths == ("dense",):
-        return {}
+    of its weight's shape and dtype, and a copy of the weight in the layout of each packed path
+    its plan uses (memory: up to the weights' size again per packed path). Returns the plans by
+    shape (empty when there is nothing to plan)."""
     from corellm.layers.linear import LinearBase, ParallelLMHead
-    plans: dict[tuple[int, int], GemmPlan] = {}
+    plans: dict[tuple[tuple[int, int], torch.dtype], GemmPlan] = {}
     t0 = time.perf_counter()
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.dim() == 2):
+        if not (isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
+                and weight.dim() == 2):
             continue
         if not (type(module) is torch.nn.Linear or isinstance(module, (LinearBase,
                                                                        ParallelLMHead))):
             continue
+        paths = available_gemm_paths(weight.dtype)
+        if paths == ("dense",):
+            continue
         shape = (int(weight.shape[0]), int(weight.shape[1]))
-        plan = plans.get(shape) or plans.setdefault(shape, gemm_plan(shape, paths))
+        key = (shape, weight.dtype)
+        plan = plans.get(key) or plans.setdefault(key, gemm_plan(shape, paths, weight.dtype))
         if set(plan.paths) == {"dense"}:
             continue
         w = weight.detach()
@@ -310,7 +381,7 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
     if plans:
         logger.info("CPU GEMM paths, measured or cached (%.2f s): %s", time.perf_counter() - t0,
                     "; ".join(p.describe() for p in plans.values()))
-    return plans
+    return {shape: plan for (shape, _), plan in plans.items()}
 
 
 def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
@@ -328,7 +399,8 @@ def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- fused element-wise
 # RMSNorm, SiLU-and-multiply and RoPE of a float32 model on the CPU, one C pass each
 # (cpu_ops.c) instead of a chain of torch ops that each read and write the whole tensor and pay
-# a dispatch: 13 multiplies, 2 adds, a pow and a mean per decoder layer become 4 calls.
+# a dispatch: per decoder layer, 13 multiplies, 2 pows, 2 means, 4 adds, 2 subtractions, 2
+# rsqrts, 2 index lookups and 4 concatenations become 4 calls.
 _OPS_SOURCE = Path(__file__).with_name("cpu_ops.c")
 _OPS_FLAGS = ("-ffast-math", "-ffp-contract=off")
 
@@ -351,6 +423,9 @@ class CpuOps:
 
     @staticmethod
     def _takes(*xs: torch.Tensor) -> bool:
+        # Not for autograd: the kernels neither record a graph nor bump version counters.
+        if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+            return False
         return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
                    for x in xs)
 
@@ -382,12 +457,17 @@ class CpuOps:
         take them."""
         if (not self._takes(q, k, cos, sin) or q.dim() != 3 or k.dim() != 3
                 or not (cos.is_contiguous() and sin.is_contiguous())
-                or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or cos.shape != sin.shape or 2 * cos.shape[1] != rotary_dim
+                or q.shape[2] < rotary_dim or k.shape[2] < rotary_dim
+                or positions.dtype != torch.int64 or positions.device.type != "cpu"
+                or not positions.is_contiguous()
                 or positions.numel() != q.shape[0] or k.shape[0] != q.shape[0]):
             return False
         if q.shape[0]:
+            # Outside the table, torch's indexing raises (past the end) or wraps (negative):
+            # leave both to it.
             lo, hi = torch.aminmax(positions)
-            if int(lo) < 0 or int(hi) >= cos.shape[0]:     # the torch code raises for these
+            if int(lo) < 0 or int(hi) >= cos.shape[0]:
                 return False
             self._rope(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(),
                        k.stride(0), k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0],
@@ -428,6 +508,35 @@ def _fused_rope(self: torch.nn.Module, positions: torch.Tensor, q: torch.Tensor,
     return type(self).forward(self, positions, q, k)
 
 
+_silu_faster: list[bool] = []
+
+
+def _silu_kernel_is_faster(ops: CpuOps) -> bool:
+    """Whether the SiLU-and-multiply kernel beats torch's here (measured once, ~10 ms). It is
+    the one kernel whose speed depends on the compiler: it needs a vectorized ``exp`` (GCC
+    finds glibc's vector ``expf`` under -ffast-math; a scalar one made it 3x slower than
+    torch)."""
+    if not _silu_faster:
+        from corellm.layers import SiluAndMul
+        x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0))
+        best = {}
+        for name, fn in (("kernel", ops.silu_and_mul), ("torch", SiluAndMul().forward)):
+            fn(x)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    fn(x)
+                times.append(time.perf_counter() - t0)
+            best[name] = min(times)
+        _silu_faster.append(best["kernel"] < best["torch"])
+        if not _silu_faster[0]:
+            logger.info("the fused SiLU-and-multiply kernel is slower than torch's here (%.0f vs "
+                        "%.0f us): SiluAndMul keeps the torch code", 250e3 * best["kernel"],
+                        250e3 * best["torch"])
+    return _silu_faster[0]
+
+
 def fuse_elementwise(model: torch.nn.Module) -> int:
     """Route the core's RMSNorm, SiluAndMul and RotaryEmbedding modules of ``model`` through the
     fused float32 CPU kernels (other inputs keep the torch code). Returns the number of modules
@@ -437,9 +546,14 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]
+    params = list(model.parameters())
+    if params and not any(p.dtype == torch.float32 and p.device.type == "cpu" for p in params):
+        modules = []                      # a bf16 or GPU model: the kernels take float32 on CPU
     ops = cpu_ops() if modules else None
     if ops is None:
         return 0
+    if any(type(m) is SiluAndMul for m in modules) and not _silu_kernel_is_faster(ops):
+        modules = [m for m in modules if type(m) is not SiluAndMul]
     for m in modules:
         m.cpu_ops = ops
         m.forward = types.MethodType(fused[type(m)], m)

@@ -3,13 +3,17 @@
  *
  * Built on first use by corellm.native and called through ctypes (corellm/worker/cpu.py).
  * Each replaces a chain of torch ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; RoPE: two
- * index lookups, eight multiplies, a subtraction, an addition and two concatenations) that
+ * index lookups, eight multiplies, two subtractions, two additions and two concatenations) that
  * each read and write the whole tensor and pay a dispatch. Rows are independent and each is
  * computed in a fixed order, so a row's result does not depend on the batch around it.
  *
  * Built with -ffp-contract=off: RoPE's multiplies and adds round as torch's separate ops do
  * (bit-equal to the torch path); RMSNorm's sum of squares and SiLU's exp differ from torch's
- * in the last bits (a different summation order and exp implementation).
+ * in the last bits (a different summation order and exp implementation). -ffast-math turns
+ * divisions into a reciprocal estimate plus a Newton step, which gives NaN for an infinite
+ * divisor: SiLU clamps exp's argument (exp(88) is finite; the result is -0 either way), and an
+ * RMSNorm row holding an infinity comes out NaN where torch gives zeros (the input is broken
+ * already).
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,7 +47,7 @@ void corellm_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t 
         const float *g = x + t * 2 * d, *u = g + d;
         float *o = out + t * d;
         _Pragma("omp simd")
-        for (int64_t i = 0; i < d; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < d; ++i) o[i] = g[i] / (1.f + expf(fminf(-g[i], 88.f))) * u[i];
     }
 }
 

@@ -154,7 +154,10 @@ int corellm_paged_decode_##SUFFIX(                                              
                 rc = decode_seq_##SUFFIX##_0(qi, k_cache, v_cache, ti, seq_lens[i], oi,       \
                         num_heads, num_kv_heads, head_size, block_size, scale, window, g0,    \
                         g1, &buf, &cap);                                                      \
-            if (rc) failed = 1;                                                               \
+            if (rc) {                                                                         \
+                _Pragma("omp atomic write")                                                   \
+                failed = 1;                                                                   \
+            }                                                                                 \
         }                                                                                     \
         free(buf);                                                                            \
     }                                                                                         \
