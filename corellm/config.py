@@ -48,8 +48,8 @@ class ModelConfig(BaseModel):
     cpu_weight_packing: bool = Field(
         True, description="On CPU, run each fp32 linear layer through the GEMM path measured "
                           "fastest for its shape and batch size (plain, MKL packed, oneDNN "
-                          "prepacked; cached per machine), keeping a weight copy per packed "
-                          "path used.")
+                          "prepacked, corellm's own kernel; cached per machine), keeping a "
+                          "weight copy per packed path used.")
     cpu_fused_ops: bool = Field(
         True, description="On CPU, run RMSNorm, SiLU-and-multiply and rotary embeddings of "
                           "float32 models as one C kernel each (built on first use; without a C "

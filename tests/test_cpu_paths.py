@@ -20,7 +20,8 @@ def _tokens(llm, prompts):
 PROMPTS = [{"prompt_token_ids": list(range(4, 4 + n))} for n in (1, 9, 33, 120)]
 
 
-@pytest.mark.parametrize("plan", [("mkl", "onednn", "dense"), ("onednn",) * 3, ("mkl",) * 3])
+@pytest.mark.parametrize("plan", [("mkl", "onednn", "dense"), ("onednn",) * 3, ("mkl",) * 3,
+                                  ("native",) * 3, ("native", "onednn", "dense")])
 def test_gemm_paths_give_the_same_tokens(llama_path, monkeypatch, plan):
     """Every packed path, alone or mixed by row bucket (one-row decodes, four-row decode
     batches, prefills), gives the plain path's greedy tokens."""

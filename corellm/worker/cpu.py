@@ -71,6 +71,9 @@ def tune_malloc() -> bool:
 #   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout (fp32)
 #   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout (fp32, and
 #           bf16 where the CPU has oneDNN's bf16 kernels: AVX-512 or AVX-NE-CONVERT)
+#   native  corellm's own register-blocked fp32 kernel (cpu_gemm.c, built on first use) on a copy
+#           packed in panels of two vector widths; on an AMD EPYC (AVX2) it was 1.2-1.9x oneDNN
+#           from 1 to 64 rows and 1.1-1.2x at 256-2048 (docs/benchmarks.md)
 #   upcast  bf16 weights only: input and weight converted to fp32 for each call, fp32 GEMM,
 #           output rounded to bf16 (no copy kept). Without native bf16 dot products (AVX2),
 #           torch's bf16 GEMM ran at 18-20 GFLOP/s at every batch size, and this at 57-94 at 64
@@ -81,7 +84,7 @@ def tune_malloc() -> bool:
 # in one can rank paths wrongly: each cached plan records the machine's speed when it was
 # measured (a small calibration matmul), and is measured again when the machine is now clearly
 # faster than it was then.
-_PLAN_VERSION = 3
+_PLAN_VERSION = 4
 _CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (~2-5 ms)
 _STALE_SPEEDUP = 1.3                    # re-measure a plan made when the machine was this slower
 _PROBE_ROWS = (1, 4, 16, 64, 256)      # a bucket is (previous probe, probe]; larger -> last
@@ -118,6 +121,8 @@ def available_gemm_paths(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
             paths.append("onednn")
     except (AttributeError, RuntimeError):
         pass
+    if native_gemm() is not None:
+        paths.append("native")
     return tuple(paths)
 
 
@@ -139,6 +144,8 @@ def _onednn_takes_bf16() -> bool:
 
 
 def _pack(path: str, weight: torch.Tensor) -> torch.Tensor | None:
+    if path == "native":
+        return native_gemm().pack(weight)
     if path == "mkl":
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
     if path == "onednn":
@@ -152,10 +159,86 @@ def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
     if path == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if path == "native":
+        out = native_gemm().linear(x, packed, weight.shape[0], bias)
+        return out if out is not None else F.linear(x, weight, bias)
     if path == "upcast":
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+class NativeGemm:
+    """ctypes bindings of cpu_gemm.c: fp32 ``x @ W^T + bias`` on W packed in panels."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._gemm = lib.corellm_gemm
+        self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        self._gemm.restype = None
+        self._pack = lib.corellm_gemm_pack
+        self._pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
+        self._pack.restype = None
+        self._size = lib.corellm_gemm_packed_size
+        self._size.argtypes = [i64, i64]
+        self._size.restype = i64
+        self.panel = int(lib.corellm_gemm_nr())
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of an fp32 [out, in] weight (rows may be strided)."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"native GEMM packs fp32 [out, in] weights with contiguous rows, "
+                             f"not {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+        n, k = weight.shape
+        out = torch.empty(self._size(n, k), dtype=torch.float32)
+        self._pack(weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
+                   torch.get_num_threads())
+        return out
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`; None for inputs it
+        does not take (autograd, another dtype or device, strided rows, a bias that is not n
+        contiguous fp32 values)."""
+        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad
+                                                 or (bias is not None and bias.requires_grad)))
+                or packed.numel() != self._size(n, x.shape[1])):
+            return None
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            return None
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+            x = x.contiguous()
+        m, k = x.shape
+        out = torch.empty((m, n), dtype=torch.float32)
+        if m and n:
+            if k == 0:
+                return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+            self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+                       torch.get_num_threads())
+        return out
+
+
+_GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")
+_GEMM_FLAGS = ("-ffp-contract=fast",)
+_native_gemm: list[NativeGemm | None] = []
+
+
+def native_gemm() -> NativeGemm | None:
+    """corellm's own fp32 GEMM, built on first use; None (logged once) when no C compiler can
+    build it (then plans choose among the libraries' paths)."""
+    if not _native_gemm:
+        from corellm.native import NativeBuildError, load_library
+        try:
+            _native_gemm.append(NativeGemm(load_library("corellm_gemm", _GEMM_SOURCE,
+                                                        _GEMM_FLAGS)))
+        except NativeBuildError as exc:
+            logger.info("corellm's native GEMM unavailable, planning the libraries' paths: %s",
+                        exc)
+            _native_gemm.append(None)
+    return _native_gemm[0]
 
 
 @dataclass(frozen=True)

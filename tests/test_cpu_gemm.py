@@ -1,0 +1,122 @@
+"""corellm's own fp32 CPU GEMM (corellm/worker/cpu_gemm.c, the "native" GEMM path): checked
+against float64 products, with torch's fp32 error as the yardstick."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from corellm.worker import cpu
+
+GEMM = cpu.native_gemm()
+pytestmark = pytest.mark.skipif(GEMM is None, reason="no C compiler on this machine")
+
+
+def _case(m: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen),
+            torch.randn(n, generator=gen))
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    """Within a few times torch's own fp32 error of the float64 product."""
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    torch_err = (torch.nn.functional.linear(x, w, bias).double() - ref).abs().max().item()
+    err = (y.double() - ref).abs().max().item() if y.numel() else 0.0
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert err <= 4 * torch_err + 1e-6 * (1 + ref.abs().max().item()), (err, torch_err)
+
+
+# n around the panel width (one vector pair) and a big one; m around the 6-row tile, and past
+# the 192-row block; k down to 1
+@pytest.mark.parametrize("n,k", [(1, 5), (15, 7), (16, 64), (17, 1), (33, 100), (1280, 768)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193, 400])
+def test_matches_float64_with_and_without_bias(m, n, k):
+    x, w, b = _case(m, n, k)
+    packed = GEMM.pack(w)
+    _check(GEMM.linear(x, packed, n, b), x, w, b)
+    _check(GEMM.linear(x, packed, n, None), x, w, None)
+
+
+def test_rows_are_batch_invariant_and_threads_do_not_change_bits():
+    """Each output is one in-order sum over k, whatever the batch it is in and the thread
+    count: a request's logits do not depend on what it was batched with."""
+    x, w, b = _case(200, 70, 96)
+    packed = GEMM.pack(w)
+    full = GEMM.linear(x, packed, 70, b)
+    for i in (0, 5, 6, 191, 192, 199):
+        assert torch.equal(GEMM.linear(x[i:i + 1], packed, 70, b), full[i:i + 1])
+    assert torch.equal(GEMM.linear(x[7:50], packed, 70, b), full[7:50])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(GEMM.linear(x, packed, 70, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_inputs_and_weights():
+    x, w, b = _case(9, 40, 24)
+    wide = torch.randn(9, 50)
+    wide[:, 3:27] = x
+    view = wide[:, 3:27]                       # rows strided: read in place
+    packed = GEMM.pack(w)
+    assert torch.equal(GEMM.linear(view, packed, 40, b), GEMM.linear(x, packed, 40, b))
+    xt = x.T.contiguous().T                    # columns strided: copied first
+    assert torch.equal(GEMM.linear(xt, packed, 40, b), GEMM.linear(x, packed, 40, b))
+    wwide = torch.randn(40, 30)
+    wwide[:, :24] = w
+    assert torch.equal(GEMM.pack(wwide[:, :24]), packed)   # weight rows strided
+
+
+def test_empty_dimensions():
+    w, b = torch.randn(8, 0), torch.randn(8)
+    out = GEMM.linear(torch.randn(3, 0), GEMM.pack(w), 8, b)
+    assert torch.equal(out, b.expand(3, 8))
+    assert torch.equal(GEMM.linear(torch.randn(3, 0), GEMM.pack(w), 8, None), torch.zeros(3, 8))
+    x, w, b = _case(0, 8, 4)
+    assert GEMM.linear(x, GEMM.pack(w), 8, b).shape == (0, 8)
+
+
+def test_inputs_it_does_not_take_are_refused():
+    x, w, b = _case(4, 8, 16)
+    packed = GEMM.pack(w)
+    assert GEMM.linear(x.bfloat16(), packed, 8, b) is None
+    assert GEMM.linear(x.requires_grad_(), packed, 8, b) is None        # autograd
+    with torch.no_grad():
+        assert GEMM.linear(x, packed, 8, b) is not None
+    x = x.detach()
+    assert GEMM.linear(x, packed, 8, b[:4]) is None                     # bias of another size
+    assert GEMM.linear(x, packed, 8, b.double()) is None
+    assert GEMM.linear(x[:, :8], packed, 8, b) is None                  # k is not the weight's
+    assert GEMM.linear(x.unsqueeze(0), packed, 8, b) is None            # not 2-D
+    with pytest.raises(ValueError, match="fp32 \\[out, in\\] weights"):
+        GEMM.pack(w.bfloat16())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        GEMM.pack(w.T)
+
+
+def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():
+    x, w, b = _case(4, 8, 16)
+    packed = GEMM.pack(w)
+    out = cpu._run("native", x.requires_grad_(), w, packed, b)
+    assert out.requires_grad                                            # torch's, with a graph
+    _check(out.detach(), x.detach(), w, b)
+
+
+def test_native_is_a_measured_path_with_a_compiler_and_absent_without(monkeypatch, tmp_path,
+                                                                      caplog):
+    from corellm import native
+    assert "native" in cpu.available_gemm_paths()
+    assert "native" not in cpu.available_gemm_paths(torch.bfloat16)
+    plan = cpu.measure_gemm_plan((48, 32), ("dense", "native"))
+    assert set(plan.gflops["1"]) == {"dense", "native"}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(cpu, "_native_gemm", [])
+    with caplog.at_level(logging.INFO):
+        assert "native" not in cpu.available_gemm_paths()
+    assert "native GEMM unavailable" in caplog.text
