@@ -1,5 +1,5 @@
-"""corellm's own fp32 CPU GEMM (corellm/worker/cpu_gemm.c, the "native" GEMM path): checked
-against float64 products, with torch's fp32 error as the yardstick."""
+"""corellm's own CPU GEMM (corellm/worker/cpu_gemm.c, the "native" GEMM path) for fp32 and bf16
+weights: checked against float64 products, with torch's fp32 error as the yardstick."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ def test_matches_float64_with_and_without_bias(m, n, k):
     packed = GEMM.pack(w)
     _check(GEMM.linear(x, packed, n, b), x, w, b)
     _check(GEMM.linear(x, packed, n, None), x, w, None)
+
+
+@pytest.mark.parametrize("n,k", [(17, 5), (1280, 96)])
+@pytest.mark.parametrize("m", [1, 6, 7, 64, 193])
+def test_bf16_weights_widened_exactly(m, n, k):
+    """bf16 weights and inputs: fp32 products of the bf16 values (widening is exact), one
+    rounding of the output to bf16; tiles that widen in registers (up to 6 rows) and blocks that
+    widen a panel once agree bit for bit on a row."""
+    x, w, b = (t.bfloat16() for t in _case(m, n, k))
+    packed = GEMM.pack(w)
+    assert packed.dtype == torch.bfloat16
+    y = GEMM.linear(x, packed, n, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * k)
+    assert torch.equal(GEMM.linear(x[-1:], packed, n, b), y[-1:])
+    assert GEMM.linear(x.float(), packed, n, b.float()) is None        # dtype not the weight's
 
 
 def test_rows_are_batch_invariant_and_threads_do_not_change_bits():
@@ -93,8 +110,8 @@ def test_inputs_it_does_not_take_are_refused():
     assert GEMM.linear(x, packed, 8, b.double()) is None
     assert GEMM.linear(x[:, :8], packed, 8, b) is None                  # k is not the weight's
     assert GEMM.linear(x.unsqueeze(0), packed, 8, b) is None            # not 2-D
-    with pytest.raises(ValueError, match="fp32 \\[out, in\\] weights"):
-        GEMM.pack(w.bfloat16())
+    with pytest.raises(ValueError, match="fp32 or bf16 \\[out, in\\] CPU weights"):
+        GEMM.pack(w.half())
     with pytest.raises(ValueError, match="contiguous rows"):
         GEMM.pack(w.T)
 
@@ -111,7 +128,7 @@ def test_native_is_a_measured_path_with_a_compiler_and_absent_without(monkeypatc
                                                                       caplog):
     from corellm import native
     assert "native" in cpu.available_gemm_paths()
-    assert "native" not in cpu.available_gemm_paths(torch.bfloat16)
+    assert "native" in cpu.available_gemm_paths(torch.bfloat16)
     plan = cpu.measure_gemm_plan((48, 32), ("dense", "native"))
     assert set(plan.gflops["1"]) == {"dense", "native"}
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

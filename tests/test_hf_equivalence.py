@@ -32,7 +32,19 @@ SETTINGS = {
     # The first half of every prompt (and its continuation) is computed by an earlier request:
     # the prompts then start from cached blocks, under a small budget (chunks after the hit).
     "prefix_cached": {"scheduler": {"max_num_batched_tokens": 64}},
+    # Every linear layer through corellm's own CPU GEMM, whatever the plan would measure.
+    "native_gemm": {},
 }
+
+
+def force_native_gemm(monkeypatch) -> None:
+    """Plan every CPU linear on corellm's native GEMM (skip where it cannot be built)."""
+    from corellm.worker import cpu
+    if cpu.native_gemm() is None:
+        pytest.skip("no C compiler: the native GEMM cannot be built here")
+    monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
+                        cpu.GemmPlan(shape, (1,), ("native",),
+                                     dtype=str(dtype).removeprefix("torch.")))
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -82,8 +94,10 @@ def compare(ours: list[int], theirs: list[int], logits: list[torch.Tensor]) -> s
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_greedy_matches_transformers(reference, setting):
+def test_greedy_matches_transformers(reference, setting, monkeypatch):
     arch, path, prompts, results = reference
+    if setting == "native_gemm":
+        force_native_gemm(monkeypatch)
     cfg = engine_config(path, **SETTINGS[setting])
     cfg["model"]["max_model_len"] = MAX_MODEL_LEN
     llm = LLM(cfg)
@@ -133,8 +147,11 @@ def _bf16_near_tie(logits: torch.Tensor, a: int, b: int) -> tuple[bool, float, f
     return gap <= BF16_ULPS * ulp, gap, ulp
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch):
+@pytest.mark.parametrize("arch,gemm", [("llama", "measured"), ("qwen3", "measured"),
+                                       ("llama", "native")])
+def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, monkeypatch):
+    if gemm == "native":
+        force_native_gemm(monkeypatch)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = make_checkpoint(arch)
@@ -145,7 +162,11 @@ def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch):
     results = hf_greedy(model, prompts, gen_cfg)
     cfg = engine_config(path, model={"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN})
     with LLM(cfg) as llm:
-        assert next(llm.engine.executor.worker.runner.model.parameters()).dtype == torch.bfloat16
+        model = llm.engine.executor.worker.runner.model
+        assert next(model.parameters()).dtype == torch.bfloat16
+        if gemm == "native":
+            assert all(m.gemm_plan.paths == ("native",) and m.gemm_packed["native"].dtype
+                       == torch.bfloat16 for m in model.modules() if hasattr(m, "gemm_plan"))
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                               ignore_eos=True), use_tqdm=False)

@@ -71,9 +71,10 @@ def tune_malloc() -> bool:
 #   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout (fp32)
 #   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout (fp32, and
 #           bf16 where the CPU has oneDNN's bf16 kernels: AVX-512 or AVX-NE-CONVERT)
-#   native  corellm's own register-blocked fp32 kernel (cpu_gemm.c, built on first use) on a copy
-#           packed in panels of two vector widths; on an AMD EPYC (AVX2) it was 1.2-1.9x oneDNN
-#           from 1 to 64 rows and 1.1-1.2x at 256-2048 (docs/benchmarks.md)
+#   native  corellm's own register-blocked kernel (cpu_gemm.c, built on first use) on a copy
+#           packed in panels of two vector widths, fp32 or bf16 (widened to fp32 as it is read);
+#           on an AMD EPYC (AVX2) fp32 was 1.2-1.9x oneDNN from 1 to 64 rows and 1.1-1.2x at
+#           256-2048, and bf16 2-7x upcast (docs/benchmarks.md)
 #   upcast  bf16 weights only: input and weight converted to fp32 for each call, fp32 GEMM,
 #           output rounded to bf16 (no copy kept). Without native bf16 dot products (AVX2),
 #           torch's bf16 GEMM ran at 18-20 GFLOP/s at every batch size, and this at 57-94 at 64
@@ -105,7 +106,10 @@ def available_gemm_paths(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The GEMM paths for weights of ``dtype`` on this machine (``("dense",)``: nothing to
     plan)."""
     if dtype == torch.bfloat16:
-        return ("dense", "onednn", "upcast") if _onednn_takes_bf16() else ("dense", "upcast")
+        paths = ["dense", "onednn", "upcast"] if _onednn_takes_bf16() else ["dense", "upcast"]
+        if native_gemm() is not None:
+            paths.append("native")
+        return tuple(paths)
     if dtype != torch.float32:
         return ("dense",)
     paths = ["dense"]
@@ -169,56 +173,70 @@ def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
 
 
 class NativeGemm:
-    """ctypes bindings of cpu_gemm.c: fp32 ``x @ W^T + bias`` on W packed in panels."""
+    """ctypes bindings of cpu_gemm.c: ``x @ W^T + bias`` in fp32 on W packed in panels, for fp32
+    or bf16 weights (a bf16 layer's input is widened to fp32 and its output rounded to bf16)."""
+
+    _DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._gemm = lib.corellm_gemm
-        self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-        self._gemm.restype = None
-        self._pack = lib.corellm_gemm_pack
-        self._pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        self._pack.restype = None
+        self._gemm, self._pack = {}, {}
+        for dtype, suffix in zip(self._DTYPES, ("f32", "bf16")):
+            gemm = self._gemm[dtype] = getattr(lib, f"corellm_gemm_{suffix}")
+            gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+            gemm.restype = i32
+            pack = self._pack[dtype] = getattr(lib, f"corellm_gemm_pack_{suffix}")
+            pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
+            pack.restype = None
         self._size = lib.corellm_gemm_packed_size
         self._size.argtypes = [i64, i64]
         self._size.restype = i64
         self.panel = int(lib.corellm_gemm_nr())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of an fp32 [out, in] weight (rows may be strided)."""
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
-            raise ValueError(f"native GEMM packs fp32 [out, in] weights with contiguous rows, "
-                             f"not {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+        """The packed copy of an fp32 or bf16 [out, in] weight (rows may be strided)."""
+        if (weight.dtype not in self._DTYPES or weight.dim() != 2 or weight.stride(1) != 1
+                or weight.device.type != "cpu"):
+            raise ValueError(f"native GEMM packs fp32 or bf16 [out, in] CPU weights with "
+                             f"contiguous rows, not {weight.dtype} {tuple(weight.shape)} "
+                             f"strides {weight.stride()} on {weight.device}")
         n, k = weight.shape
-        out = torch.empty(self._size(n, k), dtype=torch.float32)
-        self._pack(weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
-                   torch.get_num_threads())
+        out = torch.empty(self._size(n, k), dtype=weight.dtype)
+        self._pack[weight.dtype](weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
+                                 torch.get_num_threads())
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`; None for inputs it
-        does not take (autograd, another dtype or device, strided rows, a bias that is not n
-        contiguous fp32 values)."""
-        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+        """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`, in the weight's dtype;
+        None for inputs it does not take (autograd, a dtype or device other than the weight's,
+        a bias that is not n contiguous values of that dtype)."""
+        dtype = packed.dtype
+        if (x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu"
+                or dtype not in self._DTYPES
                 or (torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad
                                                  or (bias is not None and bias.requires_grad)))
                 or packed.numel() != self._size(n, x.shape[1])):
             return None
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+        if bias is not None and (bias.dtype != dtype or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             return None
-        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        if dtype != torch.float32:                      # the kernel reads fp32 rows
+            x = x.float()
+            bias = None if bias is None else bias.float()
+        elif x.stride(1) != 1 or x.stride(0) < x.shape[1]:
             x = x.contiguous()
         m, k = x.shape
         out = torch.empty((m, n), dtype=torch.float32)
         if m and n:
             if k == 0:
-                return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-            self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
-                       torch.get_num_threads())
-        return out
+                out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+            elif self._gemm[dtype](x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                                   m, n, k, torch.get_num_threads()):
+                raise MemoryError(f"native GEMM: no scratch for widening a {dtype} weight "
+                                  f"of {n}x{k}")
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 _GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")

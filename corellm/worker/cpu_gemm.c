@@ -1,10 +1,11 @@
-/* corellm's own fp32 GEMM for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the matmul of a
- * linear layer, on a copy of W packed once at load time.
+/* corellm's own GEMM for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the matmul of a
+ * linear layer, in fp32 on a copy of W packed once at load time (fp32, or bf16 weights widened
+ * to fp32 as they are read).
  *
- * Built on first use by corellm.native (cc -O3 -march=native -fopenmp) and called through
- * ctypes. It is one of the GEMM paths that corellm.worker.cpu measures per weight shape and row
- * bucket at start-up ("native"): it is used only where it measured faster than the libraries'
- * paths on the machine at hand.
+ * Built on first use by corellm.native (cc -O3 -march=native -fopenmp -ffp-contract=fast) and
+ * called through ctypes. It is one of the GEMM paths that corellm.worker.cpu measures per
+ * weight shape and row bucket at start-up ("native"): it is used only where it measured faster
+ * than the libraries' paths on the machine at hand.
  *
  * Layout: W is packed in panels of NR = 2 vector widths of columns, [ceil(N / NR)][K][NR]
  * (zero-padded), so the NR weights of one k are one contiguous pair of vectors and a panel is
@@ -14,13 +15,18 @@
  * registers, one fused multiply-add per input element and weight vector, and stored once.
  * Threads split the panels (each streams its own share of W once per block of MC rows), and a
  * block of MC rows of x stays in cache while all the panels pass over it.
+ * bf16 weights: half the bytes to stream, each widened to fp32 in registers (a shift), exactly.
+ * For a block of more than MR rows a panel is widened once into a per-thread scratch and the
+ * fp32 tiles run on it, so the widening is not repeated per tile.
  *
  * Written with GCC/Clang vector extensions, not intrinsics: the vector width is the target's
  * (8 floats with AVX2, 16 with AVX-512), and another architecture gets the same code in its own
- * registers. Summation order: each output is the sum over k in order, in fp32, as a naive dot
- * product (numerically comparable to the libraries' blocked sums; tests compare with float64).
+ * registers. Summation order: each output is one sum over k in order, in fp32, so a row's result
+ * does not depend on the other rows or on the thread count (tests compare with float64).
  */
 #include <stdint.h>
+#include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -48,36 +54,50 @@ int corellm_gemm_nr(void) { return NR; }
 /* The packed size of an [n, k] weight, in floats. */
 int64_t corellm_gemm_packed_size(int64_t n, int64_t k) { return (n + NR - 1) / NR * NR * k; }
 
-/* W [n, k], row stride ldw -> out [ceil(n / NR)][k][NR], zero-padded. */
-void corellm_gemm_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float *out,
-                       int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        float *o = out + p * k * NR;
-        for (int64_t j = 0; j < NR; ++j) {
-            const int64_t col = p * NR + j;
-            if (col < n) {
-                const float *src = w + col * ldw;
-                for (int64_t kk = 0; kk < k; ++kk) o[kk * NR + j] = src[kk];
-            } else {
-                for (int64_t kk = 0; kk < k; ++kk) o[kk * NR + j] = 0.f;
-            }
-        }
-    }
+/* W [n, k], row stride ldw -> out [ceil(n / NR)][k][NR], zero-padded (elements of 4 or 2
+ * bytes: fp32 or bf16, copied as they are). */
+#define PACK(W)                                                                               \
+void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W##_t *out,    \
+                           int num_threads) {                                                 \
+    const int64_t panels = (n + NR - 1) / NR;                                                 \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                     \
+    for (int64_t p = 0; p < panels; ++p) {                                                    \
+        W##_t *o = out + p * k * NR;                                                          \
+        for (int64_t j = 0; j < NR; ++j) {                                                    \
+            const int64_t col = p * NR + j;                                                   \
+            if (col < n) {                                                                    \
+                const W##_t *src = w + col * ldw;                                             \
+                for (int64_t kk = 0; kk < k; ++kk) o[kk * NR + j] = src[kk];                  \
+            } else {                                                                          \
+                for (int64_t kk = 0; kk < k; ++kk) o[kk * NR + j] = 0;                        \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+typedef float f32_t;
+typedef uint16_t bf16_t;
+PACK(f32)
+PACK(bf16)
+
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+static inline vf load_f32(const float *p) { return load(p); }
+static inline vf load_bf16(const uint16_t *p) {     /* bf16 -> fp32: the top half of the bits */
+    return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
 }
 
 /* One tile: rows [0, R) of x (row stride lda) times one panel b, plus bias (NR floats or
  * NULL), into c (row stride ldc, NR columns written). */
-#define KERNEL(R)                                                                            \
-static void tile_##R(int64_t k, const float *a, int64_t lda, const float *b,                \
-                     const float *bias, float *c, int64_t ldc) {                             \
+#define KERNEL(R, W, LOAD)                                                                   \
+static void tile_##W##_##R(int64_t k, const float *a, int64_t lda, const W##_t *b,          \
+                           const float *bias, float *c, int64_t ldc) {                       \
     vf c0[R], c1[R];                                                                         \
     const vf z0 = bias ? load(bias) : bcast(0.f), z1 = bias ? load(bias + VW) : bcast(0.f);  \
     for (int r = 0; r < R; ++r) { c0[r] = z0; c1[r] = z1; }                                  \
     _Pragma("GCC unroll 4")                                                                   \
     for (int64_t kk = 0; kk < k; ++kk) {                                                     \
-        const vf b0 = load(b + kk * NR), b1 = load(b + kk * NR + VW);                        \
+        const vf b0 = LOAD(b + kk * NR), b1 = LOAD(b + kk * NR + VW);                        \
         for (int r = 0; r < R; ++r) {                                                        \
             const vf x = bcast(a[r * lda + kk]);                                             \
             c0[r] += x * b0;                                                                 \
@@ -86,27 +106,50 @@ static void tile_##R(int64_t k, const float *a, int64_t lda, const float *b,    
     }                                                                                        \
     for (int r = 0; r < R; ++r) { store(c + r * ldc, c0[r]); store(c + r * ldc + VW, c1[r]); } \
 }
-KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
+#define TILES(W, LOAD) \
+KERNEL(1, W, LOAD) KERNEL(2, W, LOAD) KERNEL(3, W, LOAD) KERNEL(4, W, LOAD) KERNEL(5, W, LOAD) \
+KERNEL(6, W, LOAD)                                                                            \
+typedef void (*tile_##W##_fn)(int64_t, const float *, int64_t, const W##_t *, const float *,  \
+                              float *, int64_t);                                              \
+static const tile_##W##_fn tiles_##W[MR + 1] = {0, tile_##W##_1, tile_##W##_2, tile_##W##_3, \
+                                                 tile_##W##_4, tile_##W##_5, tile_##W##_6};
+TILES(f32, load_f32)
+TILES(bf16, load_bf16)
 
-typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *,
-                        int64_t);
-static const tile_fn tiles[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+/* A bf16 panel of k rows as fp32, for a block of rows that would otherwise convert it once
+ * per tile. */
+static void widen(const bf16_t *b, int64_t k, float *out) {
+    for (int64_t i = 0; i < k * NR; i += VW) store(out + i, load_bf16(b + i));
+}
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL),
- * W packed by corellm_gemm_pack. */
-void corellm_gemm(const float *x, int64_t lda, const float *packed, const float *bias,
-                  float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+/* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL), W
+ * packed by corellm_gemm_pack_f32 (bf16 == 0) or corellm_gemm_pack_bf16 (bf16 == 1). Returns
+ * -1, having written nothing, when the scratch of widened bf16 panels cannot be allocated. */
+static int gemm(const float *x, int64_t lda, const void *packed, int bf16, const float *bias,
+                float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
+    float *wide = NULL;                 /* per thread: one panel widened to fp32 */
+    if (bf16 && m > MR) {
+        wide = malloc((size_t)num_threads * (size_t)(k * NR) * sizeof(float));
+        if (!wide) return -1;
+    }
     #pragma omp parallel num_threads(num_threads)
     {
         float edge[MR * NR], edge_bias[NR];
+        float *mine = wide ? wide + (int64_t)omp_get_thread_num() * k * NR : NULL;
         for (int64_t m0 = 0; m0 < m; m0 += MC) {
             const int64_t m1 = m - m0 < MC ? m : m0 + MC;
             /* no barrier between row blocks: every (block, panel) tile is written once */
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < panels; ++p) {
                 const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
-                const float *b = packed + p * k * NR;
+                const float *b32 = bf16 ? NULL : (const float *)packed + p * k * NR;
+                const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * k * NR : NULL;
+                if (b16 && m1 - m0 > MR) {      /* several tiles: widen the panel once */
+                    widen(b16, k, mine);
+                    b32 = mine;
+                    b16 = NULL;
+                }
                 const float *pb = bias ? bias + col : NULL;
                 if (pb && width < NR) {
                     memset(edge_bias, 0, sizeof edge_bias);
@@ -115,16 +158,28 @@ void corellm_gemm(const float *x, int64_t lda, const float *packed, const float 
                 }
                 for (int64_t r0 = m0; r0 < m1; r0 += MR) {
                     const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
-                    if (width == NR) {
-                        tiles[rows](k, x + r0 * lda, lda, b, pb, y + r0 * ldy + col, ldy);
-                    } else {            /* the last, partial panel: through a full tile */
-                        tiles[rows](k, x + r0 * lda, lda, b, pb, edge, NR);
+                    float *c = width == NR ? y + r0 * ldy + col : edge;
+                    const int64_t ldc = width == NR ? ldy : NR;
+                    if (b16) tiles_bf16[rows](k, x + r0 * lda, lda, b16, pb, c, ldc);
+                    else tiles_f32[rows](k, x + r0 * lda, lda, b32, pb, c, ldc);
+                    if (width < NR)             /* the last, partial panel: through a tile */
                         for (int64_t r = 0; r < rows; ++r)
                             memcpy(y + (r0 + r) * ldy + col, edge + r * NR,
                                    (size_t)width * sizeof(float));
-                    }
                 }
             }
         }
     }
+    free(wide);
+    return 0;
+}
+
+int corellm_gemm_f32(const float *x, int64_t lda, const float *packed, const float *bias,
+                     float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return gemm(x, lda, packed, 0, bias, y, ldy, m, n, k, num_threads);
+}
+
+int corellm_gemm_bf16(const float *x, int64_t lda, const bf16_t *packed, const float *bias,
+                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return gemm(x, lda, packed, 1, bias, y, ldy, m, n, k, num_threads);
 }
