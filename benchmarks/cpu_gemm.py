@@ -1,8 +1,9 @@
 """The CPU GEMM paths (corellm/worker/cpu.py) on this machine: per weight shape, and end to end.
 
-1. For each linear weight shape of the model, the GFLOP/s of every available path (plain
-   ``F.linear``, MKL packed, oneDNN prepacked) at each probe row count, and the plan the worker
-   would pick (measured now, not read from the cache).
+1. For each linear weight shape of the model, the GFLOP/s of every available path of the
+   weights' dtype (``--dtype``; fp32: plain ``F.linear``, MKL packed, oneDNN prepacked, corellm's
+   native kernel; bf16: plain, oneDNN where it packs bf16, upcast, native) at each probe row
+   count, and the plan the worker would pick (measured now, not read from the cache).
 2. A decode-heavy workload (``--num-requests`` prompts of ``--prompt-len`` tokens, ``--output-len``
    new tokens each, all running at once) through one engine per plan, in one process,
    alternating rounds so a slow phase of the machine falls on every plan alike: the measured
@@ -10,6 +11,7 @@
    ``dense`` is no packing).
 
     python3 benchmarks/cpu_gemm.py --make-model /tmp/bench-model
+    python3 benchmarks/cpu_gemm.py --make-model /tmp/bench-model --dtype bfloat16
     python3 benchmarks/cpu_gemm.py --model CKPT --rounds 3 --json out.json --plot out.png
 """
 
@@ -49,28 +51,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if model is None:
         from throughput import make_model
         model = str(make_model(args.make_model))
-    paths = cpu.available_gemm_paths()
+    dtype = getattr(torch, args.dtype)
+    paths = cpu.available_gemm_paths(dtype)
     env = environment()
     _log(f"{env['cpu_model']} ({', '.join(env.get('cpu_simd') or [])}), torch {torch.__version__}"
-         f" with {torch.get_num_threads()} threads; paths: {', '.join(paths)}")
-    cfg = {"model": {"path": model, "dtype": "float32", "max_model_len": 1024},
+         f" with {torch.get_num_threads()} threads; {args.dtype} paths: {', '.join(paths)}")
+    cfg = {"model": {"path": model, "dtype": args.dtype,
+                     "max_model_len": args.prompt_len + args.output_len},
            "scheduler": {"max_num_seqs": args.num_requests},
-           "kv_cache": {"num_blocks": args.num_requests * 64 // 16 + 64}}
+           "kv_cache": {"num_blocks": args.num_requests
+                        * -(-(args.prompt_len + args.output_len) // 16) + 64}}
 
     real_plan = cpu.gemm_plan
     plans = ["measured"] + [p for p in paths if p != "measured"]
     engines = {}
     for name in plans:
         if name == "measured":
-            cpu.gemm_plan = lambda shape, paths=None: measured[shape]
+            cpu.gemm_plan = lambda shape, paths=None, dtype=None: measured[shape]
         else:
-            cpu.gemm_plan = (lambda path: lambda shape, paths=None: cpu.GemmPlan(
-                shape, (1,), (path,)))(name)
+            cpu.gemm_plan = (lambda path: lambda shape, paths=None, dtype=None: cpu.GemmPlan(
+                shape, (1,), (path,), dtype=args.dtype))(name)
         if name == "measured":
             probe = LLM(cfg | {"model": cfg["model"] | {"cpu_weight_packing": False}})
             shapes = model_shapes(probe)
             probe.shutdown()
-            measured = {s: cpu.measure_gemm_plan(s, paths) for s in shapes}
+            measured = {s: cpu.measure_gemm_plan(s, paths, dtype=dtype) for s in shapes}
         engines[name] = LLM(cfg)
     cpu.gemm_plan = real_plan
 
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "output_tok_s": tokens / statistics.median(t),
              "same_tokens_as_measured": outputs[name] == outputs["measured"]}
             for name, t in times.items()]
-    return {"environment": env, "model": model, "paths": list(paths),
+    return {"environment": env, "model": model, "dtype": args.dtype, "paths": list(paths),
             "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                          "output_len": args.output_len, "rounds": args.rounds},
             "shapes": [{"shape": list(s), "layers": n, "plan": measured[s].describe(),
@@ -106,7 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_tables(results: dict[str, Any]) -> str:
     env = results["environment"]
     w = results["workload"]
-    lines = [f"# CPU GEMM paths: {env['cpu_model']}, {env['cpu_count']} CPUs, torch "
+    lines = [f"# CPU GEMM paths ({results.get('dtype', 'float32')} weights): {env['cpu_model']}, "
+             f"{env['cpu_count']} CPUs, torch "
              f"{env['torch']}, {env['date'][:10]}", "", "## GFLOP/s per path (measured now)",
              "", "| shape | layers | rows | " + " | ".join(results["paths"]) + " | plan |",
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in results["paths"]) + " | --- |"]
@@ -143,18 +149,24 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="Hugging Face checkpoint directory")
     p.add_argument("--make-model", default="/tmp/bench-model",
                    help="without --model: the throughput benchmark's ~100M Llama, built here")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the weights' dtype (the paths measured are those of this dtype)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--plot")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     report(run(args), args, format_tables, write_plot, _log)
     return 0
 

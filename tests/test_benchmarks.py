@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -47,7 +49,8 @@ def test_throughput_benchmark(llama_path, tmp_path):
     results = bench.run_benchmark(["--model", str(llama_path), "--num-requests", "4",
                                    "--input-len", "8:16", "--output-len", "4:8",
                                    "--hf-batch-size", "2", "--warmup-requests", "1",
-                                   "--tp", "1,2", "--decode-heavy", "3,6,5", "--no-tqdm"])
+                                   "--tp", "1,2", "--decode-heavy", "3,6,5", "--repeats", "2",
+                                   "--no-tqdm"])
     rows = {r.get("label", r["engine"]): r for r in results["engines"]}
     core = rows["corellm"]
     assert core["output_tokens"] == results["workload"]["requested_output_tokens"]
@@ -62,14 +65,39 @@ def test_throughput_benchmark(llama_path, tmp_path):
     assert core["phases"]["prefill-only"]["output_tokens"] == 4
     assert core["phases"]["decode-heavy"]["output_tokens"] == 15
     assert "phases" not in tp2 or not tp2["phases"]
-    assert results["compute_limit"]["gflops"] > 0
+    limit = results["compute_limit"]
+    assert limit["gflops"] == max(limit["measurements_gflops"]) > 0
     assert 0 < core["compute_fraction"] == core["model_gflops"] / results["compute_limit"]["gflops"]
     assert all(0 < p["compute_fraction"] for p in core["phases"].values())
     table = bench.format_tables(results)
     assert "corellm time split" in table and "peak RSS per rank" in table
     assert "decode-heavy" in table and "% of limit" in table
+    # --repeats: the main workload timed twice per engine, the median reported
+    assert len(core["wall_s_runs"]) == 2 and len(tp2["wall_s_runs"]) == 2
+    assert core["wall_s"] == sum(core["wall_s_runs"]) / 2
+    assert core["output_tok_s"] == core["output_tokens"] / core["wall_s"]
+    assert "the median of 2 timed runs" in table
     assert bench.write_plot(results, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_gemm_benchmark(llama_path, tmp_path, dtype):
+    import torch
+
+    from corellm.worker import cpu
+    bench = load("cpu_gemm")
+    args = bench.build_parser().parse_args([
+        "--model", str(llama_path), "--dtype", dtype, "--num-requests", "2", "--prompt-len", "4",
+        "--output-len", "3", "--rounds", "1"])
+    results = bench.run(args)
+    assert results["paths"] == list(cpu.available_gemm_paths(getattr(torch, dtype)))
+    assert {r["plan"] for r in results["runs"]} == {"measured", *results["paths"]}
+    assert all(r["output_tok_s"] > 0 and len(r["runs_s"]) == 1 for r in results["runs"])
+    assert results["shapes"] and all(set(s["gflops"]["1"]) == set(results["paths"])
+                                     for s in results["shapes"])
+    assert f"({dtype} weights)" in bench.format_tables(results)
+    assert bench.write_plot(results, str(tmp_path / "g.png"))
 
 
 def test_serve_benchmark(llama_path, tmp_path):
@@ -125,7 +153,6 @@ def test_attention_benchmark(tmp_path):
     import subprocess
     import sys
 
-    import pytest
     pytest.importorskip("triton")
     out_json = tmp_path / "attn.json"
     proc = subprocess.run(

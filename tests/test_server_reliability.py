@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.test_server import MAX_MODEL_LEN, Server, _pid_alive, _post, _server_config, _wait
+from tests.test_sim import make_profile
 
 LIMITS = {"max_samples": 128, "max_generated_tokens": 128 * 64, "max_stop_strings": 64,
           "max_stop_string_chars": 256, "max_stop_token_ids": 32, "max_logprobs_total": 512}
@@ -296,12 +297,19 @@ def test_disconnects_are_logged_and_counted(server):
 
 # --------------------------------------------------------------------------- shutdown, death
 def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_path):
-    """16 live streams when SIGTERM arrives: the short ones finish normally within the drain,
-    new requests get 503 with Retry-After, the long ones end with an error event naming the
-    shutdown and then [DONE]; the server and every process it started exit in time."""
+    """16 live streams when SIGTERM arrives (20 ms steps): the short ones finish normally
+    within the drain, new requests get 503 with Retry-After, the long ones end with an error
+    event naming the shutdown and then [DONE]; the server and every process it started exit in
+    time."""
     drain = 2.0
     cfg = _config(llama_path, drain_timeout_s=drain)
     cfg["model"] = {**cfg["model"], "max_model_len": 512}
+    # Paced by the simulated executor (20 ms a step, slept on the real clock): what a stream
+    # can finish within the drain then depends on this test, not on the machine's speed (the
+    # real model got fast enough to finish 480 tokens in the 2 s drain).
+    cfg["executor"] = {"name": "sim", "clock": "real",
+                       "profile": str(make_profile(llama_path, tmp_path / "profile.json",
+                                                   base=0.02))}
     srv = Server(tmp_path, cfg)
     procs = {srv.proc.pid} | _children(srv.proc.pid)
     assert srv.engine_pid in procs and len(procs) >= 3, procs    # API, engine, resource tracker
