@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _log(f"{env['cpu_model']} ({', '.join(env.get('cpu_simd') or [])}), torch {torch.__version__}"
          f" with {torch.get_num_threads()} threads; {args.dtype} paths: {', '.join(paths)}")
     cfg = {"model": {"path": model, "dtype": args.dtype,
-                     "max_model_len": args.prompt_len + args.output_len},
+                     "max_model_len": args.prompt_len + max(args.output_len, 4)},  # warm-up: 4
            "scheduler": {"max_num_seqs": args.num_requests},
            "kv_cache": {"num_blocks": args.num_requests
                         * -(-(args.prompt_len + args.output_len) // 16) + 64}}

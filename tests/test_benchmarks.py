@@ -67,6 +67,7 @@ def test_throughput_benchmark(llama_path, tmp_path):
     assert "phases" not in tp2 or not tp2["phases"]
     limit = results["compute_limit"]
     assert limit["gflops"] == max(limit["measurements_gflops"]) > 0
+    assert limit["dtype"] == "float32"
     assert 0 < core["compute_fraction"] == core["model_gflops"] / results["compute_limit"]["gflops"]
     assert all(0 < p["compute_fraction"] for p in core["phases"].values())
     table = bench.format_tables(results)
@@ -75,7 +76,10 @@ def test_throughput_benchmark(llama_path, tmp_path):
     # --repeats: the main workload timed twice per engine, the median reported
     assert len(core["wall_s_runs"]) == 2 and len(tp2["wall_s_runs"]) == 2
     assert core["wall_s"] == sum(core["wall_s_runs"]) / 2
-    assert core["output_tok_s"] == core["output_tokens"] / core["wall_s"]
+    # the rate is the median of the runs' own rates (each run's tokens over its own wall)
+    assert core["output_tokens_runs"] == [core["output_tokens"]] * 2
+    assert core["output_tok_s"] == pytest.approx(
+        sum(core["output_tokens"] / w for w in core["wall_s_runs"]) / 2)
     assert "the median of 2 timed runs" in table
     assert bench.write_plot(results, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="no C compiler on 
 def _silu_kernel_used(monkeypatch):
     """Check the SiLU kernel's results wherever it builds, whether or not it is the faster
     one on this machine (the check that decides is tested on its own below)."""
-    monkeypatch.setattr(cpu, "_silu_faster", [True])
+    monkeypatch.setattr(cpu, "_silu_faster", {torch.float32: True, torch.bfloat16: True})
 
 
 def _fused(*modules):
@@ -32,25 +32,30 @@ def _fused(*modules):
     return modules
 
 
-def _qkv(t, h, hkv, d, seed=0):
+def _qkv(t, h, hkv, d, seed=0, dtype=torch.float32):
     """q [t, h, d] and k [t, hkv, d] as strided views of one fused QKV output, as models make
     them."""
-    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(seed))
+    qkv = torch.randn(t, (h + 2 * hkv) * d,
+                      generator=torch.Generator().manual_seed(seed)).to(dtype)
     q = qkv[:, :h * d].view(t, h, d)
     k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
     return q, k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [None, 32])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 300])
-def test_rope_is_bit_equal_to_torch(rotary_dim, tokens):
+def test_rope_is_bit_equal_to_torch(rotary_dim, tokens, dtype):
     """In place on the views of a fused QKV output, as models call it: q and k rotated exactly
-    as the torch code rotates them; v, the rest of each head past rotary_dim, untouched."""
+    as the torch code rotates them (in bf16: every product and sum rounded where torch rounds
+    it); v, the rest of each head past rotary_dim, untouched."""
     (rope,) = _fused(RotaryEmbedding(64, 4096, 10000.0, rotary_dim=rotary_dim))
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
     h, hkv, d = 12, 4, 64
-    want_q, want_k = RotaryEmbedding.forward(rope, positions, *_qkv(tokens, h, hkv, d, tokens))
-    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=torch.Generator().manual_seed(tokens))
+    want_q, want_k = RotaryEmbedding.forward(rope, positions,
+                                             *_qkv(tokens, h, hkv, d, tokens, dtype))
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d,
+                      generator=torch.Generator().manual_seed(tokens)).to(dtype)
     before = qkv.clone()
     q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + hkv) * d].view(tokens, hkv, d)
     got_q, got_k = rope(positions, q, k)
@@ -83,6 +88,41 @@ def test_rms_norm_matches_torch(shape):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
         if shape[0] > 1:   # a row's result does not depend on the rows around it
             assert torch.equal(norm(x[1:2])[0], got[1])
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results of float32 arithmetic that differs from torch's only in the last float32
+    bits: equal but for values that sat on a bf16 rounding boundary, and there within a bf16
+    step of each of the two roundings (the activation, then its product)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    differ = int((got != want).sum())
+    assert differ <= 0.01 * got.numel(), f"{differ} of {got.numel()} differ"
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-30)
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (64, 768), (5, 100), (0, 64)])
+def test_bf16_rms_norm_matches_torch(shape):
+    (norm,) = _fused(RMSNorm(shape[1], 1e-5).to(torch.bfloat16))
+    torch.nn.init.normal_(norm.weight.data)
+    x = (torch.randn(*shape) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, want = norm(x), RMSNorm.forward(norm, x)
+        _bf16_close(got, want)
+        if shape[0] > 1:
+            assert torch.equal(norm(x[1:2])[0], got[1])
+        q, _ = _qkv(9, 6, 2, 64, dtype=torch.bfloat16)            # Qwen3's strided heads
+        head_norm = _fused(RMSNorm(64, 1e-6).to(torch.bfloat16))[0]
+        _bf16_close(head_norm(q), RMSNorm.forward(head_norm, q))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 64])
+def test_bf16_silu_and_mul_matches_torch(rows):
+    (act,) = _fused(SiluAndMul())
+    x = (torch.randn(rows, 2 * 1000) * 8).to(torch.bfloat16)
+    x[:, 0] = -1000.0                                     # exp(-g) overflows: -0, not NaN
+    got = act(x)
+    assert not got.isnan().any()
+    _bf16_close(got, SiluAndMul.forward(act, x))
 
 
 def test_rms_norm_of_strided_heads_matches_torch():
@@ -119,12 +159,13 @@ def test_silu_and_mul_of_extreme_gates_is_finite():
 def test_inputs_the_kernels_do_not_take_run_the_torch_code():
     norm, act, rope = _fused(RMSNorm(64, 1e-6), SiluAndMul(), RotaryEmbedding(64, 128, 1e4))
     with torch.inference_mode():
-        x = torch.randn(4, 64, dtype=torch.bfloat16)
-        assert torch.equal(norm.to(torch.bfloat16)(x), RMSNorm.forward(norm, x))
+        x = torch.randn(4, 64, dtype=torch.float16)               # no fp16 kernels
+        assert torch.equal(norm.to(torch.float16)(x), RMSNorm.forward(norm, x))
+        assert not norm.cpu_ops.rms_norm(x, norm.weight.float(), 1e-6)  # dtypes differ
         g = torch.randn(64, 4).t()                                # last dim not contiguous
         assert torch.equal(act(g), SiluAndMul.forward(act, g))
         q, k = _qkv(3, 2, 1, 64)
-        q16, k16 = q.to(torch.bfloat16), k.to(torch.bfloat16)
+        q16, k16 = q.to(torch.float16), k.to(torch.float16)
         pos = torch.tensor([0, 5, 9])
         for got, want in zip(rope(pos, q16, k16), RotaryEmbedding.forward(rope, pos, q16, k16)):
             assert torch.equal(got, want)
@@ -141,14 +182,14 @@ def test_rope_positions_outside_the_table_raise_as_torch_does():
 
 
 def test_a_silu_kernel_slower_than_torch_is_not_used(monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_silu_faster", [])
+    monkeypatch.setattr(cpu, "_silu_faster", {})
     monkeypatch.setattr(cpu.CpuOps, "silu_and_mul", lambda self, x: (time.sleep(0.002), x)[1])
     mods = torch.nn.ModuleList([RMSNorm(8), SiluAndMul()])
     with caplog.at_level(logging.INFO):
         assert cpu.fuse_elementwise(mods) == 1
     assert hasattr(mods[0], "cpu_ops") and not hasattr(mods[1], "cpu_ops")
     assert "slower than torch's here" in caplog.text
-    monkeypatch.setattr(cpu, "_silu_faster", [])
+    monkeypatch.setattr(cpu, "_silu_faster", {})
     monkeypatch.undo()
     assert isinstance(cpu._silu_kernel_is_faster(cpu.cpu_ops()), bool)
 

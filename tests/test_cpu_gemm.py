@@ -57,6 +57,45 @@ def test_bf16_weights_widened_exactly(m, n, k):
     assert GEMM.linear(x.float(), packed, n, b.float()) is None        # dtype not the weight's
 
 
+def test_bf16_dot_products_where_the_cpu_has_them():
+    """With AVX512-BF16 (this machine's compiler targets its own CPU) bf16 weights are packed in
+    pairs of k (k rounded up to even) and take a bf16 input as it is; elsewhere they are widened
+    to meet an fp32 input. Both give the same values up to fp32 summation order."""
+    from pathlib import Path
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or " avx512f " not in cpuinfo.read_text():
+        pytest.skip("not an x86 Linux machine with AVX-512")
+    assert GEMM.bf16_dot == (" avx512_bf16 " in cpuinfo.read_text())
+    x, w, b = (t.bfloat16() for t in _case(7, 40, 9))
+    packed = GEMM.pack(w)
+    k = 10 if GEMM.bf16_dot else 9
+    assert packed.numel() == 64 * k                      # two panels of 32 or 16 columns
+    if GEMM.bf16_dot:                                    # [panel][k / 2][32][2], zero-padded
+        pairs = packed.view(2, 5, 32, 2)
+        assert torch.equal(pairs[0, :, 3, :].reshape(-1)[:9], w[3])
+        assert torch.equal(pairs[0, 4, :, 1], torch.zeros(32, dtype=torch.bfloat16))
+        assert torch.equal(pairs[1, :, 8:], torch.zeros(5, 24, 2, dtype=torch.bfloat16))
+    y = GEMM.linear(x, packed, 40, b)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-4)
+
+
+def test_bf16_outputs_are_rounded_as_torch_rounds():
+    """A bf16 layer's output is rounded once, by the kernel, from the fp32 sum: to nearest even,
+    infinities kept, NaN as NaN. With k = 2 the fp32 sum is exact products rounded
+    once, whatever the order or instruction, so it must equal torch's fp32 product rounded."""
+    x, w, _ = (t.bfloat16() for t in _case(7, 40, 2, seed=3))
+    x[1, 0], x[2, :] = float("inf"), torch.tensor([float("inf"), -float("inf")])
+    w[5, :] = torch.tensor([1.0, 1.0])                   # row 2: inf - inf = NaN
+    x[3, 0] = float("nan")
+    y = GEMM.linear(x, GEMM.pack(w), 40, None)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    nan = want.isnan()                 # (torch's NaN bits differ between its own code paths)
+    assert torch.equal(y.isnan(), nan) and nan[2, 5] and y[1].isinf().any()
+    assert torch.equal(y.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_rows_are_batch_invariant_and_threads_do_not_change_bits():
     """Each output is one in-order sum over k, whatever the batch it is in and the thread
     count: a request's logits do not depend on what it was batched with."""
@@ -84,6 +123,12 @@ def test_strided_inputs_and_weights():
     assert torch.equal(GEMM.linear(view, packed, 40, b), GEMM.linear(x, packed, 40, b))
     xt = x.T.contiguous().T                    # columns strided: copied first
     assert torch.equal(GEMM.linear(xt, packed, 40, b), GEMM.linear(x, packed, 40, b))
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()   # bf16: widened, then copied
+    packed_b = GEMM.pack(wb)
+    assert torch.equal(GEMM.linear(xb.T.contiguous().T, packed_b, 40, bb),
+                       GEMM.linear(xb, packed_b, 40, bb))
+    assert torch.equal(GEMM.linear(wide.bfloat16()[:, 3:27], packed_b, 40, bb),
+                       GEMM.linear(xb, packed_b, 40, bb))
     wwide = torch.randn(40, 30)
     wwide[:, :24] = w
     assert torch.equal(GEMM.pack(wwide[:, :24]), packed)   # weight rows strided
@@ -122,6 +167,32 @@ def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():
     out = cpu._run("native", x.requires_grad_(), w, packed, b)
     assert out.requires_grad                                            # torch's, with a graph
     _check(out.detach(), x.detach(), w, b)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("path", ["native", "mkl", "onednn"])
+def test_a_planned_layer_whose_weight_needs_grad_keeps_autograd(monkeypatch, path, bias):
+    """Packed copies have no autograd history: a layer being trained (weight or bias that
+    requires grad, grad mode on) takes torch's linear, and gets the same gradients."""
+    if path not in cpu.available_gemm_paths():
+        pytest.skip(f"{path} path not in this torch build")
+    monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths, dtype=torch.float32:
+                        cpu.GemmPlan(shape, (1,), (path,)))
+    torch.manual_seed(0)
+    layer, ref = torch.nn.Linear(16, 8, bias=bias), torch.nn.Linear(16, 8, bias=bias)
+    ref.load_state_dict(layer.state_dict())
+    cpu.pack_linear_weights(torch.nn.Sequential(layer))
+    assert layer.gemm_plan.paths == (path,)
+    x = torch.randn(5, 16)
+    out = layer(x)
+    assert out.requires_grad
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, ref.bias.grad)
+    with torch.no_grad():                          # inference: the packed path, same values
+        torch.testing.assert_close(layer(x), ref(x))
 
 
 def test_native_is_a_measured_path_with_a_compiler_and_absent_without(monkeypatch, tmp_path,

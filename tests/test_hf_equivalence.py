@@ -47,6 +47,15 @@ def force_native_gemm(monkeypatch) -> None:
                                      dtype=str(dtype).removeprefix("torch.")))
 
 
+def assert_all_native(llm: LLM, dtype: torch.dtype) -> None:
+    """Every linear layer of the engine's model was planned on the native GEMM, packed in
+    ``dtype`` (and there were such layers)."""
+    model = llm.engine.executor.worker.runner.model
+    planned = [m for m in model.modules() if hasattr(m, "gemm_plan")]
+    assert planned and all(m.gemm_plan.paths == ("native",)
+                           and m.gemm_packed["native"].dtype == dtype for m in planned)
+
+
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
@@ -101,6 +110,8 @@ def test_greedy_matches_transformers(reference, setting, monkeypatch):
     cfg = engine_config(path, **SETTINGS[setting])
     cfg["model"]["max_model_len"] = MAX_MODEL_LEN
     llm = LLM(cfg)
+    if setting == "native_gemm":
+        assert_all_native(llm, torch.float32)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     if setting == "prefix_cached":
         llm.generate([{"prompt_token_ids": p[:len(p) // 2 + 1]} for p in prompts],
@@ -165,8 +176,10 @@ def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, mo
         model = llm.engine.executor.worker.runner.model
         assert next(model.parameters()).dtype == torch.bfloat16
         if gemm == "native":
-            assert all(m.gemm_plan.paths == ("native",) and m.gemm_packed["native"].dtype
-                       == torch.bfloat16 for m in model.modules() if hasattr(m, "gemm_plan"))
+            assert_all_native(llm, torch.bfloat16)
+        from corellm.worker import cpu
+        if cpu.cpu_ops() is not None:       # RMSNorm, SiLU and RoPE through the bf16 kernels
+            assert sum(hasattr(m, "cpu_ops") for m in model.modules()) >= 3
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                               ignore_eos=True), use_tqdm=False)

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.conftest import engine_config
+from tests.test_sim import make_profile
 
 MAX_MODEL_LEN = 256
 READY = re.compile(r"serving '(?P<model>[^']+)' on (?P<url>http://\S+) \(engine core pid "
@@ -585,6 +586,11 @@ def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
 def fragile_server(llama_path, tmp_path):
     # Stays up after the engine dies (exiting is the default: tests/test_server_reliability.py)
     config = {**_server_config(llama_path), "frontend": {"exit_on_engine_death": False}}
+    # Paced by the simulated executor (20 ms a step on the real clock), so the requests the
+    # test kills the engine under are still running then, however fast the machine.
+    config["executor"] = {"name": "sim", "clock": "real",
+                          "profile": str(make_profile(llama_path, tmp_path / "profile.json",
+                                                      base=0.02))}
     srv = Server(tmp_path, config, "--api-key", "sekret")
     yield srv
     srv.stop(signal.SIGKILL)

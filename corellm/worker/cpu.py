@@ -85,7 +85,7 @@ def tune_malloc() -> bool:
 # in one can rank paths wrongly: each cached plan records the machine's speed when it was
 # measured (a small calibration matmul), and is measured again when the machine is now clearly
 # faster than it was then.
-_PLAN_VERSION = 4
+_PLAN_VERSION = 5
 _CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (~2-5 ms)
 _STALE_SPEEDUP = 1.3                    # re-measure a plan made when the machine was this slower
 _PROBE_ROWS = (1, 4, 16, 64, 256)      # a bucket is (previous probe, probe]; larger -> last
@@ -174,7 +174,9 @@ def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
 
 class NativeGemm:
     """ctypes bindings of cpu_gemm.c: ``x @ W^T + bias`` in fp32 on W packed in panels, for fp32
-    or bf16 weights (a bf16 layer's input is widened to fp32 and its output rounded to bf16)."""
+    or bf16 weights. A bf16 layer's output is rounded to bf16; its input meets the weights in
+    bf16 dot products where the CPU has them (``bf16_dot``: AVX512-BF16), else it is widened
+    to fp32 (exactly, as the weights are)."""
 
     _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -188,10 +190,13 @@ class NativeGemm:
             pack = self._pack[dtype] = getattr(lib, f"corellm_gemm_pack_{suffix}")
             pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
             pack.restype = None
-        self._size = lib.corellm_gemm_packed_size
-        self._size.argtypes = [i64, i64]
-        self._size.restype = i64
+        self._sizes = {torch.float32: lib.corellm_gemm_packed_size,
+                       torch.bfloat16: lib.corellm_gemm_packed_size_bf16}
+        for size in self._sizes.values():
+            size.argtypes = [i64, i64]
+            size.restype = i64
         self.panel = int(lib.corellm_gemm_nr())
+        self.bf16_dot = bool(lib.corellm_gemm_bf16_dot())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of an fp32 or bf16 [out, in] weight (rows may be strided)."""
@@ -201,7 +206,7 @@ class NativeGemm:
                              f"contiguous rows, not {weight.dtype} {tuple(weight.shape)} "
                              f"strides {weight.stride()} on {weight.device}")
         n, k = weight.shape
-        out = torch.empty(self._size(n, k), dtype=weight.dtype)
+        out = torch.empty(self._sizes[weight.dtype](n, k), dtype=weight.dtype)
         self._pack[weight.dtype](weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
                                  torch.get_num_threads())
         return out
@@ -210,24 +215,25 @@ class NativeGemm:
                bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`, in the weight's dtype;
         None for inputs it does not take (autograd, a dtype or device other than the weight's,
-        a bias that is not n contiguous values of that dtype)."""
+        a bias that is not n contiguous values of that dtype). The packed copy has no autograd
+        history: callers whose weight requires grad must take ``F.linear`` instead."""
         dtype = packed.dtype
         if (x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu"
                 or dtype not in self._DTYPES
-                or (torch.is_grad_enabled() and (x.requires_grad or packed.requires_grad
+                or (torch.is_grad_enabled() and (x.requires_grad
                                                  or (bias is not None and bias.requires_grad)))
-                or packed.numel() != self._size(n, x.shape[1])):
+                or packed.numel() != self._sizes[dtype](n, x.shape[1])):
             return None
         if bias is not None and (bias.dtype != dtype or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             return None
-        if dtype != torch.float32:                      # the kernel reads fp32 rows
-            x = x.float()
+        if dtype != torch.float32:            # fp32 bias; fp32 rows unless bf16 dot products
+            x = x if self.bf16_dot else x.float()       # (.float() keeps x's strides)
             bias = None if bias is None else bias.float()
-        elif x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
             x = x.contiguous()
         m, k = x.shape
-        out = torch.empty((m, n), dtype=torch.float32)
+        out = torch.empty((m, n), dtype=dtype)          # bf16: rounded once by the kernel
         if m and n:
             if k == 0:
                 out.zero_() if bias is None else out.copy_(bias.expand(m, n))
@@ -236,7 +242,7 @@ class NativeGemm:
                                    m, n, k, torch.get_num_threads()):
                 raise MemoryError(f"native GEMM: no scratch for widening a {dtype} weight "
                                   f"of {n}x{k}")
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out
 
 
 _GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")
@@ -487,8 +493,10 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
 
 def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dim() != 2:
-        return F.linear(x, self.weight, bias)
+    if x.dim() != 2 or (torch.is_grad_enabled() and (
+            self.weight.requires_grad or x.requires_grad
+            or (bias is not None and bias.requires_grad))):
+        return F.linear(x, self.weight, bias)     # packed copies carry no autograd history
     path = self.gemm_plan.path_for(x.shape[0])
     return _run(path, x, self.weight, self.gemm_packed[path], bias)
 
@@ -512,23 +520,28 @@ class CpuOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._rms = lib.corellm_rms_norm_f32
-        self._rms.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, f32, i32]
-        self._silu = lib.corellm_silu_and_mul_f32
-        self._silu.argtypes = [ptr, ptr, i64, i64, i32]
-        self._rope = lib.corellm_rope_f32
-        self._rope.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                               i32]
-        for fn in (self._rms, self._silu, self._rope):
-            fn.restype = None
+        self._rms, self._silu, self._rope = {}, {}, {}
+        for dtype, suffix in self.DTYPES.items():
+            rms = self._rms[dtype] = getattr(lib, f"corellm_rms_norm_{suffix}")
+            rms.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, f32, i32]
+            silu = self._silu[dtype] = getattr(lib, f"corellm_silu_and_mul_{suffix}")
+            silu.argtypes = [ptr, ptr, i64, i64, i32]
+            rope = self._rope[dtype] = getattr(lib, f"corellm_rope_{suffix}")
+            rope.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
+                             i32]
+            for fn in (rms, silu, rope):
+                fn.restype = None
 
-    @staticmethod
-    def _takes(*xs: torch.Tensor) -> bool:
+    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+    @classmethod
+    def _takes(cls, *xs: torch.Tensor) -> bool:
+        """CPU tensors of one dtype the kernels have, unit-strided in the last dimension."""
         # Not for autograd: the kernels neither record a graph nor bump version counters.
         if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
             return False
-        return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-                   for x in xs)
+        return xs[0].dtype in cls.DTYPES and all(
+            x.dtype == xs[0].dtype and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
@@ -539,8 +552,9 @@ class CpuOps:
         out = torch.empty(x.shape, dtype=x.dtype)
         rows = out.numel() // n if n else 0
         if rows:
-            self._rms(x.data_ptr(), x.stride(0), inner_stride, inner, weight.data_ptr(),
-                      out.data_ptr(), rows, n, eps, torch.get_num_threads())
+            self._rms[x.dtype](x.data_ptr(), x.stride(0), inner_stride, inner,
+                               weight.data_ptr(), out.data_ptr(), rows, n, eps,
+                               torch.get_num_threads())
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -549,14 +563,16 @@ class CpuOps:
         d = x.shape[1] // 2
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         if out.numel():
-            self._silu(x.data_ptr(), out.data_ptr(), x.shape[0], d, torch.get_num_threads())
+            self._silu[x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], d,
+                                torch.get_num_threads())
         return out
 
     def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> bool:
         """Rotate q [T, H, D] and k [T, Hkv, D] in place; False (nothing done) when it does not
         take them."""
-        if (not self._takes(q, k, cos, sin) or q.dim() != 3 or k.dim() != 3
+        if (not self._takes(q, k) or not self._takes(cos, sin) or cos.dtype != torch.float32
+                or q.dim() != 3 or k.dim() != 3
                 or not (cos.is_contiguous() and sin.is_contiguous())
                 or cos.shape != sin.shape or 2 * cos.shape[1] != rotary_dim
                 or q.shape[2] < rotary_dim or k.shape[2] < rotary_dim
@@ -570,9 +586,10 @@ class CpuOps:
             lo, hi = torch.aminmax(positions)
             if int(lo) < 0 or int(hi) >= cos.shape[0]:
                 return False
-            self._rope(q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(),
-                       k.stride(0), k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0],
-                       cos.data_ptr(), sin.data_ptr(), rotary_dim, torch.get_num_threads())
+            self._rope[q.dtype](q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
+                                k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
+                                positions.data_ptr(), q.shape[0], cos.data_ptr(),
+                                sin.data_ptr(), rotary_dim, torch.get_num_threads())
         return True
 
 
@@ -609,17 +626,17 @@ def _fused_rope(self: torch.nn.Module, positions: torch.Tensor, q: torch.Tensor,
     return type(self).forward(self, positions, q, k)
 
 
-_silu_faster: list[bool] = []
+_silu_faster: dict[torch.dtype, bool] = {}
 
 
-def _silu_kernel_is_faster(ops: CpuOps) -> bool:
-    """Whether the SiLU-and-multiply kernel beats torch's here (measured once, ~10 ms). It is
-    the one kernel whose speed depends on the compiler: it needs a vectorized ``exp`` (GCC
-    finds glibc's vector ``expf`` under -ffast-math; a scalar one made it 3x slower than
-    torch)."""
-    if not _silu_faster:
+def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the SiLU-and-multiply kernel beats torch's here for ``dtype`` (measured once
+    per dtype, ~10 ms). It is the one kernel whose speed depends on the compiler: it needs a
+    vectorized ``exp`` (GCC finds glibc's vector ``expf`` under -ffast-math; a scalar one made
+    it 3x slower than torch)."""
+    if dtype not in _silu_faster:
         from corellm.layers import SiluAndMul
-        x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0)).to(dtype)
         best = {}
         for name, fn in (("kernel", ops.silu_and_mul), ("torch", SiluAndMul().forward)):
             fn(x)
@@ -630,30 +647,33 @@ def _silu_kernel_is_faster(ops: CpuOps) -> bool:
                     fn(x)
                 times.append(time.perf_counter() - t0)
             best[name] = min(times)
-        _silu_faster.append(best["kernel"] < best["torch"])
-        if not _silu_faster[0]:
-            logger.info("the fused SiLU-and-multiply kernel is slower than torch's here (%.0f vs "
-                        "%.0f us): SiluAndMul keeps the torch code", 250e3 * best["kernel"],
+        _silu_faster[dtype] = best["kernel"] < best["torch"]
+        if not _silu_faster[dtype]:
+            logger.info("the fused %s SiLU-and-multiply kernel is slower than torch's here (%.0f "
+                        "vs %.0f us): SiluAndMul keeps the torch code",
+                        str(dtype).removeprefix("torch."), 250e3 * best["kernel"],
                         250e3 * best["torch"])
-    return _silu_faster[0]
+    return _silu_faster[dtype]
 
 
 def fuse_elementwise(model: torch.nn.Module) -> int:
     """Route the core's RMSNorm, SiluAndMul and RotaryEmbedding modules of ``model`` through the
-    fused float32 CPU kernels (other inputs keep the torch code). Returns the number of modules
-    routed: 0 when the kernels cannot be built here."""
+    fused float32 or bfloat16 CPU kernels (other inputs keep the torch code). Returns the number
+    of modules routed: 0 when the kernels cannot be built here."""
     from corellm.layers import RMSNorm, SiluAndMul
     from corellm.layers.rotary import RotaryEmbedding
     fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]
-    params = list(model.parameters())
-    if params and not any(p.dtype == torch.float32 and p.device.type == "cpu" for p in params):
-        modules = []                      # a bf16 or GPU model: the kernels take float32 on CPU
+    dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"}
+    dtype = next((d for d in CpuOps.DTYPES if d in dtypes), None)
+    if dtype is None and (dtypes or any(p.device.type != "cpu" for p in model.parameters())):
+        modules = []                 # an fp16 or GPU model: the kernels take fp32 or bf16 CPU
     ops = cpu_ops() if modules else None
     if ops is None:
         return 0
-    if any(type(m) is SiluAndMul for m in modules) and not _silu_kernel_is_faster(ops):
+    if (any(type(m) is SiluAndMul for m in modules)
+            and not _silu_kernel_is_faster(ops, dtype or torch.float32)):
         modules = [m for m in modules if type(m) is not SiluAndMul]
     for m in modules:
         m.cpu_ops = ops

@@ -19,7 +19,13 @@
  * For a block of more than MR rows a panel is widened once into a per-thread scratch and the
  * fp32 tiles run on it, so the widening is not repeated per tile.
  *
- * Written with GCC/Clang vector extensions, not intrinsics: the vector width is the target's
+ * CPUs with AVX512-BF16 (built with -march=native there): bf16 weights are packed in pairs of k,
+ * [ceil(N / NR)][ceil(K / 2)][NR][2], and a bf16 input (not widened) meets them in
+ * dot-product instructions, each multiplying two bf16 pairs exactly and adding both products
+ * to an fp32 accumulator (odd k first, then even; denormals flushed): twice the multiply-adds
+ * of an fp32 FMA per instruction, and no widening.
+ *
+ * Written with GCC/Clang vector extensions, not intrinsics (but for the bf16 dot product): the vector width is the target's
  * (8 floats with AVX2, 16 with AVX-512), and another architecture gets the same code in its own
  * registers. Summation order: each output is one sum over k in order, in fp32, so a row's result
  * does not depend on the other rows or on the thread count (tests compare with float64).
@@ -27,6 +33,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
 
 int omp_get_thread_num(void);      /* libgomp's, without needing omp.h at build time */
 
@@ -52,8 +65,15 @@ static inline vf bcast(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 int corellm_gemm_nr(void) { return NR; }
 
-/* The packed size of an [n, k] weight, in floats. */
+/* 1 where bf16 weights meet a bf16 input in dot-product instructions (then corellm_gemm_bf16
+ * takes bf16 rows of x), 0 where they are widened to meet an fp32 input. */
+int corellm_gemm_bf16_dot(void) { return BF16_DOT; }
+
+/* The packed size of an [n, k] weight, in elements (fp32 or bf16). */
 int64_t corellm_gemm_packed_size(int64_t n, int64_t k) { return (n + NR - 1) / NR * NR * k; }
+int64_t corellm_gemm_packed_size_bf16(int64_t n, int64_t k) {
+    return corellm_gemm_packed_size(n, BF16_DOT ? (k + 1) / 2 * 2 : k);
+}
 
 /* W [n, k], row stride ldw -> out [ceil(n / NR)][k][NR], zero-padded (elements of 4 or 2
  * bytes: fp32 or bf16, copied as they are). */
@@ -78,7 +98,26 @@ void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W#
 typedef float f32_t;
 typedef uint16_t bf16_t;
 PACK(f32)
+#if !BF16_DOT
 PACK(bf16)
+#else
+/* W [n, k] bf16 -> out [ceil(n / NR)][ceil(k / 2)][NR][2]: each column's pair (k even, k odd)
+ * is one 32-bit lane; zero-padded in n and, for odd k, in the last pair. */
+void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, bf16_t *out,
+                            int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR, k2 = (k + 1) / 2 * 2;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        bf16_t *o = out + p * k2 * NR;
+        for (int64_t j = 0; j < NR; ++j) {
+            const int64_t col = p * NR + j;
+            const bf16_t *src = w + col * ldw;
+            for (int64_t kk = 0; kk < k2; ++kk)
+                o[(kk / 2 * NR + j) * 2 + (kk & 1)] = col < n && kk < k ? src[kk] : 0;
+        }
+    }
+}
+#endif
 
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -115,7 +154,55 @@ typedef void (*tile_##W##_fn)(int64_t, const float *, int64_t, const W##_t *, co
 static const tile_##W##_fn tiles_##W[MR + 1] = {0, tile_##W##_1, tile_##W##_2, tile_##W##_3, \
                                                  tile_##W##_4, tile_##W##_5, tile_##W##_6};
 TILES(f32, load_f32)
+#if !BF16_DOT
 TILES(bf16, load_bf16)
+#endif
+
+#if BF16_DOT
+/* One tile with bf16 dot products: rows [0, R) of a bf16 x (row stride lda) times one panel
+ * of pairs b, plus bias (NR floats or NULL), into c (row stride ldc). */
+static inline __m512 dot(__m512 acc, __m512i w, uint32_t pair) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)pair));
+}
+#define DOT_KERNEL(R)                                                                         \
+static void dot_tile_##R(int64_t k, const bf16_t *a, int64_t lda, const bf16_t *b,           \
+                         const float *bias, float *c, int64_t ldc) {                          \
+    __m512 c0[R], c1[R];                                                                      \
+    const __m512 z0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                     \
+    const __m512 z1 = bias ? _mm512_loadu_ps(bias + VW) : _mm512_setzero_ps();                \
+    for (int r = 0; r < R; ++r) { c0[r] = z0; c1[r] = z1; }                                   \
+    const int64_t pairs = k / 2;                                                              \
+    _Pragma("GCC unroll 4")                                                                    \
+    for (int64_t q = 0; q < pairs; ++q) {                                                     \
+        const __m512i b0 = _mm512_loadu_si512(b + q * 2 * NR);                                \
+        const __m512i b1 = _mm512_loadu_si512(b + q * 2 * NR + 2 * VW);                       \
+        for (int r = 0; r < R; ++r) {                                                         \
+            uint32_t pair;                                                                    \
+            memcpy(&pair, a + r * lda + 2 * q, sizeof pair);                                  \
+            c0[r] = dot(c0[r], b0, pair);                                                     \
+            c1[r] = dot(c1[r], b1, pair);                                                     \
+        }                                                                                     \
+    }                                                                                         \
+    if (k & 1) {                       /* the last k alone: its pair's upper half is zero */  \
+        const __m512i b0 = _mm512_loadu_si512(b + pairs * 2 * NR);                            \
+        const __m512i b1 = _mm512_loadu_si512(b + pairs * 2 * NR + 2 * VW);                   \
+        for (int r = 0; r < R; ++r) {                                                         \
+            const uint32_t pair = a[r * lda + k - 1];                                         \
+            c0[r] = dot(c0[r], b0, pair);                                                     \
+            c1[r] = dot(c1[r], b1, pair);                                                     \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < R; ++r) {                                                             \
+        _mm512_storeu_ps(c + r * ldc, c0[r]);                                                 \
+        _mm512_storeu_ps(c + r * ldc + VW, c1[r]);                                            \
+    }                                                                                         \
+}
+DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
+typedef void (*dot_tile_fn)(int64_t, const bf16_t *, int64_t, const bf16_t *, const float *,
+                            float *, int64_t);
+static const dot_tile_fn dot_tiles[MR + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3,
+                                              dot_tile_4, dot_tile_5, dot_tile_6};
+#endif
 
 /* A bf16 panel of k rows as fp32, for a block of rows that would otherwise convert it once
  * per tile. */
@@ -123,14 +210,28 @@ static void widen(const bf16_t *b, int64_t k, float *out) {
     for (int64_t i = 0; i < k * NR; i += VW) store(out + i, load_bf16(b + i));
 }
 
+/* n fp32 values rounded to bf16 as torch rounds them: to nearest even, NaN -> 0x7fc0. */
+static void round_bf16(bf16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u
+                                                 : (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL), W
- * packed by corellm_gemm_pack_f32 (bf16 == 0) or corellm_gemm_pack_bf16 (bf16 == 1). Returns
- * -1, having written nothing, when the scratch of widened bf16 panels cannot be allocated. */
-static int gemm(const float *x, int64_t lda, const void *packed, int bf16, const float *bias,
-                float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+ * packed by corellm_gemm_pack_f32 (bf16 == 0) or corellm_gemm_pack_bf16 (bf16 == 1); x is
+ * fp32, or bf16 where bf16 weights take dot products (BF16_DOT); y is fp32, or bf16 (y_bf16:
+ * each tile is accumulated in fp32 and rounded once as it is stored). Returns -1, having
+ * written nothing, when the scratch of widened bf16 panels cannot be allocated. */
+static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
+                void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
+    const int64_t panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
     float *wide = NULL;                 /* per thread: one panel widened to fp32 */
-    if (bf16 && m > MR) {
+    if (bf16 && !BF16_DOT && m > MR) {
         wide = malloc((size_t)num_threads * (size_t)(k * NR) * sizeof(float));
         if (!wide) return -1;
     }
@@ -144,9 +245,9 @@ static int gemm(const float *x, int64_t lda, const void *packed, int bf16, const
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < panels; ++p) {
                 const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
-                const float *b32 = bf16 ? NULL : (const float *)packed + p * k * NR;
-                const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * k * NR : NULL;
-                if (b16 && m1 - m0 > MR) {      /* several tiles: widen the panel once */
+                const float *b32 = bf16 ? NULL : (const float *)packed + p * panel;
+                const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * panel : NULL;
+                if (b16 && !BF16_DOT && m1 - m0 > MR) {   /* several tiles: widen it once */
                     widen(b16, k, mine);
                     b32 = mine;
                     b16 = NULL;
@@ -159,13 +260,23 @@ static int gemm(const float *x, int64_t lda, const void *packed, int bf16, const
                 }
                 for (int64_t r0 = m0; r0 < m1; r0 += MR) {
                     const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
-                    float *c = width == NR ? y + r0 * ldy + col : edge;
-                    const int64_t ldc = width == NR ? ldy : NR;
-                    if (b16) tiles_bf16[rows](k, x + r0 * lda, lda, b16, pb, c, ldc);
-                    else tiles_f32[rows](k, x + r0 * lda, lda, b32, pb, c, ldc);
-                    if (width < NR)             /* the last, partial panel: through a tile */
+                    const int direct = width == NR && !y_bf16;   /* else through edge */
+                    float *c = direct ? (float *)y + r0 * ldy + col : edge;
+                    const int64_t ldc = direct ? ldy : NR;
+#if BF16_DOT
+                    if (b16) dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, b16, pb, c,
+                                             ldc);
+#else
+                    if (b16) tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, b16, pb, c,
+                                              ldc);
+#endif
+                    else tiles_f32[rows](k, (const float *)x + r0 * lda, lda, b32, pb, c, ldc);
+                    if (y_bf16)
                         for (int64_t r = 0; r < rows; ++r)
-                            memcpy(y + (r0 + r) * ldy + col, edge + r * NR,
+                            round_bf16((bf16_t *)y + (r0 + r) * ldy + col, edge + r * NR, width);
+                    else if (width < NR)        /* the last, partial panel: through a tile */
+                        for (int64_t r = 0; r < rows; ++r)
+                            memcpy((float *)y + (r0 + r) * ldy + col, edge + r * NR,
                                    (size_t)width * sizeof(float));
                 }
             }
@@ -177,10 +288,11 @@ static int gemm(const float *x, int64_t lda, const void *packed, int bf16, const
 
 int corellm_gemm_f32(const float *x, int64_t lda, const float *packed, const float *bias,
                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 0, bias, y, ldy, m, n, k, num_threads);
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, num_threads);
 }
 
-int corellm_gemm_bf16(const float *x, int64_t lda, const bf16_t *packed, const float *bias,
-                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 1, bias, y, ldy, m, n, k, num_threads);
+/* y is bf16 [m, n] (row stride ldy), rounded once from the fp32 sums. */
+int corellm_gemm_bf16(const void *x, int64_t lda, const bf16_t *packed, const float *bias,
+                      bf16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, num_threads);
 }

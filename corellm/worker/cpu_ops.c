@@ -1,5 +1,5 @@
-/* Element-wise layers of a decoder in one pass each, for float32 on the CPU: RMSNorm,
- * SiLU-and-multiply and rotary embeddings (rotate-half form).
+/* Element-wise layers of a decoder in one pass each, for float32 and bfloat16 on the CPU:
+ * RMSNorm, SiLU-and-multiply and rotary embeddings (rotate-half form).
  *
  * Built on first use by corellm.native and called through ctypes (corellm/worker/cpu.py).
  * Each replaces a chain of torch ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; RoPE: two
@@ -14,68 +14,130 @@
  * divisor: SiLU clamps exp's argument (exp(88) is finite; the result is -0 either way), and an
  * RMSNorm row holding an infinity comes out NaN where torch gives zeros (the input is broken
  * already).
+ *
+ * bfloat16: arithmetic in float32, rounded to bf16 wherever the torch code of the layer rounds
+ * (every bf16 op of torch computes in float32 and rounds its result once): RMSNorm's normalized
+ * row before the weight multiplies it, SiLU before the up projection multiplies it, RoPE's
+ * cos/sin tables and each product and sum. So RoPE stays bit-equal to the torch code in bf16
+ * too, and RMSNorm and SiLU differ only where their float32 value lies within float32 rounding
+ * of a bf16 rounding boundary.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-/* out[r, :] = w * (x[r, :] * rsqrt(mean(x[r, :]^2) + eps)). Row r of x is at
- * (r / inner) * outer_stride + (r % inner) * inner_stride; out is contiguous [rows, n]. */
-void corellm_rms_norm_f32(const float *x, int64_t outer_stride, int64_t inner_stride,
-                          int64_t inner, const float *w, float *out, int64_t rows, int64_t n,
-                          float eps, int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + (r / inner) * outer_stride + (r % inner) * inner_stride;
-        float *o = out + r * n;
-        float acc[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; ++j) acc[j] += xr[i + j] * xr[i + j];
-        float sum = 0.f;
-        for (int j = 0; j < 16; ++j) sum += acc[j];
-        for (; i < n; ++i) sum += xr[i] * xr[i];
-        const float inv = 1.f / sqrtf(sum / (float)n + eps);
-        for (int64_t k = 0; k < n; ++k) o[k] = w[k] * (xr[k] * inv);
-    }
+typedef uint16_t bf16_t;
+
+static inline float from_bf16(bf16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* out[t, :] = silu(x[t, :d]) * x[t, d:] for x [rows, 2d] contiguous, out [rows, d]. */
-void corellm_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d,
-                              int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * d >= 65536)")
-    for (int64_t t = 0; t < rows; ++t) {
-        const float *g = x + t * 2 * d, *u = g + d;
-        float *o = out + t * d;
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < d; ++i) o[i] = g[i] / (1.f + expf(fminf(-g[i], 88.f))) * u[i];
-    }
+/* float32 -> bf16 as torch rounds: to nearest even, NaN -> 0x7fc0. */
+static inline bf16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u
+                                           : (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* bf16 rounding of a float32 value, kept as float32 (the value torch's next op reads). */
+static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+/* Per element type: LD reads a value as float32; FIN rounds a layer's final value for storing;
+ * RND rounds an intermediate value where the torch code of that dtype stores one (nothing in
+ * float32, to bf16 and back in bf16). */
+typedef float f32_t;
+#define LD_f32(v) (v)
+#define FIN_f32(v) (v)
+#define RND_f32(v) (v)
+#define LD_bf16(v) from_bf16(v)
+#define FIN_bf16(v) to_bf16(v)
+#define RND_bf16(v) round_bf16(v)
+
+/* out[r, :] = w * (x[r, :] * rsqrt(mean(x[r, :]^2) + eps)), the normalized row rounded as
+ * torch stores it before the weight multiplies it. Row r of x is at
+ * (r / inner) * outer_stride + (r % inner) * inner_stride; out is contiguous [rows, n]. */
+#define RMS_NORM(T)                                                                          \
+void corellm_rms_norm_##T(const T##_t *x, int64_t outer_stride, int64_t inner_stride,       \
+                          int64_t inner, const T##_t *w, T##_t *out, int64_t rows, int64_t n, \
+                          float eps, int num_threads) {                                      \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)") \
+    for (int64_t r = 0; r < rows; ++r) {                                                     \
+        const T##_t *xr = x + (r / inner) * outer_stride + (r % inner) * inner_stride;       \
+        T##_t *o = out + r * n;                                                              \
+        float acc[16] = {0};                                                                 \
+        int64_t i = 0;                                                                       \
+        for (; i + 16 <= n; i += 16)                                                         \
+            for (int j = 0; j < 16; ++j) {                                                   \
+                const float v = LD_##T(xr[i + j]);                                           \
+                acc[j] += v * v;                                                             \
+            }                                                                                \
+        float sum = 0.f;                                                                     \
+        for (int j = 0; j < 16; ++j) sum += acc[j];                                          \
+        for (; i < n; ++i) sum += LD_##T(xr[i]) * LD_##T(xr[i]);                             \
+        const float inv = 1.f / sqrtf(sum / (float)n + eps);                                 \
+        for (int64_t k = 0; k < n; ++k)                                                      \
+            o[k] = FIN_##T(LD_##T(w[k]) * RND_##T(LD_##T(xr[k]) * inv));                     \
+    }                                                                                        \
+}
+
+/* out[t, :] = silu(x[t, :d]) * x[t, d:] for x [rows, 2d] contiguous, out [rows, d]; the SiLU
+ * rounded as torch stores it before the product. */
+#define SILU_AND_MUL(T)                                                                      \
+void corellm_silu_and_mul_##T(const T##_t *x, T##_t *out, int64_t rows, int64_t d,           \
+                              int num_threads) {                                             \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * d >= 65536)") \
+    for (int64_t t = 0; t < rows; ++t) {                                                     \
+        const T##_t *g = x + t * 2 * d, *u = g + d;                                          \
+        T##_t *o = out + t * d;                                                              \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t i = 0; i < d; ++i) {                                                    \
+            const float gi = LD_##T(g[i]);                                                   \
+            o[i] = FIN_##T(RND_##T(gi / (1.f + expf(fminf(-gi, 88.f)))) * LD_##T(u[i]));     \
+        }                                                                                    \
+    }                                                                                        \
 }
 
 /* Rotate, in place, the first rot dims of each of the heads of token t of x (head h of token
- * t at x + t * token_stride + h * head_stride) by the cos/sin row of positions[t] (tables
- * [P, rot / 2]): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves. */
-static void rope_one(float *x, int64_t token_stride, int64_t head_stride, int64_t heads,
-                     int64_t t, const float *c, const float *s, int64_t half) {
-    for (int64_t h = 0; h < heads; ++h) {
-        float *x1 = x + t * token_stride + h * head_stride, *x2 = x1 + half;
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < half; ++i) {
-            const float a = x1[i], b = x2[i];
-            x1[i] = a * c[i] - b * s[i];
-            x2[i] = b * c[i] + a * s[i];
-        }
-    }
+ * t at x + t * token_stride + h * head_stride) by the cos/sin row of positions[t] (float32
+ * tables [P, rot / 2], rounded to the heads' dtype as torch converts them): x1' = x1 cos -
+ * x2 sin, x2' = x2 cos + x1 sin over the two halves, each product rounded as torch stores it. */
+#define ROPE(T)                                                                              \
+static void rope_one_##T(T##_t *x, int64_t token_stride, int64_t head_stride, int64_t heads, \
+                         int64_t t, const float *c, const float *s, int64_t half) {         \
+    for (int64_t h = 0; h < heads; ++h) {                                                    \
+        T##_t *x1 = x + t * token_stride + h * head_stride, *x2 = x1 + half;                 \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t i = 0; i < half; ++i) {                                                 \
+            const float a = LD_##T(x1[i]), b = LD_##T(x2[i]);                                \
+            const float ci = RND_##T(c[i]), si = RND_##T(s[i]);                              \
+            x1[i] = FIN_##T(RND_##T(a * ci) - RND_##T(b * si));                              \
+            x2[i] = FIN_##T(RND_##T(b * ci) + RND_##T(a * si));                              \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+void corellm_rope_##T(T##_t *q, int64_t q_token_stride, int64_t q_head_stride,               \
+                      int64_t q_heads, T##_t *k, int64_t k_token_stride,                     \
+                      int64_t k_head_stride, int64_t k_heads, const int64_t *positions,      \
+                      int64_t tokens, const float *cos_table, const float *sin_table,        \
+                      int64_t rot, int num_threads) {                                        \
+    const int64_t half = rot / 2, work = tokens * (q_heads + k_heads) * rot;                 \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(work >= 65536)")  \
+    for (int64_t t = 0; t < tokens; ++t) {                                                   \
+        const float *c = cos_table + positions[t] * half;                                    \
+        const float *s = sin_table + positions[t] * half;                                    \
+        rope_one_##T(q, q_token_stride, q_head_stride, q_heads, t, c, s, half);              \
+        rope_one_##T(k, k_token_stride, k_head_stride, k_heads, t, c, s, half);              \
+    }                                                                                        \
 }
 
-void corellm_rope_f32(float *q, int64_t q_token_stride, int64_t q_head_stride, int64_t q_heads,
-                      float *k, int64_t k_token_stride, int64_t k_head_stride, int64_t k_heads,
-                      const int64_t *positions, int64_t tokens, const float *cos_table,
-                      const float *sin_table, int64_t rot, int num_threads) {
-    const int64_t half = rot / 2, work = tokens * (q_heads + k_heads) * rot;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(work >= 65536)")
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
-        rope_one(q, q_token_stride, q_head_stride, q_heads, t, c, s, half);
-        rope_one(k, k_token_stride, k_head_stride, k_heads, t, c, s, half);
-    }
-}
+RMS_NORM(f32)
+RMS_NORM(bf16)
+SILU_AND_MUL(f32)
+SILU_AND_MUL(bf16)
+ROPE(f32)
+ROPE(bf16)
