@@ -107,20 +107,26 @@ def test_bf16_rms_norm_matches_torch(shape):
     x = (torch.randn(*shape) * 3).to(torch.bfloat16)
     with torch.inference_mode():
         got, want = norm(x), RMSNorm.forward(norm, x)
+        assert torch.equal(got, norm.cpu_ops.rms_norm(x, norm.weight, 1e-5))   # the kernel's
         _bf16_close(got, want)
         if shape[0] > 1:
             assert torch.equal(norm(x[1:2])[0], got[1])
         q, _ = _qkv(9, 6, 2, 64, dtype=torch.bfloat16)            # Qwen3's strided heads
         head_norm = _fused(RMSNorm(64, 1e-6).to(torch.bfloat16))[0]
-        _bf16_close(head_norm(q), RMSNorm.forward(head_norm, q))
+        got = head_norm(q)
+        assert torch.equal(got, head_norm.cpu_ops.rms_norm(q, head_norm.weight, 1e-6))
+        _bf16_close(got, RMSNorm.forward(head_norm, q))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 64])
 def test_bf16_silu_and_mul_matches_torch(rows):
-    (act,) = _fused(SiluAndMul())
+    # in a bf16 model (the kernel is used for the dtypes of the model it was fused into)
+    act, _ = _fused(SiluAndMul(), RMSNorm(8).to(torch.bfloat16))
+    assert act.cpu_ops_dtypes == {torch.bfloat16}
     x = (torch.randn(rows, 2 * 1000) * 8).to(torch.bfloat16)
     x[:, 0] = -1000.0                                     # exp(-g) overflows: -0, not NaN
     got = act(x)
+    assert torch.equal(got, act.cpu_ops.silu_and_mul(x))  # the kernel's result
     assert not got.isnan().any()
     _bf16_close(got, SiluAndMul.forward(act, x))
 
@@ -161,7 +167,9 @@ def test_inputs_the_kernels_do_not_take_run_the_torch_code():
     with torch.inference_mode():
         x = torch.randn(4, 64, dtype=torch.float16)               # no fp16 kernels
         assert torch.equal(norm.to(torch.float16)(x), RMSNorm.forward(norm, x))
-        assert not norm.cpu_ops.rms_norm(x, norm.weight.float(), 1e-6)  # dtypes differ
+        xb = x.to(torch.bfloat16)                                 # x and weight dtypes differ
+        assert norm.cpu_ops.rms_norm(xb, norm.weight.float(), 1e-6) is None
+        assert norm.cpu_ops.rms_norm(xb, norm.weight.bfloat16(), 1e-6) is not None
         g = torch.randn(64, 4).t()                                # last dim not contiguous
         assert torch.equal(act(g), SiluAndMul.forward(act, g))
         q, k = _qkv(3, 2, 1, 64)

@@ -63,9 +63,16 @@ def test_bf16_dot_products_where_the_cpu_has_them():
     to meet an fp32 input. Both give the same values up to fp32 summation order."""
     from pathlib import Path
     cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or " avx512f " not in cpuinfo.read_text():
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "avx512f" not in flags:
         pytest.skip("not an x86 Linux machine with AVX-512")
-    assert GEMM.bf16_dot == (" avx512_bf16 " in cpuinfo.read_text())
+    import subprocess
+
+    from corellm.native import compiler
+    macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True).stdout
+    # the CPU has it, and the compiler can target it (GCC 10 or later, clang 9 or later)
+    assert GEMM.bf16_dot == ("avx512_bf16" in flags and "__AVX512BF16__" in macros)
     x, w, b = (t.bfloat16() for t in _case(7, 40, 9))
     packed = GEMM.pack(w)
     k = 10 if GEMM.bf16_dot else 9
@@ -75,9 +82,15 @@ def test_bf16_dot_products_where_the_cpu_has_them():
         assert torch.equal(pairs[0, :, 3, :].reshape(-1)[:9], w[3])
         assert torch.equal(pairs[0, 4, :, 1], torch.zeros(32, dtype=torch.bfloat16))
         assert torch.equal(pairs[1, :, 8:], torch.zeros(5, 24, 2, dtype=torch.bfloat16))
-    y = GEMM.linear(x, packed, 40, b)
+    y = GEMM.linear(x, packed, 40, b, k=9)
     ref = x.double() @ w.double().T + b.double()
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-4)
+    # k given: an input of k + 1 (same packed size when k is paired) is refused, as torch would
+    x10 = torch.randn(7, 10).bfloat16()
+    assert GEMM.linear(x10, packed, 40, b, k=9) is None
+    assert cpu._run("native", x10[:, :9], w, packed, b).shape == (7, 40)
+    with pytest.raises(RuntimeError):
+        cpu._run("native", x10, w, packed, b)          # torch's error, not a silent product
 
 
 def test_bf16_outputs_are_rounded_as_torch_rounds():
@@ -191,8 +204,12 @@ def test_a_planned_layer_whose_weight_needs_grad_keeps_autograd(monkeypatch, pat
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
     if bias:
         torch.testing.assert_close(layer.bias.grad, ref.bias.grad)
+    ran = []
+    run = cpu._run
+    monkeypatch.setattr(cpu, "_run", lambda p, *a: (ran.append(p), run(p, *a))[1])
     with torch.no_grad():                          # inference: the packed path, same values
         torch.testing.assert_close(layer(x), ref(x))
+    assert ran == [path]
 
 
 def test_native_is_a_measured_path_with_a_compiler_and_absent_without(monkeypatch, tmp_path,

@@ -164,7 +164,7 @@ def _run(path: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor 
     if path == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if path == "native":
-        out = native_gemm().linear(x, packed, weight.shape[0], bias)
+        out = native_gemm().linear(x, packed, weight.shape[0], bias, k=weight.shape[1])
         return out if out is not None else F.linear(x, weight, bias)
     if path == "upcast":
         return F.linear(x.float(), weight.float(),
@@ -212,14 +212,16 @@ class NativeGemm:
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-               bias: torch.Tensor | None) -> torch.Tensor | None:
+               bias: torch.Tensor | None, k: int | None = None) -> torch.Tensor | None:
         """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`, in the weight's dtype;
         None for inputs it does not take (autograd, a dtype or device other than the weight's,
         a bias that is not n contiguous values of that dtype). The packed copy has no autograd
-        history: callers whose weight requires grad must take ``F.linear`` instead."""
+        history: callers whose weight requires grad must take ``F.linear`` instead. ``k``: the
+        weight's in-features, checked against x's; without it only the packed size checks x
+        (which cannot tell k from k + 1 for bf16 weights packed in pairs of k)."""
         dtype = packed.dtype
         if (x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu"
-                or dtype not in self._DTYPES
+                or dtype not in self._DTYPES or (k is not None and x.shape[1] != k)
                 or (torch.is_grad_enabled() and (x.requires_grad
                                                  or (bias is not None and bias.requires_grad)))
                 or packed.numel() != self._sizes[dtype](n, x.shape[1])):
@@ -615,7 +617,8 @@ def _fused_rms_norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_silu_and_mul(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = self.cpu_ops.silu_and_mul(x)
+    # only for the dtypes whose kernel measured faster than torch's
+    out = self.cpu_ops.silu_and_mul(x) if x.dtype in self.cpu_ops_dtypes else None
     return out if out is not None else type(self).forward(self, x)
 
 
@@ -665,18 +668,21 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]
-    dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"}
-    dtype = next((d for d in CpuOps.DTYPES if d in dtypes), None)
-    if dtype is None and (dtypes or any(p.device.type != "cpu" for p in model.parameters())):
+    dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"} & set(CpuOps.DTYPES)
+    if not dtypes and any(True for _ in model.parameters()):
         modules = []                 # an fp16 or GPU model: the kernels take fp32 or bf16 CPU
     ops = cpu_ops() if modules else None
     if ops is None:
         return 0
-    if (any(type(m) is SiluAndMul for m in modules)
-            and not _silu_kernel_is_faster(ops, dtype or torch.float32)):
+    # SiLU: the dtypes the model's parameters have (float32 for a model without parameters)
+    silu_dtypes = {d for d in (dtypes or {torch.float32})
+                   if any(type(m) is SiluAndMul for m in modules)
+                   and _silu_kernel_is_faster(ops, d)}
+    if not silu_dtypes:
         modules = [m for m in modules if type(m) is not SiluAndMul]
     for m in modules:
         m.cpu_ops = ops
+        m.cpu_ops_dtypes = silu_dtypes
         m.forward = types.MethodType(fused[type(m)], m)
     logger.info("fused CPU kernels for %d RMSNorm/SiLU-and-multiply/RoPE modules", len(modules))
     return len(modules)

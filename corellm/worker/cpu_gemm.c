@@ -27,8 +27,10 @@
  *
  * Written with GCC/Clang vector extensions, not intrinsics (but for the bf16 dot product): the vector width is the target's
  * (8 floats with AVX2, 16 with AVX-512), and another architecture gets the same code in its own
- * registers. Summation order: each output is one sum over k in order, in fp32, so a row's result
- * does not depend on the other rows or on the thread count (tests compare with float64).
+ * registers. Summation order: each output is one sum over k in order, in fp32 (with bf16 dot
+ * products: over the pairs of k in order, each pair's odd product added before its even one,
+ * denormals flushed), so a row's result does not depend on the other rows or on the thread
+ * count (tests compare with float64).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -111,9 +113,9 @@ void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, 
         bf16_t *o = out + p * k2 * NR;
         for (int64_t j = 0; j < NR; ++j) {
             const int64_t col = p * NR + j;
-            const bf16_t *src = w + col * ldw;
+            const bf16_t *src = col < n ? w + col * ldw : NULL;
             for (int64_t kk = 0; kk < k2; ++kk)
-                o[(kk / 2 * NR + j) * 2 + (kk & 1)] = col < n && kk < k ? src[kk] : 0;
+                o[(kk / 2 * NR + j) * 2 + (kk & 1)] = src && kk < k ? src[kk] : 0;
         }
     }
 }
