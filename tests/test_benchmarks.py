@@ -25,7 +25,7 @@ def test_prefix_cache_benchmark(llama_path, tmp_path, capsys):
     assert bench.main(["--model", str(llama_path), "--conversations", "3", "--turns", "3",
                        "--context-len", "40", "--user-len", "8", "--output-len", "4",
                        "--num-requests", "5", "--system-len", "48", "--question-len", "4:8",
-                       "--max-num-batched-tokens", "256",
+                       "--max-num-batched-tokens", "256", "--block-size", "16",
                        "--no-tqdm", "--json", str(out_json), "--plot", str(tmp_path / "pc.png")]) == 0
     table = capsys.readouterr().out
     assert "multi-turn" in table and "fewer prefill tokens" in table

@@ -35,6 +35,19 @@ def test_defaults(registry):
     assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib > 0
 
 
+def test_kv_block_size_defaults_per_device(registry, monkeypatch):
+    """Left out, kv_cache.block_size is the device's (vLLM's defaults): 128 tokens on the CPU,
+    16 on a GPU; device auto follows what torch finds; a value given is kept."""
+    import torch
+    size = lambda data: load_config(data, registry=registry).kv_cache.block_size  # noqa: E731
+    assert size({"model": {"device": "cpu"}}) == 128
+    assert size({"model": {"device": "cuda"}}) == 16
+    assert size({"model": {"device": "cpu"}, "kv_cache": {"block_size": 16}}) == 16
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert size({}) == (16 if cuda else 128)
+
+
 def test_auto_attention_takes_no_backend_options(registry):
     found = problems({"attention": {"name": "auto", "block_m": 32}}, registry)
     assert found == {"attention.block_m": "unknown option (attention.name: auto (name a "
