@@ -520,6 +520,8 @@ class CpuOps:
     """ctypes bindings of cpu_ops.c. Each method returns None for inputs it does not take (then
     the caller runs its torch code)."""
 
+    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._rms, self._silu, self._rope = {}, {}, {}
@@ -533,8 +535,6 @@ class CpuOps:
                              i32]
             for fn in (rms, silu, rope):
                 fn.restype = None
-
-    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
     @classmethod
     def _takes(cls, *xs: torch.Tensor) -> bool:
@@ -669,15 +669,15 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]
     dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"} & set(CpuOps.DTYPES)
-    if not dtypes and any(True for _ in model.parameters()):
+    if not dtypes and next(model.parameters(), None) is not None:
         modules = []                 # an fp16 or GPU model: the kernels take fp32 or bf16 CPU
     ops = cpu_ops() if modules else None
     if ops is None:
         return 0
     # SiLU: the dtypes the model's parameters have (float32 for a model without parameters)
+    has_silu = any(type(m) is SiluAndMul for m in modules)
     silu_dtypes = {d for d in (dtypes or {torch.float32})
-                   if any(type(m) is SiluAndMul for m in modules)
-                   and _silu_kernel_is_faster(ops, d)}
+                   if has_silu and _silu_kernel_is_faster(ops, d)}
     if not silu_dtypes:
         modules = [m for m in modules if type(m) is not SiluAndMul]
     for m in modules:

@@ -25,9 +25,9 @@
  * to an fp32 accumulator (odd k first, then even; denormals flushed): twice the multiply-adds
  * of an fp32 FMA per instruction, and no widening.
  *
- * Written with GCC/Clang vector extensions, not intrinsics (but for the bf16 dot product): the vector width is the target's
- * (8 floats with AVX2, 16 with AVX-512), and another architecture gets the same code in its own
- * registers. Summation order: each output is one sum over k in order, in fp32 (with bf16 dot
+ * Written with GCC/Clang vector extensions, not intrinsics (but for the bf16 dot product): the
+ * vector width is the target's (8 floats with AVX2, 16 with AVX-512), and another architecture
+ * gets the same code in its own registers. Summation order: each output is one sum over k in order, in fp32 (with bf16 dot
  * products: over the pairs of k in order, each pair's odd product added before its even one,
  * denormals flushed), so a row's result does not depend on the other rows or on the thread
  * count (tests compare with float64).
