@@ -2,7 +2,9 @@
 
 A plugin ships its kernel as C source with plain pointer arguments (no torch headers, so a
 build takes about a second rather than the minute a torch extension takes) and calls
-``load_library`` when its backend is built. The library is compiled for the machine it runs on
+``load_library`` when its backend is built. The core's own C headers (``corellm/csrc``: the
+register-blocked micro-kernel of its GEMM) are on every build's include path, so a plugin's
+kernel reuses them rather than copying them. The library is compiled for the machine it runs on
 (``-march=native``) and cached under ``~/.cache/corellm/native`` (``XDG_CACHE_HOME``), keyed by
 the source, the flags, the compiler's version and the CPU's model and feature flags, so a
 cache shared between different machines never hands one a library built for another. The
@@ -37,6 +39,9 @@ from corellm.errors import CorellmError
 logger = logging.getLogger(__name__)
 
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
+# Headers the core shares with every native library (``#include "corellm_tile.h"``): on the
+# include path of each build, and part of each build's cache key.
+INCLUDE_DIR = Path(__file__).with_name("csrc")
 LINK_FLAGS = ("-shared", "-fPIC", "-fopenmp")
 
 
@@ -85,10 +90,11 @@ def load_library(name: str, source: str | os.PathLike, flags: tuple[str, ...] = 
     if cc is None:
         raise NativeBuildError(f"building {name} from {source} needs a C compiler: none found "
                                "(set CC, or install gcc or clang)")
-    all_flags = (*BASE_FLAGS, *flags)
+    all_flags = (*BASE_FLAGS, f"-I{INCLUDE_DIR}", *flags)
     text = source.read_bytes()
+    headers = [h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h"))]
     digest = hashlib.sha256(b"\0".join([
-        text, " ".join(all_flags).encode(), " ".join(LINK_FLAGS).encode(),
+        text, *headers, " ".join(all_flags).encode(), " ".join(LINK_FLAGS).encode(),
         _compiler_version(cc).encode(),
         machine_key().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}" / f"lib{name}.so"

@@ -1,5 +1,6 @@
-"""The torch_sdpa backend's native decode path on the CPU (``paged_cpu.c``, built on first use by
-``corellm.native``), and the gather path it replaces there.
+"""The torch_sdpa backend's native paths on the CPU (``paged_cpu.c``, built on first use by
+``corellm.native``): decode, and prefill on the core's GEMM tiles; and the gather path the
+decode kernel replaces there.
 
 The backend runs whole steps (decodes next to a prefill and a chunk after cached context)
 against attention computed here in float64 from the paged cache. The cache is poisoned with NaN
@@ -28,17 +29,17 @@ CPU = torch.device("cpu")
 NUM_BLOCKS = 48
 
 
-def _backend(decode: str, dtype=torch.float32):
+def _backend(decode: str, dtype=torch.float32, prefill: str = "auto"):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
-    return TorchSDPABackend(decode, CPU, dtype)
+    return TorchSDPABackend(decode, CPU, dtype, prefill)
 
 
-def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan")):
+def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks=NUM_BLOCKS):
     """One step of ``reqs`` ((context length, new tokens), decodes first) through
     ``backend.forward`` over a cache that is ``fill`` (NaN) wherever no token was written."""
     gen = torch.Generator().manual_seed(seed)
     hkv, d = layer.num_kv_heads, layer.head_size
-    spec = backend.kv_cache_spec(layer, NUM_BLOCKS, bs, dtype)
+    spec = backend.kv_cache_spec(layer, num_blocks, bs, dtype)
     cache, tables = paged_cache(spec.shape, spec.dtype, reqs, bs, gen, fill)
     t = sum(n for _, n in reqs)
     # The query and new K/V as the model hands them: views into one fused projection.
@@ -48,8 +49,8 @@ def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan")):
     common = common_metadata(reqs, tables, bs, pad_blocks=1)
     slots = common.slot_mapping
     builder = backend.make_metadata_builder(AttentionBuildLimits(
-        block_size=bs, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-        device=CPU))
+        block_size=bs, max_num_seqs=max(8, len(reqs)), max_num_batched_tokens=max(64, t),
+        max_model_len=1024, device=CPU))
     out = backend.forward(layer, q, k, v, cache, builder.build(common))
     ref = reference_attention(layer, q, cache, reqs, tables, bs)
     flat = cache.flatten(1, 2)                                     # [2, slots, Hkv, D]
@@ -101,6 +102,66 @@ def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
         torch.set_num_threads(old)
 
 
+# Prefills: several row chunks (60 rows each) and key panels, after cached context (a
+# prefix-cache hit, a later chunk of a chunked prefill), a one-token prompt, next to decodes.
+LONG = [(9, 1), (130, 1), (0, 131), (40, 70), (200, 61), (0, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size,dtype,window", [
+    (4, 2, 64, 16, torch.float32, None),
+    (8, 1, 128, 16, torch.float32, None),
+    (6, 2, 64, 128, torch.float32, None),       # the CPU's default block size
+    (4, 4, 80, 8, torch.float32, None),         # head size: 2.5 vectors of 32 (a partial panel)
+    (4, 2, 36, 16, torch.float32, 50),          # and a window shorter than the prompts
+    (3, 1, 96, 12, torch.float32, 1),           # each token sees itself only
+    (4, 2, 64, 16, torch.bfloat16, None),
+    (6, 3, 80, 16, torch.bfloat16, 64),
+])
+def test_native_prefill_matches_float64_reference(heads, kv_heads, head_size, block_size,
+                                                  dtype, window):
+    layer = AttentionLayerSpec(0, heads, kv_heads, head_size, scale=0.7 * head_size ** -0.5,
+                               sliding_window=window)
+    out, ref = _step(_backend("native", dtype), layer, LONG, block_size, dtype,
+                     num_blocks=600 // block_size + 16)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
+
+
+@pytest.mark.parametrize("decode,prefill,sdpa_calls", [
+    ("native", "native", 0),        # one kernel call covers the step's prefills
+    ("native", "sdpa", 2),          # one SDPA call per prefill
+    ("gather", "native", 1),        # one SDPA call for the decode group
+    ("gather", "sdpa", 3),
+])
+def test_prefill_and_decode_paths_are_chosen_apart(monkeypatch, decode, prefill, sdpa_calls):
+    import torch.nn.functional as F
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    backend = _backend(decode, prefill=prefill)
+    assert (backend.decode_path, backend.prefill_path) == (decode, prefill)
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125, sliding_window=12)
+    out, ref = _step(backend, layer, [(5, 1), (0, 19), (33, 7)], 16, torch.float32,
+                     fill=0.0 if decode == "gather" else float("nan"))
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert len(calls) == sdpa_calls
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_prefill_thread_counts(threads):
+    """Work items (prefill, row chunk, KV head) go to threads dynamically: the result does not
+    depend on how many."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = AttentionLayerSpec(0, 6, 3, 64, scale=0.125)
+        out, ref = _step(_backend("native"), layer, [(0, 131), (17, 3)], 16, torch.float32)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("window", [1, 8, 16, 100])
 def test_native_decode_sliding_window(window):
     layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125, sliding_window=window)
@@ -127,8 +188,11 @@ def test_native_refusals_name_the_key(caplog):
         TorchSDPABackend("native", torch.device("cuda"), torch.float32)
     with pytest.raises(ConfigError, match=r"attention\.decode.*float32 or bfloat16"):
         TorchSDPABackend("native", CPU, torch.float16)
+    with pytest.raises(ConfigError, match=r"attention\.prefill.*CPU only"):
+        TorchSDPABackend("gather", torch.device("cuda"), torch.float32, "native")
     with caplog.at_level(logging.INFO):
-        assert TorchSDPABackend("auto", CPU, torch.float16).decode_path == "gather"
+        backend = TorchSDPABackend("auto", CPU, torch.float16)
+        assert (backend.decode_path, backend.prefill_path) == ("gather", "sdpa")
     assert "float32 or bfloat16" in caplog.text
 
 
@@ -142,6 +206,8 @@ def test_without_a_compiler_auto_gathers(monkeypatch, tmp_path, caplog):
     assert "needs a C compiler" in caplog.text
     with pytest.raises(ConfigError, match=r"attention\.decode.*needs a C compiler"):
         TorchSDPABackend("native", CPU, torch.float32)
+    with pytest.raises(ConfigError, match=r"attention\.prefill.*needs a C compiler"):
+        TorchSDPABackend("auto", CPU, torch.float32, "native")
 
 
 def test_native_build_is_cached_and_errors_are_clear(monkeypatch, tmp_path):
@@ -163,8 +229,9 @@ def test_native_build_is_cached_and_errors_are_clear(monkeypatch, tmp_path):
 
 
 def test_decode_paths_equal_transformers(make_checkpoint):
-    """Greedy tokens of both decode paths equal transformers' (GQA checkpoint, prompts from 1
-    to 131 tokens, chunked prefill beside decodes), and each other."""
+    """Greedy tokens of the native and the SDPA/gather paths equal transformers' (GQA
+    checkpoint, prompts from 1 to 131 tokens, chunked prefill beside decodes), and each
+    other."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from corellm import LLM, SamplingParams
@@ -175,11 +242,13 @@ def test_decode_paths_equal_transformers(make_checkpoint):
         max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for decode in ("native", "gather"):
-        cfg = engine_config(path, attention={"name": "torch_sdpa", "decode": decode},
+    for decode, prefill in (("native", "native"), ("gather", "sdpa")):
+        cfg = engine_config(path, attention={"name": "torch_sdpa", "decode": decode,
+                                             "prefill": prefill},
                             scheduler={"max_num_batched_tokens": 48})
         with LLM(cfg) as llm:
-            assert llm.engine.executor.worker.runner.attn_backend.decode_path == decode
+            backend = llm.engine.executor.worker.runner.attn_backend
+            assert (backend.decode_path, backend.prefill_path) == (decode, prefill)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
             assert_pool_whole(llm)
@@ -189,11 +258,14 @@ def test_decode_paths_equal_transformers(make_checkpoint):
     assert tokens["native"] == tokens["gather"]
 
 
-def test_decode_option_is_validated_at_its_key():
+def test_decode_and_prefill_options_are_validated_at_their_keys():
     from corellm.config import load_config
-    assert load_config({"attention": {"name": "torch_sdpa"}}).attention.decode == "auto"
+    attention = load_config({"attention": {"name": "torch_sdpa"}}).attention
+    assert (attention.decode, attention.prefill) == ("auto", "auto")
     with pytest.raises(ConfigError, match=r"attention\.decode.*'auto', 'native' or 'gather'"):
         load_config({"attention": {"name": "torch_sdpa", "decode": "inplace"}})
+    with pytest.raises(ConfigError, match=r"attention\.prefill.*'auto', 'native' or 'sdpa'"):
+        load_config({"attention": {"name": "torch_sdpa", "prefill": "flash"}})
 
 
 def test_loading_the_kernel_keeps_ieee_subnormals(tmp_path, monkeypatch):

@@ -178,3 +178,32 @@ def test_attention_benchmark(tmp_path):
         assert r["kv_mib"] == batch * 41 * 2 * 64 * 2 * 4 / 2**20
         assert abs(r["of_floor"] - r["floor_us"] / r["median_us"]) < 1e-9
     assert (tmp_path / "attn.png").stat().st_size > 0
+
+
+def test_attention_benchmark_prefill_phase(tmp_path):
+    """``--phase prefill``: the CPU's SDPA prefill path against its native kernel on the same
+    prompts; the two agree and GFLOP/s is causal attention's FLOPs over the time."""
+    import subprocess
+    import sys
+
+    out_json = tmp_path / "attn.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "attention.py"), "--phase", "prefill",
+         "--backends", "torch_sdpa:prefill=sdpa,torch_sdpa", "--heads", "6", "--kv-heads", "2",
+         "--head-size", "64", "--batch", "1,3", "--context", "70", "--block-size", "16",
+         "--iters", "2", "--bandwidth-mib", "16", "--device", "cpu",
+         "--json", str(out_json), "--plot", str(tmp_path / "attn.png")],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| torch_sdpa | 3 | 70 |" in proc.stdout
+    results = json.loads(out_json.read_text())
+    assert results["phase"] == "prefill"
+    rows = {(r["backend"], r["batch"]): r for r in results["rows"]}
+    assert len(rows) == 4
+    for batch in (1, 3):
+        assert rows[("torch_sdpa:prefill=sdpa", batch)]["max_abs_diff_vs_first"] is None
+        r = rows[("torch_sdpa", batch)]
+        assert r["max_abs_diff_vs_first"] < 1e-4
+        flop = batch * 4 * 6 * 64 * 70 * 71 / 2
+        assert abs(r["gflops"] - flop / (r["median_us"] * 1e-6) / 1e9) < 1e-6 * r["gflops"]
+    assert (tmp_path / "attn.png").stat().st_size > 0

@@ -10,9 +10,8 @@
  * Layout: W is packed in panels of NR = 2 vector widths of columns, [ceil(N / NR)][K][NR]
  * (zero-padded), so the NR weights of one k are one contiguous pair of vectors and a panel is
  * one contiguous stream.
- * Micro-kernel: an MR x NR tile of y (MR <= 6 rows: 12 vector accumulators, 2 weight vectors
- * and a broadcast input fit AVX2's 16 registers) is accumulated over the whole of K in
- * registers, one fused multiply-add per input element and weight vector, and stored once.
+ * Micro-kernel: the MR x NR tiles of corellm/csrc/corellm_tile.h (shared with other native
+ * libraries), each accumulated over the whole of K in registers and stored once.
  * Threads split the panels (each streams its own share of W once per block of MC rows), and a
  * block of MC rows of x stays in cache while all the panels pass over it.
  * bf16 weights: half the bytes to stream, each widened to fp32 in registers (a shift), exactly.
@@ -25,16 +24,16 @@
  * to an fp32 accumulator (odd k first, then even; denormals flushed): twice the multiply-adds
  * of an fp32 FMA per instruction, and no widening.
  *
- * Written with GCC/Clang vector extensions, not intrinsics (but for the bf16 dot product): the
- * vector width is the target's (8 floats with AVX2, 16 with AVX-512), and another architecture
- * gets the same code in its own registers. Summation order: each output is one sum over k in order, in fp32 (with bf16 dot
- * products: over the pairs of k in order, each pair's odd product added before its even one,
- * denormals flushed), so a row's result does not depend on the other rows or on the thread
- * count (tests compare with float64).
+ * Summation order: each output is one sum over k in order, in fp32 (with bf16 dot products:
+ * over the pairs of k in order, each pair's odd product added before its even one, denormals
+ * flushed), so a row's result does not depend on the other rows or on the thread count (tests
+ * compare with float64).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "corellm_tile.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -45,25 +44,7 @@
 
 int omp_get_thread_num(void);      /* libgomp's, without needing omp.h at build time */
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-#define NR (2 * VW)
-#define MR 6
 #define MC 192          /* rows of x per block: 192 x K floats stay in L2 while panels pass */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));   /* unaligned access */
-
-static inline vf load(const float *p) { return *(const vfu *)p; }
-static inline void store(float *p, vf v) { *(vfu *)p = v; }
-#if VW == 16
-static inline vf bcast(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-#else
-static inline vf bcast(float x) { return (vf){x, x, x, x, x, x, x, x}; }
-#endif
 
 int corellm_gemm_nr(void) { return NR; }
 
@@ -97,8 +78,6 @@ void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W#
         }                                                                                     \
     }                                                                                         \
 }
-typedef float f32_t;
-typedef uint16_t bf16_t;
 PACK(f32)
 #if !BF16_DOT
 PACK(bf16)
@@ -121,40 +100,6 @@ void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, 
 }
 #endif
 
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-
-static inline vf load_f32(const float *p) { return load(p); }
-static inline vf load_bf16(const uint16_t *p) {     /* bf16 -> fp32: the top half of the bits */
-    return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
-}
-
-/* One tile: rows [0, R) of x (row stride lda) times one panel b, plus bias (NR floats or
- * NULL), into c (row stride ldc, NR columns written). */
-#define KERNEL(R, W, LOAD)                                                                   \
-static void tile_##W##_##R(int64_t k, const float *a, int64_t lda, const W##_t *b,          \
-                           const float *bias, float *c, int64_t ldc) {                       \
-    vf c0[R], c1[R];                                                                         \
-    const vf z0 = bias ? load(bias) : bcast(0.f), z1 = bias ? load(bias + VW) : bcast(0.f);  \
-    for (int r = 0; r < R; ++r) { c0[r] = z0; c1[r] = z1; }                                  \
-    _Pragma("GCC unroll 4")                                                                   \
-    for (int64_t kk = 0; kk < k; ++kk) {                                                     \
-        const vf b0 = LOAD(b + kk * NR), b1 = LOAD(b + kk * NR + VW);                        \
-        for (int r = 0; r < R; ++r) {                                                        \
-            const vf x = bcast(a[r * lda + kk]);                                             \
-            c0[r] += x * b0;                                                                 \
-            c1[r] += x * b1;                                                                 \
-        }                                                                                    \
-    }                                                                                        \
-    for (int r = 0; r < R; ++r) { store(c + r * ldc, c0[r]); store(c + r * ldc + VW, c1[r]); } \
-}
-#define TILES(W, LOAD) \
-KERNEL(1, W, LOAD) KERNEL(2, W, LOAD) KERNEL(3, W, LOAD) KERNEL(4, W, LOAD) KERNEL(5, W, LOAD) \
-KERNEL(6, W, LOAD)                                                                            \
-typedef void (*tile_##W##_fn)(int64_t, const float *, int64_t, const W##_t *, const float *,  \
-                              float *, int64_t);                                              \
-static const tile_##W##_fn tiles_##W[MR + 1] = {0, tile_##W##_1, tile_##W##_2, tile_##W##_3, \
-                                                 tile_##W##_4, tile_##W##_5, tile_##W##_6};
 TILES(f32, load_f32)
 #if !BF16_DOT
 TILES(bf16, load_bf16)

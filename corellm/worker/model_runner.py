@@ -76,18 +76,13 @@ def resolve_model(config: EngineConfig, model_path: str, registry: Registry,
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on the CPU backed by anonymous memory the kernel zero-fills page by page on
-    first touch, so a large KV pool costs nothing at start-up (torch.zeros writes every page:
-    0.6 s per GiB on a 2-core CPU) and only the blocks ever used take memory."""
+    """A zero tensor; on the CPU its own anonymous mapping, zero-filled by the kernel on first
+    touch (``zeroed_cpu_tensor``)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import mmap
+    from corellm.worker.cpu import zeroed_cpu_tensor
 
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return zeroed_cpu_tensor(shape, dtype)
 
 
 @dataclass

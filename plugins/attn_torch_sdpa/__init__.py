@@ -1,8 +1,9 @@
 """Paged attention on ``torch.nn.functional.scaled_dot_product_attention``: runs anywhere torch
-runs (CPU included). Each prefill (whole, chunked, or resumed after preemption) is one SDPA call.
-Decodes on the CPU take a C kernel that reads the cached K/V blocks in place (compiled on first
-use, ``corellm.native``); elsewhere, or without a C compiler, they are batched into one SDPA
-call per group of similar lengths over K/V gathered from the block table."""
+runs (CPU included). Each prefill (whole, chunked, or resumed after preemption) is one SDPA call,
+and decodes are batched into one SDPA call per group of similar lengths over K/V gathered from
+the block table. On the CPU (float32/bfloat16, with a C compiler at first use) C kernels take
+over (``corellm.native``): decodes read the cached K/V blocks in place, and a step's prefills
+run in one call on the core's GEMM micro-kernel."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ class SDPAOptions(AttentionOptions):
         "auto", description="Decode path: 'native' reads KV blocks in place with a C kernel "
         "(CPU, float32/bfloat16; needs a C compiler at first use), 'gather' copies them out "
         "for one SDPA call per group; 'auto' takes native where it can run, else gather.")
+    prefill: Literal["auto", "native", "sdpa"] = Field(
+        "auto", description="Prefill path: 'native' runs all of a step's prefills in one call "
+        "of a C kernel on the core's GEMM micro-kernel, over their K/V in the cache (CPU, "
+        "float32/bfloat16; needs a C compiler at first use), 'sdpa' one SDPA call per prefill; "
+        "'auto' takes native where it can run, else sdpa.")
 
 
 def _make(options: SDPAOptions, ctx: BuildContext):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
-    return TorchSDPABackend(options.decode, ctx.device, ctx.dtype)
+    return TorchSDPABackend(options.decode, ctx.device, ctx.dtype, options.prefill)
 
 
 @hookimpl
@@ -33,4 +39,5 @@ def corellm_attention_backends() -> Iterator[AttentionBackendSpec]:
     yield AttentionBackendSpec(name="torch_sdpa", factory=_make, options=SDPAOptions,
                                auto_priority=10,
                                summary="Paged KV cache + torch SDPA (any device; sliding "
-                                       "windows as masks); native in-place decode on the CPU.")
+                                       "windows as masks); native decode and prefill kernels "
+                                       "on the CPU.")

@@ -44,6 +44,9 @@ class SDPAMetadata:
     prefills: list[_Prefill]
     num_decodes: int = 0
     block_table: torch.Tensor | None = None   # [num_reqs, max blocks] (native decode path)
+    # Native path: [num prefills, 3] int64, each prefill's first row, context and sequence
+    # lengths (its block-table row is num_decodes + its index)
+    prefill_meta: torch.Tensor | None = None
     # Masks by sliding window (None: full attention), built on first use by a layer with that
     # window and shared by the step's other such layers: decode groups' [n, 1, 1, L] and
     # prefills' [n, seq_len] (None: plain causal, SDPA's is_causal).
@@ -85,9 +88,11 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
 
     batch_order = BatchOrder.DECODES_FIRST
 
-    def __init__(self, limits: AttentionBuildLimits, native_decode: bool = False) -> None:
+    def __init__(self, limits: AttentionBuildLimits, native_decode: bool = False,
+                 native_prefill: bool = False) -> None:
         dev, n = limits.device, limits.max_num_seqs
         self.native_decode = native_decode
+        self.native_prefill = native_prefill
         self._slots = DeviceArray((limits.max_num_batched_tokens,), torch.int64, dev)
         self._seq = DeviceArray((n,), torch.int64, dev)
         self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int64, dev)
@@ -108,28 +113,36 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             ctx, seq = ctxs[i], seqs[i]
             blocks = table[i, :-(-seq // bs)] if ctx > 0 else None
             prefills.append(_Prefill(qsl[i], qsl[i + 1], ctx, seq, blocks))
+        meta = None
+        if self.native_prefill and prefills:
+            meta = torch.tensor([(p.start, p.context_len, p.seq_len) for p in prefills],
+                                dtype=torch.int64)
         return SDPAMetadata(self._slots.put(common.slot_mapping),
                             self._seq.put(common.seq_lens), bs, groups, prefills,
-                            common.num_decodes, table)
+                            common.num_decodes, table, meta)
 
 
 class TorchSDPABackend(AttentionBackend):
     """Decodes, native path (CPU, float32/bfloat16): one call of a C kernel (``paged_cpu.c``)
     for all of a step's decodes, reading each K/V row in place through the block table, with
     the new K/V written to their slots by the same library; windows are a key range.
+    Prefills, native path (the same conditions): one call for all of a step's prefills, over
+    their K/V in the cache (cached context included), on the core's GEMM micro-kernel.
     Decodes, gather path (elsewhere): grouped by length (rows arrive sorted), the blocks of
     each group's requests are gathered (``index_select`` into a persistent buffer: allocating
     it afresh each layer cost more than the copy) into [nd, Hkv, L, D] and attended in one SDPA
     call, with each KV head's query group folded into the query axis so K/V are read once per
     KV head rather than once per query head; windows are masks.
-    Prefills: one SDPA call each, causal (4-D inputs, which keep the CPU flash kernel).
+    Prefills, SDPA path (elsewhere): one SDPA call each, causal (4-D inputs, which keep the CPU
+    flash kernel).
     Logit soft-capping is refused (SDPA has no hook between the scores and the softmax)."""
 
     def __init__(self, decode: str = "auto", device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, prefill: str = "auto") -> None:
         self._buffer: torch.Tensor | None = None
-        self._native = _native_kernels(decode, device, dtype)
-        self.decode_path = "native" if self._native else "gather"
+        self._native = _native_kernels(decode, prefill, device, dtype)
+        self.decode_path = "native" if self._native and decode != "gather" else "gather"
+        self.prefill_path = "native" if self._native and prefill != "sdpa" else "sdpa"
 
     def supports(self, layer: AttentionLayerSpec, dtype: torch.dtype,
                  device: torch.device) -> str | None:
@@ -146,10 +159,11 @@ class TorchSDPABackend(AttentionBackend):
         # (masked out, but 0 * NaN would still poison the output). The native path reads
         # written slots only.
         return KVCacheSpec((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size),
-                           dtype, zero_init=self._native is None)
+                           dtype, zero_init=self.decode_path == "gather")
 
     def make_metadata_builder(self, limits: AttentionBuildLimits) -> SDPAMetadataBuilder:
-        return SDPAMetadataBuilder(limits, native_decode=self._native is not None)
+        return SDPAMetadataBuilder(limits, native_decode=self.decode_path == "native",
+                                   native_prefill=self.prefill_path == "native")
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache [2, nb, bs, Hkv, D], block_ids [n] -> [2, n, bs * Hkv * D] (a reused buffer,
@@ -178,8 +192,12 @@ class TorchSDPABackend(AttentionBackend):
             value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
         gqa = layer.num_heads != hkv
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
-        if native is not None and md.num_decodes:
+        if self.decode_path == "native" and md.num_decodes:
             native.decode(layer, query, kv_cache, md, out)
+        if md.prefill_meta is not None:                     # the native prefill path
+            native.prefill(layer, query, kv_cache, md, out)
+            if not md.decode_groups:
+                return out
         decode_masks, prefill_masks = md.masks(layer.sliding_window)
 
         group = layer.num_heads // hkv
@@ -193,7 +211,7 @@ class TorchSDPABackend(AttentionBackend):
                                                scale=layer.scale)  # [n, Hkv, G, D]
             out[g.start:g.end] = o.reshape(n, layer.num_heads, d)
 
-        for p, mask in zip(md.prefills, prefill_masks):
+        for p, mask in zip(md.prefills if md.prefill_meta is None else (), prefill_masks):
             q = query[p.start:p.end].transpose(0, 1)[None]          # [1, H, n, D]
             if p.block_ids is None:
                 k = key[p.start:p.end].transpose(0, 1)[None]        # [1, Hkv, n, D]
@@ -221,6 +239,10 @@ class _NativeKernels:
         self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
                                  ctypes.c_float, i64, ctypes.c_int]
         self._decode.restype = ctypes.c_int
+        self._prefill = getattr(lib, f"corellm_paged_prefill_{_NATIVE_DTYPES[dtype]}")
+        self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
+                                  i64, ctypes.c_float, i64, ctypes.c_int]
+        self._prefill.restype = ctypes.c_int
         self._write = lib.corellm_write_kv
         self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._write.restype = ctypes.c_int
@@ -260,11 +282,29 @@ class _NativeKernels:
             raise MemoryError("paged decode attention: out of memory for its score buffers")
 
 
-def _native_kernels(decode: str, device: torch.device | None,
+    def prefill(self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor,
+                md: SDPAMetadata, out: torch.Tensor) -> None:
+        """Attention of the step's prefill rows (after its decodes) into ``out``, over their
+        K/V already written to the cache."""
+        q = query
+        if q.stride(2) != 1 or q.stride(1) != layer.head_size:
+            q = q.contiguous()
+        table = md.block_table[md.num_decodes:]
+        rc = self._prefill(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), table.data_ptr(), table.stride(0),
+                           md.prefill_meta.data_ptr(), md.prefill_meta.shape[0], out.data_ptr(),
+                           layer.num_heads, layer.num_kv_heads, layer.head_size, md.block_size,
+                           layer.scale, layer.sliding_window or 0, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("paged prefill attention: out of memory for its scratch buffers")
+
+
+def _native_kernels(decode: str, prefill: str, device: torch.device | None,
                     dtype: torch.dtype | None) -> _NativeKernels | None:
-    """The native decode kernels when ``decode`` asks for them and they can run here, else
-    None (``auto``: with the reason logged). ``native`` that cannot run is a ConfigError."""
-    if decode == "gather":
+    """The native kernels when ``decode`` or ``prefill`` asks for them and they can run here,
+    else None (``auto``: with the reason logged). ``native`` that cannot run is a ConfigError
+    naming its key."""
+    if decode == "gather" and prefill == "sdpa":
         return None
     reason = None
     if device is None or torch.device(device).type != "cpu":
@@ -282,9 +322,15 @@ def _native_kernels(decode: str, device: torch.device | None,
         if decode == "native":
             raise ConfigError([("attention.decode", f"native: the in-place decode kernel {reason}; "
                                                     "use decode: auto or gather")])
-        logger.info("torch_sdpa: decodes gather KV blocks (the native kernel %s)", reason)
+        if prefill == "native":
+            raise ConfigError([("attention.prefill", f"native: the prefill kernel {reason}; use "
+                                                     "prefill: auto or sdpa")])
+        logger.info("torch_sdpa: decodes gather KV blocks and prefills call SDPA (the native "
+                    "kernels %s)", reason)
         return None
-    logger.info("torch_sdpa: decodes read KV blocks in place (native kernel, %s)", dtype)
+    logger.info("torch_sdpa: native kernels (%s): decodes %s, prefills %s", dtype,
+                "read KV blocks in place" if decode != "gather" else "gather KV blocks",
+                "on GEMM tiles" if prefill != "sdpa" else "call SDPA")
     return _NativeKernels(lib, dtype)
 
 
