@@ -102,9 +102,9 @@ def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
         torch.set_num_threads(old)
 
 
-# Prefills: several row chunks (60 rows each) and key panels, after cached context (a
+# Prefills: several row chunks (up to 192 rows each) and key panels, after cached context (a
 # prefix-cache hit, a later chunk of a chunked prefill), a one-token prompt, next to decodes.
-LONG = [(9, 1), (130, 1), (0, 131), (40, 70), (200, 61), (0, 1), (3, 2)]
+LONG = [(9, 1), (130, 1), (0, 131), (40, 70), (200, 61), (0, 1), (3, 2), (0, 450), (250, 400)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size,dtype,window", [
@@ -122,7 +122,7 @@ def test_native_prefill_matches_float64_reference(heads, kv_heads, head_size, bl
     layer = AttentionLayerSpec(0, heads, kv_heads, head_size, scale=0.7 * head_size ** -0.5,
                                sliding_window=window)
     out, ref = _step(_backend("native", dtype), layer, LONG, block_size, dtype,
-                     num_blocks=600 // block_size + 16)
+                     num_blocks=sum(-(-(c + n) // block_size) for c, n in LONG) + 1)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
 
@@ -148,14 +148,15 @@ def test_prefill_and_decode_paths_are_chosen_apart(monkeypatch, decode, prefill,
     assert len(calls) == sdpa_calls
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3, 16])
 def test_native_prefill_thread_counts(threads):
-    """Work items (prefill, row chunk, KV head) go to threads dynamically: the result does not
-    depend on how many."""
+    """Work items (prefill, row chunk, KV head) go to threads dynamically, in smaller chunks
+    while there are fewer items than threads (one KV head, one prompt, 16 threads): the result
+    does not depend on how many."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        layer = AttentionLayerSpec(0, 6, 3, 64, scale=0.125)
+        layer = AttentionLayerSpec(0, 6, 1, 64, scale=0.125)
         out, ref = _step(_backend("native"), layer, [(0, 131), (17, 3)], 16, torch.float32)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     finally:

@@ -230,6 +230,36 @@ def test_detokenizer_matches_decode_sentencepiece(ids, sizes, empty_final):
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), (ids, sizes, deltas)
 
 
+def test_detokenizer_takes_the_rust_decode_only_where_it_is_the_same(monkeypatch):
+    """The property tests above run on the fast path (the Rust tokenizer's ``decode`` called
+    directly); a tokenizer that cleans up spaces, or whose class or instance overrides
+    ``decode``/``_decode``, decodes through transformers instead."""
+    import copy
+
+    from corellm.engine.output_processor import raw_decoder
+    for tok in (demo_tokenizer(), sp_tokenizer()):
+        assert raw_decoder(tok) is not None
+        assert IncrementalDetokenizer(tok)._raw_decode is not None
+        ids = list(range(3, 60))
+        for skip in (True, False):
+            assert raw_decoder(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok = copy.copy(demo_tokenizer())
+    tok.clean_up_tokenization_spaces = True
+    assert raw_decoder(tok) is None
+    tok = copy.copy(demo_tokenizer())
+    tok.decode = lambda ids, **kw: "p" * len(ids)
+    assert raw_decoder(tok) is None
+    assert IncrementalDetokenizer(tok).add_tokens([5, 6], final=True) == "pp"
+
+    class Custom(type(demo_tokenizer())):
+        def _decode(self, token_ids, **kwargs):
+            return "c" * len(token_ids)
+    tok = copy.copy(demo_tokenizer())
+    tok.__class__ = Custom
+    assert raw_decoder(tok) is None
+    assert IncrementalDetokenizer(tok).add_tokens([5, 6, 7], final=True) == "ccc"
+
+
 def test_the_generators_reach_the_interesting_cases():
     """Sanity check of the strategies: split characters, stray bytes and specials all occur."""
     from hypothesis import find

@@ -34,25 +34,32 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2      # one output, when every sample has finished
 
 
+_TOKENIZERS_BACKEND: list[Any] = []
+
+
 def raw_decoder(tokenizer: Any) -> Any:
     """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers fast tokenizer, where
-    calling it directly returns what ``tokenizer.decode`` would: the class does not override
-    transformers' ``_decode`` (which calls it, then cleans up spaces only if the tokenizer says
-    so) and no clean-up is asked for. Else None (decode through transformers). The wrapper
-    first converts its input element by element (``to_py_obj``): for the two few-token decodes
-    of each generated token, that cost more than the decoding, about 3% of a decode-heavy
-    run's wall time on a 2-core CPU."""
-    try:
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:             # another transformers layout: decode through it
-        return None
-    if (not isinstance(tokenizer, TokenizersBackend)
-            or type(tokenizer)._decode is not TokenizersBackend._decode
-            or type(tokenizer).decode is not TokenizersBackend.decode
+    calling it directly returns what ``tokenizer.decode`` would: transformers 5's
+    ``TokenizersBackend``, whose ``decode`` and ``_decode`` neither the class nor the instance
+    overrides (``_decode`` calls the Rust decode, then cleans up spaces only if asked to), and
+    no clean-up asked for. Else None: decode through transformers. The wrapper first converts
+    its input element by element (``to_py_obj``): for the two few-token decodes of each
+    generated token that cost more than the decoding, about 3% of a decode-heavy run's wall
+    time on a 2-core CPU."""
+    if not _TOKENIZERS_BACKEND:
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:         # transformers 4: decode through it
+            TokenizersBackend = None
+        _TOKENIZERS_BACKEND.append(TokenizersBackend)
+    base = _TOKENIZERS_BACKEND[0]
+    if (base is None or not isinstance(tokenizer, base)
+            or type(tokenizer)._decode is not base._decode
+            or type(tokenizer).decode is not base.decode
+            or {"decode", "_decode"} & vars(tokenizer).keys()
             or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         return None
-    backend = getattr(tokenizer, "_tokenizer", None)
-    decode = getattr(backend, "decode", None)
+    decode = getattr(getattr(tokenizer, "_tokenizer", None), "decode", None)
     if decode is None:
         return None
     return lambda ids, skip_special_tokens: decode(ids, skip_special_tokens=skip_special_tokens)

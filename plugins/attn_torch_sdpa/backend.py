@@ -69,7 +69,7 @@ class SDPAMetadata:
                 mask &= k_pos >= seq - window           # the query sits at seq - 1
             decode.append(mask[:, None, None, :])
         prefill = []
-        for p in self.prefills:
+        for p in self.prefills if self.prefill_meta is None else ():   # native: no masks
             if p.context_len == 0 and (window is None or p.seq_len <= window):
                 prefill.append(None)
                 continue
@@ -211,7 +211,7 @@ class TorchSDPABackend(AttentionBackend):
                                                scale=layer.scale)  # [n, Hkv, G, D]
             out[g.start:g.end] = o.reshape(n, layer.num_heads, d)
 
-        for p, mask in zip(md.prefills if md.prefill_meta is None else (), prefill_masks):
+        for p, mask in zip(md.prefills, prefill_masks):       # none on the native path
             q = query[p.start:p.end].transpose(0, 1)[None]          # [1, H, n, D]
             if p.block_ids is None:
                 k = key[p.start:p.end].transpose(0, 1)[None]        # [1, Hkv, n, D]

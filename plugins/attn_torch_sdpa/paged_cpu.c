@@ -201,8 +201,9 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
  * whole context, read from the paged cache (the step's K/V are written first), all of a step's
  * prefills in one call.
  *
- * A work item is one prefill's KV head and a chunk of at most PREFILL_ROWS of its new tokens,
- * with the query heads that share the KV head. Its keys (those the chunk's rows can see) are
+ * A work item is one prefill's KV head and a chunk of at most PREFILL_ROWS of its new tokens
+ * (fewer when that leaves threads without an item), with the query heads that share the KV
+ * head. Its keys (those the chunk's rows can see) are
  * packed once into panels of NR keys, [keys / NR][D][NR], and its values into [D / NR][keys][NR]
  * (both widened to fp32), so that both products are the core's register-blocked GEMM tiles
  * (corellm_tile.h): scores = Q K^T, MR rows by NR keys over D; out = P V, MR rows by NR of D
@@ -213,7 +214,11 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
  * as fast for prompts of 64-512 tokens, 1.3-1.5x at 1024-2048 (docs/attention.md). */
 #define PREFILL_ROWS 192    /* a multiple of MR; 60 and 96 re-packed K/V too often (slower) */
 
+/* Each thread's scratch (packed K/V, scores) lives as long as the thread (OpenMP's pool
+ * threads are long-lived) and only grows: allocating it per call gave every layer's call fresh
+ * pages to fault in once it passed malloc's mmap threshold (long contexts). */
 typedef struct { float *buf; int64_t cap; } pscratch_t;
+static __thread pscratch_t prefill_scratch;
 
 static float *pgrow(pscratch_t *s, int64_t n) {
     if (n > s->cap) {
@@ -313,35 +318,41 @@ int corellm_paged_prefill_##SUFFIX(                                             
         const int64_t *block_table, int64_t table_stride, const int64_t *meta, int64_t n,     \
         T *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,                   \
         int64_t block_size, float scale, int64_t window, int num_threads) {                   \
-    int64_t items = 0;                                                                        \
-    for (int64_t i = 0; i < n; ++i)                                                           \
-        items += (meta[3 * i + 2] - meta[3 * i + 1] + PREFILL_ROWS - 1) / PREFILL_ROWS;       \
-    items *= num_kv_heads;                                                                    \
+    /* rows per chunk: PREFILL_ROWS, or fewer (halved, in whole tiles) until every thread     \
+     * has an item, as long as chunks hold more than one tile */                              \
+    int64_t rows_per = PREFILL_ROWS, items = 0;                                               \
+    for (;;) {                                                                                \
+        items = 0;                                                                            \
+        for (int64_t i = 0; i < n; ++i)                                                       \
+            items += (meta[3 * i + 2] - meta[3 * i + 1] + rows_per - 1) / rows_per;           \
+        items *= num_kv_heads;                                                                \
+        if (items >= num_threads || rows_per <= MR) break;                                    \
+        rows_per = (rows_per / 2 + MR - 1) / MR * MR;                                         \
+    }                                                                                         \
     int failed = 0;                                                                           \
     _Pragma("omp parallel num_threads(num_threads)")                                          \
     {                                                                                         \
-        pscratch_t scr = {NULL, 0};                                                           \
+        pscratch_t *scr = &prefill_scratch;                                                   \
         _Pragma("omp for schedule(dynamic, 1)")                                               \
         for (int64_t w = 0; w < items; ++w) {                                                 \
             /* item w: the prefill and chunk it falls in (later chunks first: they see more   \
              * keys, so the longest items start first), then the KV head */                   \
             int64_t left = w / num_kv_heads, i = 0, chunks = 0;                               \
             for (; i < n; ++i, left -= chunks) {                                              \
-                chunks = (meta[3 * i + 2] - meta[3 * i + 1] + PREFILL_ROWS - 1) / PREFILL_ROWS; \
+                chunks = (meta[3 * i + 2] - meta[3 * i + 1] + rows_per - 1) / rows_per;       \
                 if (left < chunks) break;                                                     \
             }                                                                                 \
             const int64_t ctx = meta[3 * i + 1], seq = meta[3 * i + 2];                       \
-            const int64_t r0 = (chunks - 1 - left) * PREFILL_ROWS;                            \
-            const int64_t r1 = r0 + PREFILL_ROWS < seq - ctx ? r0 + PREFILL_ROWS : seq - ctx; \
+            const int64_t r0 = (chunks - 1 - left) * rows_per;                                \
+            const int64_t r1 = r0 + rows_per < seq - ctx ? r0 + rows_per : seq - ctx;         \
             if (prefill_item_##SUFFIX(q, q_stride, k_cache, v_cache,                          \
                                       block_table + i * table_stride, meta[3 * i], ctx, seq,  \
                                       r0, r1, w % num_kv_heads, out, num_heads, num_kv_heads, \
-                                      head_size, block_size, scale, window, &scr)) {          \
+                                      head_size, block_size, scale, window, scr)) {           \
                 _Pragma("omp atomic write")                                                   \
                 failed = 1;                                                                   \
             }                                                                                 \
         }                                                                                     \
-        free(scr.buf);                                                                        \
     }                                                                                         \
     return failed ? -1 : 0;                                                                   \
 }
