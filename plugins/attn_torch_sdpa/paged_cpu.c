@@ -203,15 +203,15 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
  *
  * A work item is one prefill's KV head and a chunk of at most PREFILL_ROWS of its new tokens
  * (fewer when that leaves threads without an item), with the query heads that share the KV
- * head. Its keys (those the chunk's rows can see) are
- * packed once into panels of NR keys, [keys / NR][D][NR], and its values into [D / NR][keys][NR]
- * (both widened to fp32), so that both products are the core's register-blocked GEMM tiles
+ * head. Its keys (those the chunk's rows can see) are packed once into panels of NR keys,
+ * [keys / NR][D][NR], and its values into [D / NR][keys][NR] (both widened to fp32), so that
+ * both products are the core's register-blocked GEMM tiles
  * (corellm_tile.h): scores = Q K^T, MR rows by NR keys over D; out = P V, MR rows by NR of D
  * over the keys. A tile of rows computes only the key panels its rows can see (causal and
  * window bounds), then a row-wise softmax in fp32 (masked keys get probability 0), then P V.
  * Arithmetic in fp32 for bf16 too (queries widened per tile, output rounded once).
- * Against torch's flash attention, one call per prefill (AMD EPYC, AVX-512, 2 threads): 1.5-2.7x
- * as fast for prompts of 64-512 tokens, 1.3-1.5x at 1024-2048 (docs/attention.md). */
+ * Against torch's flash attention, one call per prefill (AMD EPYC, AVX-512, 2 threads): 1.75-2.4x
+ * as fast for prompts of 64-512 tokens, 1.36-2.05x at 1024-2048 (docs/attention.md). */
 #define PREFILL_ROWS 192    /* a multiple of MR; 60 and 96 re-packed K/V too often (slower) */
 
 /* Each thread's scratch (packed K/V, scores) lives as long as the thread (OpenMP's pool
