@@ -174,6 +174,94 @@ def test_inputs_it_does_not_take_are_refused():
         GEMM.pack(w.T)
 
 
+def _silu_mul64(x, w, bias):
+    y = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    d = y.shape[1] // 2
+    return torch.nn.functional.silu(y[:, :d]) * y[:, d:]
+
+
+# d a multiple of the panel (NR = 2 vector widths: 32 with AVX-512, 16 with AVX2); m around
+# the 6-row tile and past the 192-row block
+PANEL = GEMM.panel if GEMM else 32
+
+
+@pytest.mark.parametrize("d,k", [(PANEL, 5), (2 * PANEL, 100), (2048, 768)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_in_the_gemm_matches_the_two_layers(m, d, k, dtype):
+    """``linear_silu_mul`` = SiLU-and-multiply of the [gate | up] product, without writing the
+    product: within fp32 rounding of float64 (as the unfused layers are) and of the unfused
+    layers themselves; in bf16, the unfused layers' roundings (the exp polynomial may move a
+    value across a bf16 rounding boundary: a few in ten thousand)."""
+    x, w, b = (t.to(dtype) for t in _case(m, 2 * d, k))
+    packed = GEMM.pack(w)
+    ops = cpu.cpu_ops()
+    for bias in (b, None):
+        fused = GEMM.linear_silu_mul(x, packed, 2 * d, bias, k=k)
+        assert fused.dtype == dtype and fused.shape == (m, d)
+        unfused = ops.silu_and_mul(GEMM.linear(x, packed, 2 * d, bias, k=k))
+        ref = _silu_mul64(x, w, bias)
+        scale = ref.abs().max().item()
+        if dtype == torch.float32:
+            err = (fused.double() - ref).abs().max().item()
+            unfused_err = (unfused.double() - ref).abs().max().item()
+            assert err <= 2 * unfused_err + 1e-6 * scale, (err, unfused_err)
+            torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6 * scale)
+        else:
+            differ = int((fused != unfused).sum())          # each by a bf16 step or two
+            assert differ <= max(2, fused.numel() // 500), differ
+            torch.testing.assert_close(fused.float(), unfused.float(), rtol=2 ** -6, atol=1e-30)
+            torch.testing.assert_close(fused.double(), ref, rtol=2 ** -6, atol=1e-3 * scale)
+        assert torch.equal(GEMM.linear_silu_mul(x[-1:], packed, 2 * d, bias, k=k), fused[-1:])
+
+
+def test_silu_mul_in_the_gemm_refuses_what_it_cannot_split():
+    """A width whose halves are not whole panels, and what ``linear`` refuses, give None (the
+    caller runs the two layers); extreme gates give silu's limits, NaN stays NaN."""
+    d = GEMM.panel
+    x, w, _ = _case(3, 2 * d + 2, 8)
+    assert GEMM.linear_silu_mul(x, GEMM.pack(w), 2 * d + 2, None) is None
+    x, w, _ = _case(3, 2 * d, 8)
+    packed = GEMM.pack(w)
+    assert GEMM.linear_silu_mul(x.double(), packed, 2 * d, None) is None
+    w = torch.zeros(2 * d, 1)
+    w[:d, 0] = torch.tensor([1e4, -1e4, float("inf"), float("nan")]).repeat(d // 4)
+    w[d:, 0] = 2.0
+    out = GEMM.linear_silu_mul(torch.ones(1, 1), GEMM.pack(w), 2 * d, None)
+    big, small, inf, nan = out[0, :4].tolist()
+    assert big == 2e4 and -1e-30 < small <= 0 and inf == float("inf") and nan != nan
+
+
+def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeypatch):
+    """The CPU worker gives a [gate; up] layer of two equal halves ``linear_silu_mul`` when its
+    plan uses the native GEMM; rows planned on another path run the two layers."""
+    from corellm.layers import MergedColumnParallelLinear, SiluAndMul
+    if "mkl" not in cpu.available_gemm_paths():
+        pytest.skip("mkl path not in this torch build")
+    monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
+                        cpu.GemmPlan(shape, (4,), ("native", "mkl")))
+    d = 2 * GEMM.panel
+    layer = MergedColumnParallelLinear(16, [d, d])
+    torch.manual_seed(0)
+    layer.weight.data.normal_()
+    cpu.pack_linear_weights(torch.nn.Sequential(layer))
+    calls = []
+    fused_path = GEMM.linear_silu_mul
+    monkeypatch.setattr(type(GEMM), "linear_silu_mul",
+                        lambda self, *a, **k: (calls.append(1), fused_path(*a, **k))[1])
+    act = SiluAndMul()
+    for m, fused in ((3, True), (9, False)):
+        x = torch.randn(m, 16)
+        with torch.inference_mode():
+            out = act.after(layer, x)
+        assert bool(calls) == fused
+        calls.clear()
+        torch.testing.assert_close(out, act(x @ layer.weight.T), rtol=1e-5, atol=1e-5)
+    uneven = MergedColumnParallelLinear(16, [d, 2 * d])
+    cpu.pack_linear_weights(torch.nn.Sequential(uneven))
+    assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "gemm_plan")
+
+
 def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():
     x, w, b = _case(4, 8, 16)
     packed = GEMM.pack(w)

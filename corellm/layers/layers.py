@@ -35,6 +35,18 @@ class SiluAndMul(nn.Module):
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
+    def after(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``self(linear(x))`` for a merged gate/up projection: one kernel where the worker
+        gave ``linear`` a fused path (``linear_silu_mul``: on the CPU, corellm's GEMM
+        multiplying each pair of gate and up tiles while they are in cache, so the [T, 2I]
+        product is never written), else the two layers."""
+        fused = getattr(linear, "linear_silu_mul", None)
+        if fused is not None and type(self).forward is SiluAndMul.forward:
+            out = fused(x)
+            if out is not None:
+                return out
+        return self(linear(x))
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")

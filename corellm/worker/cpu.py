@@ -221,11 +221,12 @@ class NativeGemm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._gemm, self._pack = {}, {}
+        self._gemm, self._pack, self._silu_mul = {}, {}, {}
         for dtype, suffix in zip(self._DTYPES, ("f32", "bf16")):
-            gemm = self._gemm[dtype] = getattr(lib, f"corellm_gemm_{suffix}")
-            gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-            gemm.restype = i32
+            for table, name in ((self._gemm, "gemm"), (self._silu_mul, "gemm_silu_mul")):
+                gemm = table[dtype] = getattr(lib, f"corellm_{name}_{suffix}")
+                gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+                gemm.restype = i32
             pack = self._pack[dtype] = getattr(lib, f"corellm_gemm_pack_{suffix}")
             pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
             pack.restype = None
@@ -258,6 +259,21 @@ class NativeGemm:
         history: callers whose weight requires grad must take ``F.linear`` instead. ``k``: the
         weight's in-features, checked against x's; without it only the packed size checks x
         (which cannot tell k from k + 1 for bf16 weights packed in pairs of k)."""
+        return self._call(self._gemm, x, packed, n, n, bias, k)
+
+    def linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                        bias: torch.Tensor | None, k: int | None = None) -> torch.Tensor | None:
+        """``silu(g) * u`` for ``[g | u] = x @ W^T + bias`` (W = [gate; up], [n, k]), [m, n / 2],
+        without writing the [m, n] product: each pair of gate and up tiles is multiplied in
+        cache (the same values as :meth:`linear` followed by the fused SiLU-and-multiply, the
+        exp aside: its polynomial is within about 2 ulp of glibc's). None for what
+        :meth:`linear` does not take, and unless n / 2 is a multiple of :attr:`panel`."""
+        if n % (2 * self.panel):
+            return None
+        return self._call(self._silu_mul, x, packed, n, n // 2, bias, k)
+
+    def _call(self, fns: dict, x: torch.Tensor, packed: torch.Tensor, n: int, width: int,
+              bias: torch.Tensor | None, k: int | None) -> torch.Tensor | None:
         dtype = packed.dtype
         if (x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu"
                 or dtype not in self._DTYPES or (k is not None and x.shape[1] != k)
@@ -274,13 +290,15 @@ class NativeGemm:
         if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
             x = x.contiguous()
         m, k = x.shape
-        out = torch.empty((m, n), dtype=dtype)          # bf16: rounded once by the kernel
+        out = torch.empty((m, width), dtype=dtype)      # bf16: rounded once by the kernel
         if m and n:
             if k == 0:
-                out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-            elif self._gemm[dtype](x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                   None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                                   m, n, k, torch.get_num_threads()):
+                y = (torch.zeros((m, n), dtype=dtype) if bias is None
+                     else bias.to(dtype).expand(m, n).clone())
+                out.copy_(y if width == n else F.silu(y[:, :width]) * y[:, width:])
+            elif fns[dtype](x.data_ptr(), x.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), width,
+                            m, n, k, torch.get_num_threads()):
                 raise MemoryError(f"native GEMM: no scratch for widening a {dtype} weight "
                                   f"of {n}x{k}")
         return out
@@ -500,7 +518,7 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
     of its weight's shape and dtype, and a copy of the weight in the layout of each packed path
     its plan uses (memory: up to the weights' size again per packed path). Returns the plans by
     shape (empty when there is nothing to plan)."""
-    from corellm.layers.linear import LinearBase, ParallelLMHead
+    from corellm.layers.linear import LinearBase, MergedColumnParallelLinear, ParallelLMHead
     plans: dict[tuple[tuple[int, int], torch.dtype], GemmPlan] = {}
     t0 = time.perf_counter()
     for module in model.modules():
@@ -526,6 +544,10 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
             module.forward = types.MethodType(_planned_forward, module)
         else:
             module.linear = types.MethodType(_planned_linear, module)
+            if ("native" in plan.paths and isinstance(module, MergedColumnParallelLinear)
+                    and len(module.output_sizes) == 2
+                    and module.output_sizes[0] == module.output_sizes[1]):
+                module.linear_silu_mul = types.MethodType(_planned_silu_mul, module)
     if plans:
         logger.info("CPU GEMM paths, measured or cached (%.2f s): %s", time.perf_counter() - t0,
                     "; ".join(p.describe() for p in plans.values()))
@@ -544,6 +566,16 @@ def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
 
 def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _planned_linear(self, x, self.bias)
+
+
+def _planned_silu_mul(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """SiLU-and-multiply of a merged [gate; up] layer's output in its GEMM, where the plan
+    takes corellm's GEMM for these rows; None (the caller runs the two layers) elsewhere."""
+    if (x.dim() != 2 or self.gemm_plan.path_for(x.shape[0]) != "native"
+            or (torch.is_grad_enabled() and self.weight.requires_grad)):
+        return None
+    return native_gemm().linear_silu_mul(x, self.gemm_packed["native"], self.weight.shape[0],
+                                         self.bias, k=self.weight.shape[1])
 
 
 # --------------------------------------------------------------------------- fused element-wise

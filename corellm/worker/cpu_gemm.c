@@ -167,39 +167,104 @@ static void round_bf16(bf16_t *dst, const float *src, int64_t n) {
     }
 }
 
+/* exp(x) for x in [-87.3, 88], each lane to within about 2 ulp: x = n ln2 + r with |r| <=
+ * ln2 / 2, exp(r) by Cephes' degree-7 polynomial and 2^n put into the exponent bits. */
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+static inline vf vexp(vf x) {
+    const vf magic = bcast(12582912.f);                 /* 1.5 * 2^23: rounds to an integer */
+    const vf t = x * bcast(1.44269504088896341f) + magic;
+    const vf n = t - magic;
+    vf r = x - n * bcast(0.693359375f);
+    r = r - n * bcast(-2.12194440e-4f);
+    vf p = bcast(1.9875691500e-4f);
+    p = p * r + bcast(1.3981999507e-3f);
+    p = p * r + bcast(8.3334519073e-3f);
+    p = p * r + bcast(4.1665795894e-2f);
+    p = p * r + bcast(1.6666665459e-1f);
+    p = p * r + bcast(5.0000001201e-1f);
+    p = p * (r * r) + r + bcast(1.f);
+    const vi scale = (((vi)t - (vi)magic) + 127) << 23;  /* t's low bits hold n */
+    return p * (vf)scale;
+}
+
+static inline vf vclamp(vf x, float lo, float hi) {     /* NaN stays NaN */
+    const vf vlo = bcast(lo), vhi = bcast(hi);
+    vi below = x < vlo, above = x > vhi;
+    vi bits = ((vi)x & ~(below | above)) | ((vi)vlo & below) | ((vi)vhi & above);
+    return (vf)bits;
+}
+
+/* Each lane rounded to bf16 and back as torch rounds (to nearest even; NaN -> 0x7fc0). */
+static inline vf vround_bf16(vf x) {
+    const vu u = (vu)x, nan = (vu)(x != x);
+    const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (vf)((r & ~nan) | (0x7fc00000u & nan));
+}
+
+/* SiLU-and-multiply of one row of a tile pair: out[0, NR) = silu(g) * u, computed as the
+ * unfused layers compute it from the GEMM's stored output: in bf16 (y_bf16), g and u rounded
+ * to bf16 first and the SiLU rounded before the product; silu(g) = g / (1 + exp(-g)). */
+static void silu_mul_row(const float *g, const float *u, void *out, int y_bf16) {
+    float row[NR];
+    for (int i = 0; i < NR; i += VW) {
+        vf gv = load(g + i), uv = load(u + i);
+        if (y_bf16) { gv = vround_bf16(gv); uv = vround_bf16(uv); }
+        vf s = gv / (bcast(1.f) + vexp(vclamp(-gv, -87.3f, 88.f)));
+        if (y_bf16) s = vround_bf16(s);
+        store(row + i, s * uv);
+    }
+    if (y_bf16) round_bf16((bf16_t *)out, row, NR);
+    else memcpy(out, row, sizeof row);
+}
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL), W
  * packed by corellm_gemm_pack_f32 (bf16 == 0) or corellm_gemm_pack_bf16 (bf16 == 1); x is
  * fp32, or bf16 where bf16 weights take dot products (BF16_DOT); y is fp32, or bf16 (y_bf16:
- * each tile is accumulated in fp32 and rounded once as it is stored). Returns -1, having
- * written nothing, when the scratch of widened bf16 panels cannot be allocated. */
+ * each tile is accumulated in fp32 and rounded once as it is stored).
+ * silu_mul: W is [gate; up], two halves of n / 2 rows each (n / 2 a multiple of NR), and y
+ * [m, n / 2] = silu(x @ gate^T) * (x @ up^T), the pair of tiles of panel p and panel p + n / 2NR
+ * multiplied while they are in L1 (the layer's [m, n] output is never written).
+ * Returns -1, having written nothing, when the scratch of widened bf16 panels cannot be
+ * allocated. */
 static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
                 void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                int num_threads) {
+                int silu_mul, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
+    const int64_t half = silu_mul ? panels / 2 : 0;        /* the up panel of p is p + half */
     const int64_t panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
-    float *wide = NULL;                 /* per thread: one panel widened to fp32 */
+    const int64_t ways = silu_mul ? 2 : 1;                   /* panels widened at once */
+    float *wide = NULL;                 /* per thread: the panel(s) widened to fp32 */
     if (bf16 && !BF16_DOT && m > MR) {
-        wide = malloc((size_t)num_threads * (size_t)(k * NR) * sizeof(float));
+        wide = malloc((size_t)num_threads * (size_t)(ways * k * NR) * sizeof(float));
         if (!wide) return -1;
     }
     #pragma omp parallel num_threads(num_threads)
     {
-        float edge[MR * NR], edge_bias[NR];
-        float *mine = wide ? wide + (int64_t)omp_get_thread_num() * k * NR : NULL;
+        float edge[MR * NR], edge_bias[NR], up[MR * NR];
+        float *mine = wide ? wide + (int64_t)omp_get_thread_num() * ways * k * NR : NULL;
         for (int64_t m0 = 0; m0 < m; m0 += MC) {
             const int64_t m1 = m - m0 < MC ? m : m0 + MC;
             /* no barrier between row blocks: every (block, panel) tile is written once */
             #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < panels; ++p) {
+            for (int64_t p = 0; p < (silu_mul ? half : panels); ++p) {
                 const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
                 const float *b32 = bf16 ? NULL : (const float *)packed + p * panel;
                 const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * panel : NULL;
+                /* silu_mul: the up panel (always full: n / 2 is a multiple of NR) */
+                const float *u32 = silu_mul && !bf16 ? b32 + half * panel : NULL;
+                const bf16_t *u16 = silu_mul && bf16 ? b16 + half * panel : NULL;
                 if (b16 && !BF16_DOT && m1 - m0 > MR) {   /* several tiles: widen it once */
                     widen(b16, k, mine);
                     b32 = mine;
                     b16 = NULL;
+                    if (u16) {
+                        widen(u16, k, mine + k * NR);
+                        u32 = mine + k * NR;
+                        u16 = NULL;
+                    }
                 }
                 const float *pb = bias ? bias + col : NULL;
+                const float *ub = bias && silu_mul ? bias + col + half * NR : NULL;
                 if (pb && width < NR) {
                     memset(edge_bias, 0, sizeof edge_bias);
                     memcpy(edge_bias, pb, (size_t)width * sizeof(float));
@@ -207,18 +272,34 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
                 }
                 for (int64_t r0 = m0; r0 < m1; r0 += MR) {
                     const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
-                    const int direct = width == NR && !y_bf16;   /* else through edge */
+                    const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
                     float *c = direct ? (float *)y + r0 * ldy + col : edge;
                     const int64_t ldc = direct ? ldy : NR;
 #if BF16_DOT
-                    if (b16) dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, b16, pb, c,
-                                             ldc);
+                    if (b16) {
+                        dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, b16, pb, c, ldc);
+                        if (u16) dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, u16, ub,
+                                                 up, NR);
+                    }
 #else
-                    if (b16) tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, b16, pb, c,
-                                              ldc);
+                    if (b16) {
+                        tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, b16, pb, c, ldc);
+                        if (u16) tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, u16, ub,
+                                                  up, NR);
+                    }
 #endif
-                    else tiles_f32[rows](k, (const float *)x + r0 * lda, lda, b32, pb, c, ldc);
-                    if (y_bf16)
+                    else {
+                        tiles_f32[rows](k, (const float *)x + r0 * lda, lda, b32, pb, c, ldc);
+                        if (u32) tiles_f32[rows](k, (const float *)x + r0 * lda, lda, u32, ub,
+                                                 up, NR);
+                    }
+                    if (silu_mul)
+                        for (int64_t r = 0; r < rows; ++r)
+                            silu_mul_row(edge + r * NR, up + r * NR,
+                                         y_bf16 ? (void *)((bf16_t *)y + (r0 + r) * ldy + col)
+                                                : (void *)((float *)y + (r0 + r) * ldy + col),
+                                         y_bf16);
+                    else if (y_bf16)
                         for (int64_t r = 0; r < rows; ++r)
                             round_bf16((bf16_t *)y + (r0 + r) * ldy + col, edge + r * NR, width);
                     else if (width < NR)        /* the last, partial panel: through a tile */
@@ -235,11 +316,27 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
 
 int corellm_gemm_f32(const float *x, int64_t lda, const float *packed, const float *bias,
                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, num_threads);
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 0, num_threads);
 }
 
 /* y is bf16 [m, n] (row stride ldy), rounded once from the fp32 sums. */
 int corellm_gemm_bf16(const void *x, int64_t lda, const bf16_t *packed, const float *bias,
                       bf16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, num_threads);
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 0, num_threads);
+}
+
+/* y [m, n / 2] = silu(x @ gate^T + bias_gate) * (x @ up^T + bias_up) for W = [gate; up] [n, k]
+ * packed as above; -2 (nothing written) unless n / 2 is a multiple of NR. */
+int corellm_gemm_silu_mul_f32(const float *x, int64_t lda, const float *packed,
+                              const float *bias, float *y, int64_t ldy, int64_t m, int64_t n,
+                              int64_t k, int num_threads) {
+    if (n % (2 * NR)) return -2;
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 1, num_threads);
+}
+
+int corellm_gemm_silu_mul_bf16(const void *x, int64_t lda, const bf16_t *packed,
+                               const float *bias, bf16_t *y, int64_t ldy, int64_t m, int64_t n,
+                               int64_t k, int num_threads) {
+    if (n % (2 * NR)) return -2;
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 1, num_threads);
 }

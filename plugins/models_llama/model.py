@@ -76,7 +76,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(h)))
+        return self.down_proj(self.act.after(self.gate_up_proj, h))
 
 
 class LlamaDecoderLayer(nn.Module):
