@@ -232,10 +232,56 @@ def test_silu_mul_in_the_gemm_refuses_what_it_cannot_split():
     assert big == 2e4 and -1e-30 < small <= 0 and inf == float("inf") and nan != nan
 
 
+@pytest.mark.parametrize("n,k", [(17, 5), (2 * PANEL, 100), (1280, 768)])
+@pytest.mark.parametrize("m", [1, 6, 7, 64, 193])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_in_the_gemm_matches_the_two_layers(m, n, k, dtype):
+    """``norm=`` normalizes the rows inside the GEMM as ``corellm.layers.RMSNorm`` does (bf16:
+    its roundings), alone and before SiLU-and-multiply: within fp32 rounding of the two layers
+    (a different summation order of the squares), in bf16 within a step of them in a few
+    elements; a row's result does not depend on the others."""
+    from corellm.layers import RMSNorm
+    x, w, b = (t.to(dtype) for t in _case(m, n, k, seed=1))
+    x = x * 3
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = (torch.rand(k, generator=torch.Generator().manual_seed(2)) + .5).to(dtype)
+    packed = GEMM.pack(w)
+    with torch.inference_mode():
+        xn = norm(x)
+        cases = [(GEMM.linear(x, packed, n, b, k=k, norm=(norm.weight, norm.eps)),
+                  GEMM.linear(xn, packed, n, b, k=k))]
+        if n % (2 * PANEL) == 0:
+            cases.append((GEMM.linear_silu_mul(x, packed, n, b, k=k, norm=(norm.weight, norm.eps)),
+                          GEMM.linear_silu_mul(xn, packed, n, b, k=k)))
+    for fused, unfused in cases:
+        assert fused.dtype == dtype and fused.shape == unfused.shape
+        scale = unfused.abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=2e-6 * scale)
+        else:
+            # a normalized input a bf16 step apart moves a sum by about that step of one term
+            assert int((fused != unfused).sum()) <= max(2, fused.numel() // 200)
+            torch.testing.assert_close(fused.float(), unfused.float(), rtol=2 ** -6,
+                                       atol=2 ** -7 * scale)
+    with torch.inference_mode():
+        row = GEMM.linear(x[-1:], packed, n, b, k=k, norm=(norm.weight, norm.eps))
+    assert torch.equal(row, cases[0][0][-1:])
+    # a norm weight being trained: the caller runs the layers (autograd)
+    assert GEMM.linear(x, packed, n, b, k=k, norm=(norm.weight, norm.eps)) is None
+
+
+def test_rms_norm_in_the_gemm_refuses_a_weight_it_cannot_take():
+    x, w, _ = _case(3, 8, 16)
+    packed = GEMM.pack(w)
+    for bad in (torch.ones(16, dtype=torch.float64), torch.ones(15), torch.ones(32)[::2]):
+        assert GEMM.linear(x, packed, 8, None, k=16, norm=(bad, 1e-6)) is None
+
+
 def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeypatch):
-    """The CPU worker gives a [gate; up] layer of two equal halves ``linear_silu_mul`` when its
-    plan uses the native GEMM; rows planned on another path run the two layers."""
-    from corellm.layers import MergedColumnParallelLinear, SiluAndMul
+    """The CPU worker gives a [gate; up] layer of two equal halves ``linear_silu_mul`` (and every
+    layer ``linear_normed``) when its plan uses the native GEMM; rows planned on another path
+    run the layers one by one, with the same values."""
+    from corellm.layers import MergedColumnParallelLinear, RMSNorm, SiluAndMul
     if "mkl" not in cpu.available_gemm_paths():
         pytest.skip("mkl path not in this torch build")
     monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
@@ -249,14 +295,19 @@ def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeyp
     fused_path = GEMM.linear_silu_mul
     monkeypatch.setattr(type(GEMM), "linear_silu_mul",
                         lambda self, *a, **k: (calls.append(1), fused_path(*a, **k))[1])
-    act = SiluAndMul()
+    act, norm = SiluAndMul(), RMSNorm(16)
+    norm.weight.data.uniform_(0.5, 1.5)
     for m, fused in ((3, True), (9, False)):
         x = torch.randn(m, 16)
         with torch.inference_mode():
             out = act.after(layer, x)
-        assert bool(calls) == fused
+            normed = act.after(layer, x, norm)
+            qkv = norm.into(layer, x)
+        assert len(calls) == 2 * fused
         calls.clear()
         torch.testing.assert_close(out, act(x @ layer.weight.T), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(normed, act(norm(x) @ layer.weight.T), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(qkv, norm(x) @ layer.weight.T, rtol=1e-5, atol=1e-5)
     uneven = MergedColumnParallelLinear(16, [d, 2 * d])
     cpu.pack_linear_weights(torch.nn.Sequential(uneven))
     assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "gemm_plan")

@@ -54,9 +54,11 @@ def assert_all_native(llm: LLM, dtype: torch.dtype) -> None:
     planned = [m for m in model.modules() if hasattr(m, "gemm_plan")]
     assert planned and all(m.gemm_plan.paths == ("native",)
                            and m.gemm_packed["native"].dtype == dtype for m in planned)
-    # the merged gate/up projections of the Llama family run SiLU-and-multiply in the GEMM
+    # the merged gate/up projections of the Llama family run SiLU-and-multiply in the GEMM, and
+    # every layer can normalize its input there
     merged = [m for m in planned if type(m).__name__ == "MergedColumnParallelLinear"]
     assert all(hasattr(m, "linear_silu_mul") for m in merged)
+    assert all(hasattr(m, "linear_normed") for m in planned if hasattr(m, "linear"))
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:

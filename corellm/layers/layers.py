@@ -27,6 +27,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(dtype)
 
+    def into(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``linear(self(x))``: one kernel where the worker gave ``linear`` a fused path
+        (``linear_normed``: on the CPU, corellm's GEMM normalizing the rows it multiplies, so
+        the normalized copy of x is never written), else the two layers."""
+        fused = getattr(linear, "linear_normed", None)
+        if fused is not None and type(self).forward is RMSNorm.forward:
+            out = fused(x, (self.weight, self.eps))
+            if out is not None:
+                return out
+        return linear(self(x))
+
 
 class SiluAndMul(nn.Module):
     """[..., 2*I] (gate | up) -> [..., I]: silu(gate) * up."""
@@ -35,17 +46,20 @@ class SiluAndMul(nn.Module):
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
-    def after(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``self(linear(x))`` for a merged gate/up projection: one kernel where the worker
-        gave ``linear`` a fused path (``linear_silu_mul``: on the CPU, corellm's GEMM
-        multiplying each pair of gate and up tiles while they are in cache, so the [T, 2I]
-        product is never written), else the two layers."""
+    def after(self, linear: nn.Module, x: torch.Tensor,
+              norm: RMSNorm | None = None) -> torch.Tensor:
+        """``self(linear(norm(x)))`` for a merged gate/up projection (``norm`` optional): one
+        kernel where the worker gave ``linear`` a fused path (``linear_silu_mul``: on the CPU,
+        corellm's GEMM multiplying each pair of gate and up tiles while they are in cache, so
+        the [T, 2I] product is never written, and normalizing the rows it multiplies), else
+        the layers one by one."""
         fused = getattr(linear, "linear_silu_mul", None)
-        if fused is not None and type(self).forward is SiluAndMul.forward:
-            out = fused(x)
+        if fused is not None and type(self).forward is SiluAndMul.forward and (
+                norm is None or type(norm).forward is RMSNorm.forward):
+            out = fused(x, None if norm is None else (norm.weight, norm.eps))
             if out is not None:
                 return out
-        return self(linear(x))
+        return self(linear(x) if norm is None else norm.into(linear, x))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -220,12 +220,12 @@ class NativeGemm:
     _DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         self._gemm, self._pack, self._silu_mul = {}, {}, {}
         for dtype, suffix in zip(self._DTYPES, ("f32", "bf16")):
             for table, name in ((self._gemm, "gemm"), (self._silu_mul, "gemm_silu_mul")):
                 gemm = table[dtype] = getattr(lib, f"corellm_{name}_{suffix}")
-                gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+                gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, f32, i32]
                 gemm.restype = i32
             pack = self._pack[dtype] = getattr(lib, f"corellm_gemm_pack_{suffix}")
             pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
@@ -252,17 +252,23 @@ class NativeGemm:
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-               bias: torch.Tensor | None, k: int | None = None) -> torch.Tensor | None:
+               bias: torch.Tensor | None, k: int | None = None,
+               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """``x [m, k] @ W^T + bias`` for W [n, k] packed by :meth:`pack`, in the weight's dtype;
         None for inputs it does not take (autograd, a dtype or device other than the weight's,
         a bias that is not n contiguous values of that dtype). The packed copy has no autograd
         history: callers whose weight requires grad must take ``F.linear`` instead. ``k``: the
         weight's in-features, checked against x's; without it only the packed size checks x
-        (which cannot tell k from k + 1 for bf16 weights packed in pairs of k)."""
-        return self._call(self._gemm, x, packed, n, n, bias, k)
+        (which cannot tell k from k + 1 for bf16 weights packed in pairs of k).
+        ``norm``: (weight, eps) of an RMSNorm layer between x and this one (``corellm.layers.
+        RMSNorm``'s arithmetic, the weight k values of the weights' dtype): each thread
+        normalizes the rows it multiplies into its own scratch, and the normalized x is never
+        written out (None for a norm weight it does not take)."""
+        return self._call(self._gemm, x, packed, n, n, bias, k, norm)
 
     def linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-                        bias: torch.Tensor | None, k: int | None = None) -> torch.Tensor | None:
+                        bias: torch.Tensor | None, k: int | None = None,
+                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """``silu(g) * u`` for ``[g | u] = x @ W^T + bias`` (W = [gate; up], [n, k]), [m, n / 2],
         without writing the [m, n] product: each pair of gate and up tiles is multiplied in
         cache (the same values as :meth:`linear` followed by the fused SiLU-and-multiply, the
@@ -270,10 +276,11 @@ class NativeGemm:
         :meth:`linear` does not take, and unless n / 2 is a multiple of :attr:`panel`."""
         if n % (2 * self.panel):
             return None
-        return self._call(self._silu_mul, x, packed, n, n // 2, bias, k)
+        return self._call(self._silu_mul, x, packed, n, n // 2, bias, k, norm)
 
     def _call(self, fns: dict, x: torch.Tensor, packed: torch.Tensor, n: int, width: int,
-              bias: torch.Tensor | None, k: int | None) -> torch.Tensor | None:
+              bias: torch.Tensor | None, k: int | None,
+              norm: tuple[torch.Tensor, float] | None) -> torch.Tensor | None:
         dtype = packed.dtype
         if (x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu"
                 or dtype not in self._DTYPES or (k is not None and x.shape[1] != k)
@@ -283,6 +290,11 @@ class NativeGemm:
             return None
         if bias is not None and (bias.dtype != dtype or bias.shape != (n,)
                                  or not bias.is_contiguous()):
+            return None
+        norm_w, eps = norm if norm is not None else (None, 0.0)
+        if norm_w is not None and (norm_w.dtype != dtype or norm_w.shape != (x.shape[1],)
+                                   or not norm_w.is_contiguous() or norm_w.device.type != "cpu"
+                                   or (torch.is_grad_enabled() and norm_w.requires_grad)):
             return None
         if dtype != torch.float32:            # fp32 bias; fp32 rows unless bf16 dot products
             x = x if self.bf16_dot else x.float()       # (.float() keeps x's strides)
@@ -298,9 +310,9 @@ class NativeGemm:
                 out.copy_(y if width == n else F.silu(y[:, :width]) * y[:, width:])
             elif fns[dtype](x.data_ptr(), x.stride(0), packed.data_ptr(),
                             None if bias is None else bias.data_ptr(), out.data_ptr(), width,
-                            m, n, k, torch.get_num_threads()):
-                raise MemoryError(f"native GEMM: no scratch for widening a {dtype} weight "
-                                  f"of {n}x{k}")
+                            m, n, k, None if norm_w is None else norm_w.data_ptr(), eps,
+                            torch.get_num_threads()):
+                raise MemoryError(f"native GEMM: no scratch for a {dtype} weight of {n}x{k}")
         return out
 
 
@@ -544,6 +556,8 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
             module.forward = types.MethodType(_planned_forward, module)
         else:
             module.linear = types.MethodType(_planned_linear, module)
+            if "native" in plan.paths:
+                module.linear_normed = types.MethodType(_planned_normed, module)
             if ("native" in plan.paths and isinstance(module, MergedColumnParallelLinear)
                     and len(module.output_sizes) == 2
                     and module.output_sizes[0] == module.output_sizes[1]):
@@ -568,14 +582,30 @@ def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _planned_linear(self, x, self.bias)
 
 
-def _planned_silu_mul(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """SiLU-and-multiply of a merged [gate; up] layer's output in its GEMM, where the plan
-    takes corellm's GEMM for these rows; None (the caller runs the two layers) elsewhere."""
-    if (x.dim() != 2 or self.gemm_plan.path_for(x.shape[0]) != "native"
-            or (torch.is_grad_enabled() and self.weight.requires_grad)):
+def _native_rows(self: torch.nn.Module, x: torch.Tensor) -> bool:
+    return (x.dim() == 2 and self.gemm_plan.path_for(x.shape[0]) == "native"
+            and not (torch.is_grad_enabled() and self.weight.requires_grad))
+
+
+def _planned_silu_mul(self: torch.nn.Module, x: torch.Tensor,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
+    """SiLU-and-multiply of a merged [gate; up] layer's output in its GEMM (and the RMSNorm
+    before it, ``norm``: its weight and eps), where the plan takes corellm's GEMM for these
+    rows; None (the caller runs the layers one by one) elsewhere."""
+    if not _native_rows(self, x):
         return None
     return native_gemm().linear_silu_mul(x, self.gemm_packed["native"], self.weight.shape[0],
-                                         self.bias, k=self.weight.shape[1])
+                                         self.bias, k=self.weight.shape[1], norm=norm)
+
+
+def _planned_normed(self: torch.nn.Module, x: torch.Tensor,
+                    norm: tuple[torch.Tensor, float]) -> torch.Tensor | None:
+    """The layer applied to RMSNorm(x) (``norm``: its weight and eps), normalized inside its
+    GEMM, where the plan takes corellm's GEMM for these rows; else None."""
+    if not _native_rows(self, x):
+        return None
+    return native_gemm().linear(x, self.gemm_packed["native"], self.weight.shape[0], self.bias,
+                                k=self.weight.shape[1], norm=norm)
 
 
 # --------------------------------------------------------------------------- fused element-wise

@@ -217,6 +217,69 @@ static void silu_mul_row(const float *g, const float *u, void *out, int y_bf16) 
     else memcpy(out, row, sizeof row);
 }
 
+/* RMSNorm of rows [0, rows) of x (row stride lda) into out [rows][k], as the RMSNorm layer
+ * computes it: inv = 1 / sqrt(mean(x^2) + eps), out = w * (x * inv); in a bf16 model (bf16_model)
+ * x * inv is rounded to bf16 before w multiplies it and the product is rounded too. x is fp32
+ * or bf16 (x_bf16), w is the layer's dtype, out is fp32 or bf16 (out_bf16: what the tiles
+ * read). */
+static inline float bf16_value(float f) {              /* rounded to bf16, kept as fp32 */
+    bf16_t b;
+    round_bf16(&b, &f, 1);
+    uint32_t u = (uint32_t)b << 16;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static void rms_rows(const void *x, int x_bf16, int64_t lda, int64_t rows, int64_t k,
+                     const void *w, int bf16_model, float eps, void *out, int out_bf16) {
+    float *row = __builtin_alloca((size_t)k * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+        if (x_bf16) {
+            const bf16_t *xr = (const bf16_t *)x + r * lda;
+            for (int64_t i = 0; i < k; ++i) {
+                const uint32_t u = (uint32_t)xr[i] << 16;
+                memcpy(row + i, &u, sizeof u);
+            }
+        } else {
+            memcpy(row, (const float *)x + r * lda, (size_t)k * sizeof(float));
+        }
+        float acc[16] = {0}, sum = 0.f;
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16)
+            for (int j = 0; j < 16; ++j) acc[j] += row[i + j] * row[i + j];
+        for (int j = 0; j < 16; ++j) sum += acc[j];
+        for (; i < k; ++i) sum += row[i] * row[i];
+        const float inv = 1.f / __builtin_sqrtf(sum / (float)k + eps);
+        if (!bf16_model) {
+            const float *wf = w;
+            float *o = (float *)out + r * k;
+            for (int64_t c = 0; c < k; ++c) o[c] = wf[c] * (row[c] * inv);
+            continue;
+        }
+        const bf16_t *wb = w;
+        for (int64_t c = 0; c < k; ++c) {
+            const uint32_t u = (uint32_t)wb[c] << 16;
+            float wc;
+            memcpy(&wc, &u, sizeof wc);
+            row[c] = wc * bf16_value(row[c] * inv);
+        }
+        if (out_bf16) round_bf16((bf16_t *)out + r * k, row, k);
+        else
+            for (int64_t c = 0; c < k; ++c) ((float *)out)[r * k + c] = bf16_value(row[c]);
+    }
+}
+
+/* Per thread: the normalized rows of a block (grown as needed, kept between calls). */
+static __thread void *norm_buf;
+static __thread size_t norm_cap;
+static void *norm_scratch(size_t bytes) {
+    if (bytes > norm_cap) {
+        free(norm_buf);
+        norm_buf = malloc(bytes);
+        norm_cap = norm_buf ? bytes : 0;
+    }
+    return norm_buf;
+}
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL), W
  * packed by corellm_gemm_pack_f32 (bf16 == 0) or corellm_gemm_pack_bf16 (bf16 == 1); x is
  * fp32, or bf16 where bf16 weights take dot products (BF16_DOT); y is fp32, or bf16 (y_bf16:
@@ -224,16 +287,21 @@ static void silu_mul_row(const float *g, const float *u, void *out, int y_bf16) 
  * silu_mul: W is [gate; up], two halves of n / 2 rows each (n / 2 a multiple of NR), and y
  * [m, n / 2] = silu(x @ gate^T) * (x @ up^T), the pair of tiles of panel p and panel p + n / 2NR
  * multiplied while they are in L1 (the layer's [m, n] output is never written).
- * Returns -1, having written nothing, when the scratch of widened bf16 panels cannot be
- * allocated. */
+ * norm_w (k values of the weights' dtype, or NULL): x is the input of an RMSNorm layer (weight
+ * norm_w, epsilon eps) whose output is the GEMM's input; each thread normalizes a block of
+ * rows into its own scratch before the panels pass over it (the normalized rows are never
+ * written to memory the other thread reads).
+ * Returns -1 when a scratch cannot be allocated (then y is incomplete). */
 static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
                 void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                int silu_mul, int num_threads) {
+                int silu_mul, const void *norm_w, float eps, int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t half = silu_mul ? panels / 2 : 0;        /* the up panel of p is p + half */
     const int64_t panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
     const int64_t ways = silu_mul ? 2 : 1;                   /* panels widened at once */
+    const int x_bf16 = bf16 && BF16_DOT;                     /* else x is fp32 */
     float *wide = NULL;                 /* per thread: the panel(s) widened to fp32 */
+    int failed = 0;
     if (bf16 && !BF16_DOT && m > MR) {
         wide = malloc((size_t)num_threads * (size_t)(ways * k * NR) * sizeof(float));
         if (!wide) return -1;
@@ -242,8 +310,26 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
     {
         float edge[MR * NR], edge_bias[NR], up[MR * NR];
         float *mine = wide ? wide + (int64_t)omp_get_thread_num() * ways * k * NR : NULL;
+        const size_t esize = x_bf16 ? sizeof(bf16_t) : sizeof(float);
+        void *normed = norm_w ? norm_scratch((size_t)(m < MC ? m : MC) * (size_t)k * esize)
+                              : NULL;
+        if (norm_w && !normed) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         for (int64_t m0 = 0; m0 < m; m0 += MC) {
             const int64_t m1 = m - m0 < MC ? m : m0 + MC;
+            /* the block's rows of x, normalized into this thread's scratch when norm_w */
+            const void *xb = x;
+            int64_t ldx = lda, xr0 = m0;
+            if (normed) {               /* (without its scratch the result is discarded) */
+                rms_rows(x_bf16 ? (const void *)((const bf16_t *)x + m0 * lda)
+                                : (const void *)((const float *)x + m0 * lda),
+                         x_bf16, lda, m1 - m0, k, norm_w, bf16, eps, normed, x_bf16);
+                xb = normed;
+                ldx = k;
+                xr0 = 0;
+            }
             /* no barrier between row blocks: every (block, panel) tile is written once */
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < (silu_mul ? half : panels); ++p) {
@@ -273,24 +359,25 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
                 for (int64_t r0 = m0; r0 < m1; r0 += MR) {
                     const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
                     const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
+                    const int64_t ar = (r0 - m0 + xr0) * ldx;      /* row r0 of x in xb */
                     float *c = direct ? (float *)y + r0 * ldy + col : edge;
                     const int64_t ldc = direct ? ldy : NR;
 #if BF16_DOT
                     if (b16) {
-                        dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, b16, pb, c, ldc);
-                        if (u16) dot_tiles[rows](k, (const bf16_t *)x + r0 * lda, lda, u16, ub,
+                        dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, b16, pb, c, ldc);
+                        if (u16) dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, u16, ub,
                                                  up, NR);
                     }
 #else
                     if (b16) {
-                        tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, b16, pb, c, ldc);
-                        if (u16) tiles_bf16[rows](k, (const float *)x + r0 * lda, lda, u16, ub,
+                        tiles_bf16[rows](k, (const float *)xb + ar, ldx, b16, pb, c, ldc);
+                        if (u16) tiles_bf16[rows](k, (const float *)xb + ar, ldx, u16, ub,
                                                   up, NR);
                     }
 #endif
                     else {
-                        tiles_f32[rows](k, (const float *)x + r0 * lda, lda, b32, pb, c, ldc);
-                        if (u32) tiles_f32[rows](k, (const float *)x + r0 * lda, lda, u32, ub,
+                        tiles_f32[rows](k, (const float *)xb + ar, ldx, b32, pb, c, ldc);
+                        if (u32) tiles_f32[rows](k, (const float *)xb + ar, ldx, u32, ub,
                                                  up, NR);
                     }
                     if (silu_mul)
@@ -311,32 +398,35 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
         }
     }
     free(wide);
-    return 0;
+    return failed ? -1 : 0;
 }
 
+/* The exported GEMMs: norm_w/eps as gemm() takes them (NULL: no RMSNorm). */
 int corellm_gemm_f32(const float *x, int64_t lda, const float *packed, const float *bias,
-                     float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 0, num_threads);
+                     float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                     const float *norm_w, float eps, int num_threads) {
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 0, norm_w, eps, num_threads);
 }
 
 /* y is bf16 [m, n] (row stride ldy), rounded once from the fp32 sums. */
 int corellm_gemm_bf16(const void *x, int64_t lda, const bf16_t *packed, const float *bias,
-                      bf16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 0, num_threads);
+                      bf16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                      const bf16_t *norm_w, float eps, int num_threads) {
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 0, norm_w, eps, num_threads);
 }
 
 /* y [m, n / 2] = silu(x @ gate^T + bias_gate) * (x @ up^T + bias_up) for W = [gate; up] [n, k]
  * packed as above; -2 (nothing written) unless n / 2 is a multiple of NR. */
 int corellm_gemm_silu_mul_f32(const float *x, int64_t lda, const float *packed,
                               const float *bias, float *y, int64_t ldy, int64_t m, int64_t n,
-                              int64_t k, int num_threads) {
+                              int64_t k, const float *norm_w, float eps, int num_threads) {
     if (n % (2 * NR)) return -2;
-    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 1, num_threads);
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 1, norm_w, eps, num_threads);
 }
 
 int corellm_gemm_silu_mul_bf16(const void *x, int64_t lda, const bf16_t *packed,
                                const float *bias, bf16_t *y, int64_t ldy, int64_t m, int64_t n,
-                               int64_t k, int num_threads) {
+                               int64_t k, const bf16_t *norm_w, float eps, int num_threads) {
     if (n % (2 * NR)) return -2;
-    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 1, num_threads);
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 1, norm_w, eps, num_threads);
 }

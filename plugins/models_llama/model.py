@@ -48,9 +48,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(backend, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               sliding_window=arch.layer_sliding_window(layer_idx))
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+        """``norm``: the RMSNorm before this layer, applied here (inside the QKV GEMM where the
+        worker fuses the two)."""
         t = h.shape[0]
-        qkv = self.qkv_proj(h)                                         # [T, (H + 2Hkv) * D]
+        qkv = self.qkv_proj(h) if norm is None else norm.into(self.qkv_proj, h)  # [T, (H+2Hkv)*D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                   # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                # [T, Hkv, D]
@@ -75,8 +78,8 @@ class LlamaMLP(nn.Module):
                                            parallel=parallel)
         self.act = SiluAndMul()
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.after(self.gate_up_proj, h))
+    def forward(self, h: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        return self.down_proj(self.act.after(self.gate_up_proj, h, norm))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,8 +92,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(positions, h, md, norm=self.input_layernorm)
+        return h + self.mlp(h, norm=self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
