@@ -47,6 +47,33 @@ def test_greedy(sampler, logits):
     assert out.sampled_token_ids.tolist() == rows.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("n", [1, 5, 31, 33, 1000, 32000])
+def test_greedy_pass_is_torchs_first_maximum(n):
+    """``corellm.sampling.greedy`` (the native argmax on the CPU) picks what
+    ``max(dim=-1).indices`` picks: the first of tied maxima (-0.0 ties +0.0), an infinity, a
+    row of -inf (index 0), the first NaN anywhere in the row; strided rows too."""
+    from corellm.sampling import greedy
+    from corellm.worker import cpu
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1, -1] = x[1].max()                       # a tie with an earlier maximum
+    x[2] = float("-inf")
+    x[3, n // 2] = float("inf")
+    x[3, -1] = float("inf")
+    x[4, n // 3] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, -1] = float("nan")
+    x[6] = 0.0
+    x[6, n // 2:] = -0.0
+    x[7, 0] = float("nan")
+    cases = [x, torch.cat([x, x], dim=1)[:, :n], x[:0]]
+    for t in cases:
+        assert torch.equal(greedy(t), t.max(dim=-1).indices)
+    if cpu.cpu_ops() is not None:                 # the native pass is the one that ran
+        assert torch.equal(cpu.cpu_ops().argmax(x), x.max(dim=-1).indices)
+        assert cpu.cpu_ops().argmax(x.double()) is None
+
+
 def test_distribution_matches_softmax(sampler, logits):
     torch.manual_seed(1)
     n = 40000

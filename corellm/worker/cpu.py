@@ -636,6 +636,9 @@ class CpuOps:
                              i32]
             for fn in (rms, silu, rope):
                 fn.restype = None
+        self._argmax = lib.corellm_argmax_f32
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
+        self._argmax.restype = None
 
     @classmethod
     def _takes(cls, *xs: torch.Tensor) -> bool:
@@ -668,6 +671,21 @@ class CpuOps:
         if out.numel():
             self._silu[x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], d,
                                 torch.get_num_threads())
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The index of each row's first maximum of a float32 [rows, n] CPU tensor (NaN counts
+        as the maximum), as ``x.max(dim=-1).indices``: one pass, rows split over the threads
+        (torch's reduction ran at about 9 GB/s on a 2-core AMD EPYC for 64 x 32000 logits,
+        single-threaded). None for other inputs."""
+        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+                or x.stride(1) != 1 or x.shape[1] == 0
+                or (torch.is_grad_enabled() and x.requires_grad)):
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[0]:
+            self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+                         torch.get_num_threads())
         return out
 
     def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,5 +1,6 @@
 /* Element-wise layers of a decoder in one pass each, for float32 and bfloat16 on the CPU:
- * RMSNorm, SiLU-and-multiply and rotary embeddings (rotate-half form).
+ * RMSNorm, SiLU-and-multiply and rotary embeddings (rotate-half form); and greedy sampling's
+ * argmax over the logits.
  *
  * Built on first use by corellm.native and called through ctypes (corellm/worker/cpu.py).
  * Each replaces a chain of torch ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; RoPE: two
@@ -26,7 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
+#include "corellm_tile.h"     /* the core's vector types (vf: one register of floats) */
 
 static inline float from_bf16(bf16_t b) {
     const uint32_t u = (uint32_t)b << 16;
@@ -49,7 +50,6 @@ static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 /* Per element type: LD reads a value as float32; FIN rounds a layer's final value for storing;
  * RND rounds an intermediate value where the torch code of that dtype stores one (nothing in
  * float32, to bf16 and back in bf16). */
-typedef float f32_t;
 #define LD_f32(v) (v)
 #define FIN_f32(v) (v)
 #define RND_f32(v) (v)
@@ -141,3 +141,49 @@ SILU_AND_MUL(f32)
 SILU_AND_MUL(bf16)
 ROPE(f32)
 ROPE(bf16)
+
+/* out[r] = the index of the first maximum of row r of x [rows, n] (row stride ld), NaN counting
+ * as the maximum (its first occurrence), as torch's max(dim=-1).indices and argmax give it: greedy
+ * sampling's pass over the logits, one row per thread at a time, a vector register of running
+ * maxima and their indices per row. (NaN is found from the bits: this file is built with
+ * -ffast-math, under which a float comparison may not see it.) */
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
+void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out,
+                        int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * ld;
+        const uint32_t *bits = (const uint32_t *)xr;
+        int64_t best_i = 0, i = 0;
+        float best = xr[0];
+        int nan = 0;
+        if (n >= 2 * VW && n < ((int64_t)1 << 31)) {
+            vf bv = load(xr);
+            vi32 bidx, idx, vnan = (vi32)(((vi32)bv & 0x7fffffff) > 0x7f800000);
+            for (int l = 0; l < VW; ++l) { bidx[l] = l; idx[l] = l + VW; }
+            for (i = VW; i + VW <= n; i += VW, idx += VW) {
+                const vf v = load(xr + i);
+                const vi32 m = (vi32)(v > bv);
+                bv = (vf)(((vi32)v & m) | ((vi32)bv & ~m));
+                bidx = (idx & m) | (bidx & ~m);
+                vnan |= (vi32)(((vi32)v & 0x7fffffff) > 0x7f800000);
+            }
+            best = bv[0];
+            best_i = bidx[0];
+            for (int l = 0; l < VW; ++l) {
+                nan |= vnan[l];
+                if (bv[l] > best || (bv[l] == best && bidx[l] < best_i)) {
+                    best = bv[l];
+                    best_i = bidx[l];
+                }
+            }
+        }
+        for (; i < n; ++i) {
+            nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
+            if (xr[i] > best) { best = xr[i]; best_i = i; }
+        }
+        if (nan)                                      /* the first NaN (the rare case) */
+            for (best_i = 0; (bits[best_i] & 0x7fffffffu) <= 0x7f800000u; ++best_i) {}
+        out[r] = best_i;
+    }
+}

@@ -3,7 +3,8 @@ from __future__ import annotations
 import torch
 
 from corellm.interfaces import Sampler
-from corellm.sampling import LogprobsTensors, SamplerOutput, SamplingMetadata, apply_penalties
+from corellm.sampling import (LogprobsTensors, SamplerOutput, SamplingMetadata, apply_penalties,
+                              greedy)
 
 
 class DefaultSampler(Sampler):
@@ -22,7 +23,7 @@ class DefaultSampler(Sampler):
                                       torch.tensor(float("-inf")))
 
         if md.all_greedy:
-            sampled = logits.max(dim=-1).indices                   # first max, like argmax; faster on CPU
+            sampled = greedy(logits)                               # first max, like argmax
         else:
             sampled = self._sample(logits, md)
 
@@ -40,7 +41,7 @@ class DefaultSampler(Sampler):
         temperature = md.temperature
         assert temperature is not None
         greedy_rows = temperature == 0
-        greedy = None if md.all_random else logits.max(dim=-1).indices
+        greedy_ids = None if md.all_random else greedy(logits)
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
 
         if md.top_k is not None or md.top_p is not None:
@@ -56,8 +57,8 @@ class DefaultSampler(Sampler):
         for row, gen in md.generators.items():
             noise[row].exponential_(generator=gen)
         sampled = probs.div_(noise).max(dim=-1).indices
-        if greedy is not None:
-            sampled = torch.where(greedy_rows, greedy, sampled)
+        if greedy_ids is not None:
+            sampled = torch.where(greedy_rows, greedy_ids, sampled)
         return sampled
 
 
