@@ -220,6 +220,14 @@ def test_engine_tokens_are_the_same_fused_or_not(llama_path):
         with LLM(engine_config(llama_path, model={"cpu_fused_ops": fused})) as llm:
             model = llm.engine.executor.worker.runner.model
             assert any(hasattr(m, "cpu_ops") for m in model.modules()) == fused
+            # the GEMM takes the norm and SiLU only with the fused ops on, where it is planned
+            native = [m for m in model.modules()
+                      if "native" in getattr(getattr(m, "gemm_plan", None), "paths", ())
+                      and hasattr(m, "linear")]
+            assert all(hasattr(m, "linear_normed") == fused for m in native)
+            if not fused:
+                assert not any(hasattr(m, "linear_normed") or hasattr(m, "linear_silu_mul")
+                               for m in model.modules())
             runs[fused] = [o.outputs[0].token_ids
                            for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert runs[True] == runs[False]

@@ -291,6 +291,8 @@ def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeyp
     torch.manual_seed(0)
     layer.weight.data.normal_()
     cpu.pack_linear_weights(torch.nn.Sequential(layer))
+    assert not hasattr(layer, "linear_silu_mul")          # until the fused ops are asked for
+    assert cpu.fuse_into_gemms(torch.nn.Sequential(layer)) == 1
     calls = []
     fused_path = GEMM.linear_silu_mul
     monkeypatch.setattr(type(GEMM), "linear_silu_mul",
@@ -310,7 +312,8 @@ def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeyp
         torch.testing.assert_close(qkv, norm(x) @ layer.weight.T, rtol=1e-5, atol=1e-5)
     uneven = MergedColumnParallelLinear(16, [d, 2 * d])
     cpu.pack_linear_weights(torch.nn.Sequential(uneven))
-    assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "gemm_plan")
+    cpu.fuse_into_gemms(torch.nn.Sequential(uneven))
+    assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "linear_normed")
 
 
 def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():

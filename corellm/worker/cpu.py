@@ -530,7 +530,7 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
     of its weight's shape and dtype, and a copy of the weight in the layout of each packed path
     its plan uses (memory: up to the weights' size again per packed path). Returns the plans by
     shape (empty when there is nothing to plan)."""
-    from corellm.layers.linear import LinearBase, MergedColumnParallelLinear, ParallelLMHead
+    from corellm.layers.linear import LinearBase, ParallelLMHead
     plans: dict[tuple[tuple[int, int], torch.dtype], GemmPlan] = {}
     t0 = time.perf_counter()
     for module in model.modules():
@@ -556,12 +556,6 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
             module.forward = types.MethodType(_planned_forward, module)
         else:
             module.linear = types.MethodType(_planned_linear, module)
-            if "native" in plan.paths:
-                module.linear_normed = types.MethodType(_planned_normed, module)
-            if ("native" in plan.paths and isinstance(module, MergedColumnParallelLinear)
-                    and len(module.output_sizes) == 2
-                    and module.output_sizes[0] == module.output_sizes[1]):
-                module.linear_silu_mul = types.MethodType(_planned_silu_mul, module)
     if plans:
         logger.info("CPU GEMM paths, measured or cached (%.2f s): %s", time.perf_counter() - t0,
                     "; ".join(p.describe() for p in plans.values()))
@@ -778,12 +772,36 @@ def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> b
     return _silu_faster[dtype]
 
 
+def fuse_into_gemms(model: torch.nn.Module) -> int:
+    """Give each layer of ``model`` that :func:`pack_linear_weights` planned on corellm's GEMM
+    for some row counts ``linear_normed`` (the RMSNorm before it inside its GEMM:
+    ``RMSNorm.into``) and, for a ``MergedColumnParallelLinear`` of two equal halves,
+    ``linear_silu_mul`` (the SiLU-and-multiply after it: ``SiluAndMul.after``). Returns the
+    number of layers given one."""
+    from corellm.layers.linear import LinearBase, MergedColumnParallelLinear, ParallelLMHead
+    count = 0
+    for module in model.modules():
+        plan = getattr(module, "gemm_plan", None)
+        if not (isinstance(module, (LinearBase, ParallelLMHead)) and plan is not None
+                and "native" in plan.paths):
+            continue
+        module.linear_normed = types.MethodType(_planned_normed, module)
+        if (isinstance(module, MergedColumnParallelLinear) and len(module.output_sizes) == 2
+                and module.output_sizes[0] == module.output_sizes[1]):
+            module.linear_silu_mul = types.MethodType(_planned_silu_mul, module)
+        count += 1
+    return count
+
+
 def fuse_elementwise(model: torch.nn.Module) -> int:
     """Route the core's RMSNorm, SiluAndMul and RotaryEmbedding modules of ``model`` through the
-    fused float32 or bfloat16 CPU kernels (other inputs keep the torch code). Returns the number
-    of modules routed: 0 when the kernels cannot be built here."""
+    fused float32 or bfloat16 CPU kernels (other inputs keep the torch code), and let layers
+    planned on corellm's GEMM take the RMSNorm before them and the SiLU-and-multiply after them
+    (:func:`fuse_into_gemms`). Returns the number of modules routed to the element-wise
+    kernels: 0 when they cannot be built here."""
     from corellm.layers import RMSNorm, SiluAndMul
     from corellm.layers.rotary import RotaryEmbedding
+    fuse_into_gemms(model)
     fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]
