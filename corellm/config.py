@@ -53,7 +53,9 @@ class ModelConfig(BaseModel):
     cpu_fused_ops: bool = Field(
         True, description="On CPU, run RMSNorm, SiLU-and-multiply and rotary embeddings of "
                           "float32 and bfloat16 models as one C kernel each (built on first "
-                          "use; without a C compiler, the torch ops).")
+                          "use; without a C compiler, the torch ops), RMSNorm and SiLU inside "
+                          "the GEMM of layers planned on corellm's kernel, and greedy "
+                          "sampling's argmax as one native pass.")
 
     @field_validator("path", "tokenizer")
     @classmethod

@@ -88,11 +88,11 @@ class SamplerOutput:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's greedy token: the index of its first maximum (NaN counting as the maximum),
     as ``logits.max(dim=-1).indices``. Float32 logits on the CPU take one native pass over the
-    rows in parallel (``CpuOps.argmax``, 0.1-0.2 ms where torch's reduction took 0.9 ms for 64
-    rows of a 32,000-token vocabulary on a 2-core AMD EPYC), where that kernel is built."""
+    rows in parallel (``CpuOps.argmax``; see docs/benchmarks.md for its speed) where the
+    worker built the fused CPU kernels (``model.cpu_fused_ops``); else torch's reduction."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from corellm.worker.cpu import cpu_ops
-        ops = cpu_ops()
+        from corellm.worker.cpu import built_cpu_ops
+        ops = built_cpu_ops()
         out = ops.argmax(logits) if ops is not None else None
         if out is not None:
             return out

@@ -221,10 +221,10 @@ def test_engine_tokens_are_the_same_fused_or_not(llama_path):
             model = llm.engine.executor.worker.runner.model
             assert any(hasattr(m, "cpu_ops") for m in model.modules()) == fused
             # the GEMM takes the norm and SiLU only with the fused ops on, where it is planned
-            native = [m for m in model.modules()
-                      if "native" in getattr(getattr(m, "gemm_plan", None), "paths", ())
-                      and hasattr(m, "linear")]
-            assert all(hasattr(m, "linear_normed") == fused for m in native)
+            from corellm.layers import ColumnParallelLinear
+            column = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)
+                      and "native" in getattr(getattr(m, "gemm_plan", None), "paths", ())]
+            assert all(hasattr(m, "linear_normed") == fused for m in column)
             if not fused:
                 assert not any(hasattr(m, "linear_normed") or hasattr(m, "linear_silu_mul")
                                for m in model.modules())

@@ -270,6 +270,34 @@ def test_rms_norm_in_the_gemm_matches_the_two_layers(m, n, k, dtype):
     assert GEMM.linear(x, packed, n, b, k=k, norm=(norm.weight, norm.eps)) is None
 
 
+def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
+    """On a CPU with AVX512-BF16 the default build takes bf16 dot products; a build without
+    them (-mno-avx512bf16, as on CPUs that lack them) widens the panels, and pairs of panels in
+    the SiLU mode, through a per-thread scratch for blocks of more than 6 rows: the fused norm
+    and SiLU give the unfused layers' values there too."""
+    if not GEMM.bf16_dot:
+        pytest.skip("this CPU's build already widens bf16 panels (tested above)")
+    from corellm.layers import RMSNorm
+    from corellm.native import NativeBuildError, load_library
+    try:
+        plain = cpu.NativeGemm(load_library("corellm_gemm", cpu._GEMM_SOURCE,
+                                            (*cpu._GEMM_FLAGS, "-mno-avx512bf16")))
+    except NativeBuildError as exc:
+        pytest.skip(f"cannot build without AVX512-BF16: {exc}")
+    assert not plain.bf16_dot
+    d, k = 2 * PANEL, 40
+    x, w, b = (t.bfloat16() for t in _case(70, 2 * d, k, seed=3))
+    norm = RMSNorm(k, 1e-5).bfloat16().requires_grad_(False)
+    packed = plain.pack(w)
+    for m in (5, 70):
+        with torch.inference_mode():
+            fused = plain.linear_silu_mul(x[:m], packed, 2 * d, b, k=k, norm=(norm.weight, 1e-5))
+            unfused = cpu.cpu_ops().silu_and_mul(plain.linear(norm(x[:m]), packed, 2 * d, b, k=k))
+        assert int((fused != unfused).sum()) <= max(2, fused.numel() // 200)
+        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2 ** -6,
+                                   atol=2 ** -7 * unfused.abs().max().item())
+
+
 def test_rms_norm_in_the_gemm_refuses_a_weight_it_cannot_take():
     x, w, _ = _case(3, 8, 16)
     packed = GEMM.pack(w)
@@ -314,6 +342,13 @@ def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeyp
     cpu.pack_linear_weights(torch.nn.Sequential(uneven))
     cpu.fuse_into_gemms(torch.nn.Sequential(uneven))
     assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "linear_normed")
+    # a row-parallel layer (its forward all-reduces) and the LM head (it gathers) keep their
+    # forward: neither takes a norm inside its GEMM
+    from corellm.layers import ParallelLMHead, RowParallelLinear
+    row, head = RowParallelLinear(16, 8), ParallelLMHead(40, 16)
+    cpu.pack_linear_weights(torch.nn.Sequential(row, head))
+    assert cpu.fuse_into_gemms(torch.nn.Sequential(row, head)) == 0
+    assert hasattr(row, "gemm_plan") and hasattr(head, "gemm_plan")
 
 
 def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():

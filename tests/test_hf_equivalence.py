@@ -54,11 +54,29 @@ def assert_all_native(llm: LLM, dtype: torch.dtype) -> None:
     planned = [m for m in model.modules() if hasattr(m, "gemm_plan")]
     assert planned and all(m.gemm_plan.paths == ("native",)
                            and m.gemm_packed["native"].dtype == dtype for m in planned)
-    # the merged gate/up projections of the Llama family run SiLU-and-multiply in the GEMM, and
-    # every layer can normalize its input there
+    # the merged gate/up projections of the Llama family run SiLU-and-multiply in the GEMM
     merged = [m for m in planned if type(m).__name__ == "MergedColumnParallelLinear"]
     assert all(hasattr(m, "linear_silu_mul") for m in merged)
-    assert all(hasattr(m, "linear_normed") for m in planned if hasattr(m, "linear"))
+
+
+def count_fused_gemms(monkeypatch) -> dict[str, int]:
+    """Counts of the native GEMM calls that ran SiLU-and-multiply, or an RMSNorm, inside."""
+    from corellm.worker import cpu
+    counts = {"silu_mul": 0, "norm": 0}
+    silu_mul, call = cpu.NativeGemm.linear_silu_mul, cpu.NativeGemm._call
+
+    def counted_silu_mul(self, *a, **k):
+        out = silu_mul(self, *a, **k)
+        counts["silu_mul"] += out is not None
+        return out
+
+    def counted_call(self, fns, x, packed, n, width, bias, k, norm):
+        out = call(self, fns, x, packed, n, width, bias, k, norm)
+        counts["norm"] += out is not None and norm is not None
+        return out
+    monkeypatch.setattr(cpu.NativeGemm, "linear_silu_mul", counted_silu_mul)
+    monkeypatch.setattr(cpu.NativeGemm, "_call", counted_call)
+    return counts
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -112,6 +130,7 @@ def test_greedy_matches_transformers(reference, setting, monkeypatch):
     arch, path, prompts, results = reference
     if setting == "native_gemm":
         force_native_gemm(monkeypatch)
+        fused_calls = count_fused_gemms(monkeypatch)
     cfg = engine_config(path, **SETTINGS[setting])
     cfg["model"]["max_model_len"] = MAX_MODEL_LEN
     llm = LLM(cfg)
@@ -140,6 +159,8 @@ def test_greedy_matches_transformers(reference, setting, monkeypatch):
     if notes:
         warnings.warn(f"{arch}/{setting}: accepted near ties: {notes}")
     assert len(notes) <= 1, f"too many divergences for near ties to explain: {notes}"
+    if setting == "native_gemm" and arch != "phi":   # the Llama family's norms and gated MLP
+        assert fused_calls["silu_mul"] > 0 and fused_calls["norm"] > 0, fused_calls
 
     stats = llm.get_stats()
     if setting == "preemption":
@@ -168,6 +189,7 @@ def _bf16_near_tie(logits: torch.Tensor, a: int, b: int) -> tuple[bool, float, f
 def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, monkeypatch):
     if gemm == "native":
         force_native_gemm(monkeypatch)
+        fused_calls = count_fused_gemms(monkeypatch)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = make_checkpoint(arch)
@@ -189,6 +211,8 @@ def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, mo
                                SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                               ignore_eos=True), use_tqdm=False)
         assert_pool_whole(llm)
+    if gemm == "native":                # bf16 norms and gated MLP inside the GEMM
+        assert fused_calls["silu_mul"] > 0 and fused_calls["norm"] > 0, fused_calls
     identical = 0
     for i, (out, (hf_tokens, hf_logits)) in enumerate(zip(outputs, results)):
         ours = out.outputs[0].token_ids

@@ -29,8 +29,9 @@ class RMSNorm(nn.Module):
 
     def into(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``linear(self(x))``: one kernel where the worker gave ``linear`` a fused path
-        (``linear_normed``: on the CPU, corellm's GEMM normalizing the rows it multiplies, so
-        the normalized copy of x is never written), else the two layers."""
+        (``linear_normed``: on the CPU, corellm's GEMM normalizing the rows into a scratch of
+        its own call before its tiles read them: no separate layer call, output tensor or
+        pass), else the two layers."""
         fused = getattr(linear, "linear_normed", None)
         if fused is not None and type(self).forward is RMSNorm.forward:
             out = fused(x, (self.weight, self.eps))

@@ -261,9 +261,9 @@ class NativeGemm:
         weight's in-features, checked against x's; without it only the packed size checks x
         (which cannot tell k from k + 1 for bf16 weights packed in pairs of k).
         ``norm``: (weight, eps) of an RMSNorm layer between x and this one (``corellm.layers.
-        RMSNorm``'s arithmetic, the weight k values of the weights' dtype): each thread
-        normalizes the rows it multiplies into its own scratch, and the normalized x is never
-        written out (None for a norm weight it does not take)."""
+        RMSNorm``'s arithmetic, the weight k values of the weights' dtype): the threads
+        normalize the rows (split between them) into a scratch of this call, then multiply it
+        (None for a norm weight it does not take)."""
         return self._call(self._gemm, x, packed, n, n, bias, k, norm)
 
     def linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -272,7 +272,9 @@ class NativeGemm:
         """``silu(g) * u`` for ``[g | u] = x @ W^T + bias`` (W = [gate; up], [n, k]), [m, n / 2],
         without writing the [m, n] product: each pair of gate and up tiles is multiplied in
         cache (the same values as :meth:`linear` followed by the fused SiLU-and-multiply, the
-        exp aside: its polynomial is within about 2 ulp of glibc's). None for what
+        exp aside: its polynomial is within about 2 ulp of glibc's; like that kernel, exp's
+        argument is clamped to [-87.3, 88], so a gate below -88 gives a tiny negative value
+        where torch gives -0, and a gate of -inf gives -inf times u). None for what
         :meth:`linear` does not take, and unless n / 2 is a multiple of :attr:`panel`."""
         if n % (2 * self.panel):
             return None
@@ -711,6 +713,12 @@ class CpuOps:
 _cpu_ops: list[CpuOps | None] = []
 
 
+def built_cpu_ops() -> CpuOps | None:
+    """The fused kernels if something in this process already built them (a model with
+    ``model.cpu_fused_ops`` on), else None: nothing is built here."""
+    return _cpu_ops[0] if _cpu_ops else None
+
+
 def cpu_ops() -> CpuOps | None:
     """The fused kernels, built on first use; None (logged once) when no C compiler can build
     them."""
@@ -773,17 +781,21 @@ def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> b
 
 
 def fuse_into_gemms(model: torch.nn.Module) -> int:
-    """Give each layer of ``model`` that :func:`pack_linear_weights` planned on corellm's GEMM
+    """Give each column-parallel or replicated layer of ``model`` (its forward is its one
+    matmul: no collective after it) that :func:`pack_linear_weights` planned on corellm's GEMM
     for some row counts ``linear_normed`` (the RMSNorm before it inside its GEMM:
     ``RMSNorm.into``) and, for a ``MergedColumnParallelLinear`` of two equal halves,
-    ``linear_silu_mul`` (the SiLU-and-multiply after it: ``SiluAndMul.after``). Returns the
+    ``linear_silu_mul`` (the SiLU-and-multiply after it: ``SiluAndMul.after``). Row-parallel
+    layers and the LM head keep their all-reduce or gather: they get neither. Returns the
     number of layers given one."""
-    from corellm.layers.linear import LinearBase, MergedColumnParallelLinear, ParallelLMHead
+    from corellm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                       ReplicatedLinear)
     count = 0
     for module in model.modules():
         plan = getattr(module, "gemm_plan", None)
-        if not (isinstance(module, (LinearBase, ParallelLMHead)) and plan is not None
-                and "native" in plan.paths):
+        if not (plan is not None and "native" in plan.paths
+                and type(module).forward in (ColumnParallelLinear.forward,
+                                             ReplicatedLinear.forward)):
             continue
         module.linear_normed = types.MethodType(_planned_normed, module)
         if (isinstance(module, MergedColumnParallelLinear) and len(module.output_sizes) == 2
@@ -801,7 +813,9 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     kernels: 0 when they cannot be built here."""
     from corellm.layers import RMSNorm, SiluAndMul
     from corellm.layers.rotary import RotaryEmbedding
-    fuse_into_gemms(model)
+    in_gemms = fuse_into_gemms(model)
+    if in_gemms:
+        logger.info("RMSNorm and SiLU-and-multiply inside the GEMM of %d linear layers", in_gemms)
     fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
              RotaryEmbedding: _fused_rope}
     modules = [m for m in model.modules() if type(m) in fused]

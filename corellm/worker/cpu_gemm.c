@@ -222,6 +222,12 @@ static void silu_mul_row(const float *g, const float *u, void *out, int y_bf16) 
  * x * inv is rounded to bf16 before w multiplies it and the product is rounded too. x is fp32
  * or bf16 (x_bf16), w is the layer's dtype, out is fp32 or bf16 (out_bf16: what the tiles
  * read). */
+static inline float bf16_value_of(bf16_t b) {          /* a bf16 value as fp32 (exact) */
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 static inline float bf16_value(float f) {              /* rounded to bf16, kept as fp32 */
     bf16_t b;
     round_bf16(&b, &f, 1);
@@ -231,53 +237,36 @@ static inline float bf16_value(float f) {              /* rounded to bf16, kept 
 }
 static void rms_rows(const void *x, int x_bf16, int64_t lda, int64_t rows, int64_t k,
                      const void *w, int bf16_model, float eps, void *out, int out_bf16) {
-    float *row = __builtin_alloca((size_t)k * sizeof(float));
     for (int64_t r = 0; r < rows; ++r) {
-        if (x_bf16) {
-            const bf16_t *xr = (const bf16_t *)x + r * lda;
-            for (int64_t i = 0; i < k; ++i) {
-                const uint32_t u = (uint32_t)xr[i] << 16;
-                memcpy(row + i, &u, sizeof u);
-            }
-        } else {
-            memcpy(row, (const float *)x + r * lda, (size_t)k * sizeof(float));
-        }
+        const float *xf = x_bf16 ? NULL : (const float *)x + r * lda;
+        const bf16_t *xb = x_bf16 ? (const bf16_t *)x + r * lda : NULL;
+#define XV(i) (xf ? xf[i] : bf16_value_of(xb[i]))
         float acc[16] = {0}, sum = 0.f;
         int64_t i = 0;
         for (; i + 16 <= k; i += 16)
-            for (int j = 0; j < 16; ++j) acc[j] += row[i + j] * row[i + j];
+            for (int j = 0; j < 16; ++j) acc[j] += XV(i + j) * XV(i + j);
         for (int j = 0; j < 16; ++j) sum += acc[j];
-        for (; i < k; ++i) sum += row[i] * row[i];
+        for (; i < k; ++i) sum += XV(i) * XV(i);
         const float inv = 1.f / __builtin_sqrtf(sum / (float)k + eps);
         if (!bf16_model) {
             const float *wf = w;
             float *o = (float *)out + r * k;
-            for (int64_t c = 0; c < k; ++c) o[c] = wf[c] * (row[c] * inv);
+            for (int64_t c = 0; c < k; ++c) o[c] = wf[c] * (XV(c) * inv);
             continue;
         }
         const bf16_t *wb = w;
         for (int64_t c = 0; c < k; ++c) {
-            const uint32_t u = (uint32_t)wb[c] << 16;
-            float wc;
-            memcpy(&wc, &u, sizeof wc);
-            row[c] = wc * bf16_value(row[c] * inv);
+            const float v = bf16_value(bf16_value_of(wb[c]) * bf16_value(XV(c) * inv));
+            if (out_bf16) {
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                ((bf16_t *)out)[r * k + c] = (bf16_t)(u >> 16);    /* exact: v is a bf16 value */
+            } else {
+                ((float *)out)[r * k + c] = v;
+            }
         }
-        if (out_bf16) round_bf16((bf16_t *)out + r * k, row, k);
-        else
-            for (int64_t c = 0; c < k; ++c) ((float *)out)[r * k + c] = bf16_value(row[c]);
+#undef XV
     }
-}
-
-/* Per thread: the normalized rows of a block (grown as needed, kept between calls). */
-static __thread void *norm_buf;
-static __thread size_t norm_cap;
-static void *norm_scratch(size_t bytes) {
-    if (bytes > norm_cap) {
-        free(norm_buf);
-        norm_buf = malloc(bytes);
-        norm_cap = norm_buf ? bytes : 0;
-    }
-    return norm_buf;
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride lda) @ W^T + bias (n floats, or NULL), W
@@ -288,10 +277,9 @@ static void *norm_scratch(size_t bytes) {
  * [m, n / 2] = silu(x @ gate^T) * (x @ up^T), the pair of tiles of panel p and panel p + n / 2NR
  * multiplied while they are in L1 (the layer's [m, n] output is never written).
  * norm_w (k values of the weights' dtype, or NULL): x is the input of an RMSNorm layer (weight
- * norm_w, epsilon eps) whose output is the GEMM's input; each thread normalizes a block of
- * rows into its own scratch before the panels pass over it (the normalized rows are never
- * written to memory the other thread reads).
- * Returns -1 when a scratch cannot be allocated (then y is incomplete). */
+ * norm_w, epsilon eps) whose output is the GEMM's input; the threads normalize the rows into a
+ * scratch first (rows split between them, once per call) and the tiles read it.
+ * Returns -1, having written nothing, when a scratch cannot be allocated. */
 static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
                 void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
                 int silu_mul, const void *norm_w, float eps, int num_threads) {
@@ -301,35 +289,34 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
     const int64_t ways = silu_mul ? 2 : 1;                   /* panels widened at once */
     const int x_bf16 = bf16 && BF16_DOT;                     /* else x is fp32 */
     float *wide = NULL;                 /* per thread: the panel(s) widened to fp32 */
-    int failed = 0;
+    void *normed = NULL;                /* the normalized rows of x, [m][k] (norm_w) */
+    if (m == 0) return 0;
     if (bf16 && !BF16_DOT && m > MR) {
         wide = malloc((size_t)num_threads * (size_t)(ways * k * NR) * sizeof(float));
         if (!wide) return -1;
     }
+    if (norm_w && k > 0) {               /* (k == 0: no rows to read) */
+        normed = malloc((size_t)m * (size_t)k * (x_bf16 ? sizeof(bf16_t) : sizeof(float)));
+        if (!normed) { free(wide); return -1; }
+    }
+    /* what the tiles read: x, or its normalized copy */
+    const void *xb = normed ? normed : x;
+    const int64_t ldx = normed ? k : lda;
     #pragma omp parallel num_threads(num_threads)
     {
         float edge[MR * NR], edge_bias[NR], up[MR * NR];
         float *mine = wide ? wide + (int64_t)omp_get_thread_num() * ways * k * NR : NULL;
-        const size_t esize = x_bf16 ? sizeof(bf16_t) : sizeof(float);
-        void *normed = norm_w ? norm_scratch((size_t)(m < MC ? m : MC) * (size_t)k * esize)
-                              : NULL;
-        if (norm_w && !normed) {
-            #pragma omp atomic write
-            failed = 1;
+        if (normed) {
+            #pragma omp for schedule(static)         /* (its barrier: all rows before tiles) */
+            for (int64_t r = 0; r < m; ++r)
+                rms_rows(x_bf16 ? (const void *)((const bf16_t *)x + r * lda)
+                                : (const void *)((const float *)x + r * lda),
+                         x_bf16, lda, 1, k, norm_w, bf16, eps,
+                         x_bf16 ? (void *)((bf16_t *)normed + r * k)
+                                : (void *)((float *)normed + r * k), x_bf16);
         }
         for (int64_t m0 = 0; m0 < m; m0 += MC) {
             const int64_t m1 = m - m0 < MC ? m : m0 + MC;
-            /* the block's rows of x, normalized into this thread's scratch when norm_w */
-            const void *xb = x;
-            int64_t ldx = lda, xr0 = m0;
-            if (normed) {               /* (without its scratch the result is discarded) */
-                rms_rows(x_bf16 ? (const void *)((const bf16_t *)x + m0 * lda)
-                                : (const void *)((const float *)x + m0 * lda),
-                         x_bf16, lda, m1 - m0, k, norm_w, bf16, eps, normed, x_bf16);
-                xb = normed;
-                ldx = k;
-                xr0 = 0;
-            }
             /* no barrier between row blocks: every (block, panel) tile is written once */
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < (silu_mul ? half : panels); ++p) {
@@ -359,7 +346,7 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
                 for (int64_t r0 = m0; r0 < m1; r0 += MR) {
                     const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
                     const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
-                    const int64_t ar = (r0 - m0 + xr0) * ldx;      /* row r0 of x in xb */
+                    const int64_t ar = r0 * ldx;                    /* row r0 of x in xb */
                     float *c = direct ? (float *)y + r0 * ldy + col : edge;
                     const int64_t ldc = direct ? ldy : NR;
 #if BF16_DOT
@@ -398,7 +385,8 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
         }
     }
     free(wide);
-    return failed ? -1 : 0;
+    free(normed);
+    return 0;
 }
 
 /* The exported GEMMs: norm_w/eps as gemm() takes them (NULL: no RMSNorm). */
