@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
         """``linear(self(x))``: one kernel where the worker gave ``linear`` a fused path
         (``linear_normed``: on the CPU, corellm's GEMM normalizing the rows into a scratch of
         its own call before its tiles read them: no separate layer call, output tensor or
-        pass), else the two layers."""
+        pass), else the two layers. On the fused path neither module's ``forward`` (nor a
+        forward hook on them) runs."""
         fused = getattr(linear, "linear_normed", None)
         if fused is not None and type(self).forward is RMSNorm.forward:
             out = fused(x, (self.weight, self.eps))
