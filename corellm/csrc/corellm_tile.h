@@ -44,6 +44,10 @@ static inline vf bcast(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));  /* lanes of a comparison's mask */
+
+/* Per lane: a where the mask (a comparison of vf, all ones or zeros) is set, else b. */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 static inline vf load_f32(const float *p) { return load(p); }
 static inline vf load_bf16(const uint16_t *p) {     /* bf16 -> fp32: the top half of the bits */

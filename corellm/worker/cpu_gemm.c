@@ -169,7 +169,6 @@ static void round_bf16(bf16_t *dst, const float *src, int64_t n) {
 
 /* exp(x) for x in [-87.3, 88], each lane to within about 2 ulp: x = n ln2 + r with |r| <=
  * ln2 / 2, exp(r) by Cephes' degree-7 polynomial and 2^n put into the exponent bits. */
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
 static inline vf vexp(vf x) {
     const vf magic = bcast(12582912.f);                 /* 1.5 * 2^23: rounds to an integer */
     const vf t = x * bcast(1.44269504088896341f) + magic;
@@ -189,9 +188,7 @@ static inline vf vexp(vf x) {
 
 static inline vf vclamp(vf x, float lo, float hi) {     /* NaN stays NaN */
     const vf vlo = bcast(lo), vhi = bcast(hi);
-    vi below = x < vlo, above = x > vhi;
-    vi bits = ((vi)x & ~(below | above)) | ((vi)vlo & below) | ((vi)vhi & above);
-    return (vf)bits;
+    return vselect(x < vlo, vlo, vselect(x > vhi, vhi, x));
 }
 
 /* Each lane rounded to bf16 and back as torch rounds (to nearest even; NaN -> 0x7fc0). */

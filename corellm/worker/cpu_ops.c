@@ -147,7 +147,6 @@ ROPE(bf16)
  * sampling's pass over the logits, one row per thread at a time, a vector register of running
  * maxima and their indices per row. (NaN is found from the bits: this file is built with
  * -ffast-math, under which a float comparison may not see it.) */
-typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out,
                         int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)")
@@ -159,14 +158,14 @@ void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int
         int nan = 0;
         if (n >= 2 * VW && n < ((int64_t)1 << 31)) {
             vf bv = load(xr);
-            vi32 bidx, idx, vnan = (vi32)(((vi32)bv & 0x7fffffff) > 0x7f800000);
+            vi bidx, idx, vnan = ((vi)bv & 0x7fffffff) > 0x7f800000;
             for (int l = 0; l < VW; ++l) { bidx[l] = l; idx[l] = l + VW; }
             for (i = VW; i + VW <= n; i += VW, idx += VW) {
                 const vf v = load(xr + i);
-                const vi32 m = (vi32)(v > bv);
-                bv = (vf)(((vi32)v & m) | ((vi32)bv & ~m));
+                const vi m = v > bv;
+                bv = vselect(m, v, bv);
                 bidx = (idx & m) | (bidx & ~m);
-                vnan |= (vi32)(((vi32)v & 0x7fffffff) > 0x7f800000);
+                vnan |= ((vi)v & 0x7fffffff) > 0x7f800000;
             }
             best = bv[0];
             best_i = bidx[0];
