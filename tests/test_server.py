@@ -117,6 +117,21 @@ def server(llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def paced_server(llama_path, tmp_path_factory):
+    """The same server, its steps paced by the simulated executor (20 ms each, slept on the
+    real clock): a request a test must catch mid-flight is then still running, however fast the
+    machine (the tiny model makes its 248 tokens in under 0.2 s on a fast CPU)."""
+    tmp = tmp_path_factory.mktemp("paced")
+    config = _server_config(llama_path)
+    config["executor"] = {"name": "sim", "clock": "real",
+                          "profile": str(make_profile(llama_path, tmp / "profile.json",
+                                                      base=0.02))}
+    srv = Server(tmp, config)
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, "".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return server.client()
 
@@ -350,7 +365,8 @@ def test_openai_client_raises_on_bad_input(server, client):
 
 
 # --------------------------------------------------------------------------- disconnects, load
-def test_client_disconnect_aborts_and_frees_blocks(server):
+def test_client_disconnect_aborts_and_frees_blocks(paced_server):
+    server = paced_server
     before = server.metrics()["corellm:generation_tokens_total"]
     body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
             "stream": True}
@@ -370,7 +386,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
     # same for a non-streaming request: the handler is cancelled when the client leaves
     before = server.metrics()["corellm:generation_tokens_total"]
-    # (32 samples x 248 tokens: far more than the tiny model makes in the 0.15 s we wait)
+    # (248 steps of 20 ms: far more than the 0.15 s we wait)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=0.15,
                    json={"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
@@ -454,7 +470,8 @@ def _assert_metrics_equal_stats(m: dict[str, float], stats) -> None:
 
 
 def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0,
-                        max_model_len: int = MAX_MODEL_LEN, **scheduler):
+                        max_model_len: int = MAX_MODEL_LEN, executor: dict | None = None,
+                        **scheduler):
     """``await scenario(engine, http, scrape, calls)`` against the server's app, in this process
     (an ``AsyncLLM`` with its engine core in a child process, the app over ASGI), so the test
     can see which utility calls (``calls``: method names) the engine client makes."""
@@ -464,7 +481,8 @@ def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0,
 
     async def main():
         engine = await AsyncLLM.create(engine_config(
-            llama_path, model={"max_model_len": max_model_len}, scheduler=scheduler))
+            llama_path, model={"max_model_len": max_model_len}, scheduler=scheduler,
+            **({"executor": executor} if executor else {})))
         calls: list[str] = []
         real = engine.client.call_utility_async
 
@@ -546,11 +564,12 @@ def test_metrics_come_from_the_step_stream_not_from_get_stats(llama_path):
     _run_in_process_app(llama_path, scenario)
 
 
-def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
+def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path, tmp_path):
     """One sample runs, one waits (max_num_seqs 1); aborting both is followed by no step, so
     only the engine's "event" record brings the gauges back to 0. The running sample must still
-    be running at the first scrape: it may run to the test model's longest context (512), which
-    on a fast CPU is well under a second of steps."""
+    be running at the first scrape, so the steps are paced by the simulated executor (20 ms a
+    step on the real clock: 10 s to the longest context): the model itself runs its 504 steps in
+    well under a second on a fast CPU, and did finish before the scrape there."""
     from corellm.sampling_params import SamplingParams
     max_model_len = 512
 
@@ -578,7 +597,10 @@ def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path):
         assert m["corellm:kv_cache_blocks_free"] == m["corellm:kv_cache_blocks_total"]
         assert calls.count("get_stats") == 2          # the seed and ours: never a scrape's
 
-    _run_in_process_app(llama_path, scenario, max_model_len=max_model_len, max_num_seqs=1)
+    paced = {"name": "sim", "clock": "real",
+             "profile": str(make_profile(llama_path, tmp_path / "profile.json", base=0.02))}
+    _run_in_process_app(llama_path, scenario, max_model_len=max_model_len, executor=paced,
+                        max_num_seqs=1)
 
 
 # --------------------------------------------------------------------------- auth, faults

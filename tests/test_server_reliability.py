@@ -44,6 +44,19 @@ def server(llama_path, tmp_path_factory):
     assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
 
 
+@pytest.fixture(scope="module")
+def paced_server(llama_path, tmp_path_factory):
+    """The same server, its steps paced by the simulated executor (20 ms each, slept on the
+    real clock), for tests that must catch a request mid-flight however fast the machine."""
+    tmp = tmp_path_factory.mktemp("reliability-paced")
+    cfg = _config(llama_path)
+    cfg["executor"] = {"name": "sim", "clock": "real",
+                       "profile": str(make_profile(llama_path, tmp / "profile.json", base=0.02))}
+    srv = Server(tmp, cfg)
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+
+
 def _children(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (engine core, resource tracker, workers)."""
     found, todo = set(), [pid]
@@ -279,7 +292,8 @@ def test_schemathesis_finds_no_server_error(server):
     assert m["corellm:kv_cache_blocks_free"] == m["corellm:kv_cache_blocks_total"]
 
 
-def test_disconnects_are_logged_and_counted(server):
+def test_disconnects_are_logged_and_counted(paced_server):
+    server = paced_server
     before = server.metrics().get("corellm:request_aborted_total", 0.0)
     body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
