@@ -649,7 +649,11 @@ def test_api_key_then_engine_death(fragile_server):
             outcome["result"] = exc.status_code
     t = threading.Thread(target=blocking)
     t.start()
-    time.sleep(0.5)
+
+    def both_in_the_engine() -> bool:          # the stream's 8 samples and the blocking 8
+        m = srv.metrics()
+        return m["corellm:num_requests_running"] + m["corellm:num_requests_waiting"] == 16
+    _wait(both_in_the_engine, 20, "the blocking request to reach the engine")
     os.kill(srv.engine_pid, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine"):
         for _ in stream:

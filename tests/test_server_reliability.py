@@ -122,8 +122,9 @@ def test_chat_limits(server):
 def test_worst_allowed_request_does_not_stall_others(server):
     """The largest request the limits allow (128 streamed samples at the token budget, 64 stop
     strings of the longest length, logprobs at the limit) runs while /health and a one-token
-    completion are timed: each must answer within a second (they took 30 s before the limits,
-    the off-loop tokenizer and the sliced output processing)."""
+    completion are timed: each must answer within 3 s (they took 30 s before the limits, the
+    off-loop tokenizer and the sliced output processing; about 0.3 and 0.8 s at most on a 2-core
+    AMD EPYC, so a slower or busy machine still passes and a stall still fails)."""
     stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
     assert all(len(s) == 256 for s in stops)
     worst = {"prompt": "The meaning of life", "max_tokens": 64, "n": 128, "ignore_eos": True,
@@ -163,7 +164,7 @@ def test_worst_allowed_request_does_not_stall_others(server):
           f"{len(health)} probes")
     assert len(health) >= 3, "the worst request ended before it could be measured against"
     assert counts["finished"] == 128          # and it was served in full
-    assert max(health) < 1.0 and max(one_token) < 1.0, (health, one_token)
+    assert max(health) < 3.0 and max(one_token) < 3.0, (health, one_token)
 
 
 # --------------------------------------------------------------------------- malformed input
@@ -380,7 +381,13 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_p
 
 def test_engine_death_exits_nonzero_and_cleans_up(llama_path, tmp_path):
     before = _ipc_dirs()
-    srv = Server(tmp_path, _config(llama_path))
+    cfg = _config(llama_path)
+    # paced (20 ms steps): the stream is still running when the engine is killed, however fast
+    # the machine (the tiny model makes the 200 tokens in about 0.2 s)
+    cfg["executor"] = {"name": "sim", "clock": "real",
+                       "profile": str(make_profile(llama_path, tmp_path / "profile.json",
+                                                   base=0.02))}
+    srv = Server(tmp_path, cfg)
     try:
         ours = _ipc_dirs() - before
         assert len(ours) == 1, ours

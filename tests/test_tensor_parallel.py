@@ -284,10 +284,14 @@ def _tp_server(path, tmp_path, **frontend):
 def test_serve_with_a_rank_killed(make_checkpoint, tmp_path):
     """Under corellm serve: a stream in flight when rank 1 is killed ends with an error event
     naming the rank, /health turns 503, SIGTERM exits 0, and no process is left."""
+    from tests.test_server import MAX_MODEL_LEN
     from tests.test_server_reliability import _events
     with _tp_server(make_checkpoint("llama"), tmp_path, exit_on_engine_death=False) as (srv, _):
         workers = _worker_pids(srv.engine_pid)
-        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        # 8 samples to the longest context: far more work than the kill takes to land, even
+        # where a tensor-parallel step is a millisecond (many cores)
+        body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "n": 8, "ignore_eos": True,
+                "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
