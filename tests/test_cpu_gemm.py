@@ -29,10 +29,10 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
     assert err <= 4 * torch_err + 1e-6 * (1 + ref.abs().max().item()), (err, torch_err)
 
 
-# n around the panel width (one vector pair) and a big one; m around the 6-row tile, and past
-# the 192-row block; k down to 1
+# n around the panel width (one vector pair) and a big one; m around the tile's rows (6 with
+# AVX2, 8 with AVX-512), and past the 192-row block; k down to 1
 @pytest.mark.parametrize("n,k", [(1, 5), (15, 7), (16, 64), (17, 1), (33, 100), (1280, 768)])
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193, 400])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 9, 64, 193, 400])
 def test_matches_float64_with_and_without_bias(m, n, k):
     x, w, b = _case(m, n, k)
     packed = GEMM.pack(w)
@@ -41,10 +41,11 @@ def test_matches_float64_with_and_without_bias(m, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(17, 5), (1280, 96)])
-@pytest.mark.parametrize("m", [1, 6, 7, 64, 193])
+@pytest.mark.parametrize("m", [1, 6, 7, 8, 9, 64, 193])
 def test_bf16_weights_widened_exactly(m, n, k):
     """bf16 weights and inputs: fp32 products of the bf16 values (widening is exact), one
-    rounding of the output to bf16; tiles that widen in registers (up to 6 rows) and blocks that
+    rounding of the output to bf16; tiles that widen in registers (up to a tile's 6 or 8 rows)
+    and blocks that
     widen a panel once agree bit for bit on a row."""
     x, w, b = (t.bfloat16() for t in _case(m, n, k))
     packed = GEMM.pack(w)
@@ -181,12 +182,12 @@ def _silu_mul64(x, w, bias):
 
 
 # d a multiple of the panel (NR = 2 vector widths: 32 with AVX-512, 16 with AVX2); m around
-# the 6-row tile and past the 192-row block
+# the tile's rows (6 or 8) and past the 192-row block
 PANEL = GEMM.panel if GEMM else 32
 
 
 @pytest.mark.parametrize("d,k", [(PANEL, 5), (2 * PANEL, 100), (2048, 768)])
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 9, 64, 193])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_in_the_gemm_matches_the_two_layers(m, d, k, dtype):
     """``linear_silu_mul`` = SiLU-and-multiply of the [gate | up] product, without writing the
@@ -272,7 +273,7 @@ def test_rms_norm_in_the_gemm_matches_the_two_layers(m, n, k, dtype):
 
 def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
     """bf16 panels widened to fp32 (pairs of panels in the SiLU mode, through a per-thread
-    scratch for blocks of more than 6 rows), as a CPU without bf16 dot products runs them: the
+    scratch for blocks of more than a tile's rows), as a CPU without bf16 dot products runs them: the
     fused norm and SiLU give the unfused layers' values there too. On a CPU with AVX512-BF16 a
     build without it (-mno-avx512bf16) is the one checked; elsewhere the default build widens."""
     from corellm.layers import RMSNorm
@@ -286,7 +287,7 @@ def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
     x, w, b = (t.bfloat16() for t in _case(70, 2 * d, k, seed=3))
     norm = RMSNorm(k, 1e-5).bfloat16().requires_grad_(False)
     packed = plain.pack(w)
-    for m in (5, 70):
+    for m in (5, 9, 70):
         with torch.inference_mode():
             fused = plain.linear_silu_mul(x[:m], packed, 2 * d, b, k=k, norm=(norm.weight, 1e-5))
             unfused = cpu.cpu_ops().silu_and_mul(plain.linear(norm(x[:m]), packed, 2 * d, b, k=k))

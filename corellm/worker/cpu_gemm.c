@@ -15,7 +15,7 @@
  * Threads split the panels (each streams its own share of W once per block of MC rows), and a
  * block of MC rows of x stays in cache while all the panels pass over it.
  * bf16 weights: half the bytes to stream, each widened to fp32 in registers (a shift), exactly.
- * For a block of more than MR rows a panel is widened once into a per-thread scratch and the
+ * For a block of more than one tile's rows a panel is widened once into a per-thread scratch and the
  * fp32 tiles run on it, so the widening is not repeated per tile.
  *
  * CPUs with AVX512-BF16 (built with -march=native there): bf16 weights are packed in pairs of k,
@@ -46,7 +46,15 @@ int omp_get_thread_num(void);      /* libgomp's, without needing omp.h at build 
 
 #define MC 192          /* rows of x per block: 192 x K floats stay in L2 while panels pass */
 
+/* Rows per tile: MR (8 with AVX-512) for calls of up to MR_SMALL_M rows, where a panel streamed
+ * from memory feeds more multiply-adds per byte; 6 for more rows, where the panels are in cache
+ * and 6-row tiles measured about 1.3% faster at 512-2048 rows (docs/benchmarks.md). */
+#define MR_SMALL_M 128
+#define MR_LARGE_M 6
+
 int corellm_gemm_nr(void) { return NR; }
+int corellm_gemm_mr(void) { return MR; }
+int corellm_gemm_mr_small_m(void) { return MR_SMALL_M; }
 
 /* 1 where bf16 weights meet a bf16 input in dot-product instructions (then corellm_gemm_bf16
  * takes bf16 rows of x), 0 where they are widened to meet an fp32 input. */
@@ -145,10 +153,12 @@ static void dot_tile_##R(int64_t k, const bf16_t *a, int64_t lda, const bf16_t *
     }                                                                                         \
 }
 DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
+DOT_KERNEL(7) DOT_KERNEL(8)                          /* (AVX-512: MR is 8) */
 typedef void (*dot_tile_fn)(int64_t, const bf16_t *, int64_t, const bf16_t *, const float *,
                             float *, int64_t);
 static const dot_tile_fn dot_tiles[MR + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3,
-                                              dot_tile_4, dot_tile_5, dot_tile_6};
+                                              dot_tile_4, dot_tile_5, dot_tile_6, dot_tile_7,
+                                              dot_tile_8};
 #endif
 
 /* A bf16 panel of k rows as fp32, for a block of rows that would otherwise convert it once
@@ -285,10 +295,11 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
     const int64_t panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
     const int64_t ways = silu_mul ? 2 : 1;                   /* panels widened at once */
     const int x_bf16 = bf16 && BF16_DOT;                     /* else x is fp32 */
+    const int64_t mr = m <= MR_SMALL_M ? MR : MR_LARGE_M;     /* rows per tile */
     float *wide = NULL;                 /* per thread: the panel(s) widened to fp32 */
     void *normed = NULL;                /* the normalized rows of x, [m][k] (norm_w) */
     if (m == 0) return 0;
-    if (bf16 && !BF16_DOT && m > MR) {
+    if (bf16 && !BF16_DOT && m > mr) {
         wide = malloc((size_t)num_threads * (size_t)(ways * k * NR) * sizeof(float));
         if (!wide) return -1;
     }
@@ -323,7 +334,7 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
                 /* silu_mul: the up panel (always full: n / 2 is a multiple of NR) */
                 const float *u32 = silu_mul && !bf16 ? b32 + half * panel : NULL;
                 const bf16_t *u16 = silu_mul && bf16 ? b16 + half * panel : NULL;
-                if (b16 && !BF16_DOT && m1 - m0 > MR) {   /* several tiles: widen it once */
+                if (b16 && !BF16_DOT && m1 - m0 > mr) {   /* several tiles: widen it once */
                     widen(b16, k, mine);
                     b32 = mine;
                     b16 = NULL;
@@ -340,8 +351,8 @@ static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const 
                     memcpy(edge_bias, pb, (size_t)width * sizeof(float));
                     pb = edge_bias;
                 }
-                for (int64_t r0 = m0; r0 < m1; r0 += MR) {
-                    const int64_t rows = m1 - r0 < MR ? m1 - r0 : MR;
+                for (int64_t r0 = m0; r0 < m1; r0 += mr) {
+                    const int64_t rows = m1 - r0 < mr ? m1 - r0 : mr;
                     const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
                     const int64_t ar = r0 * ldx;                    /* row r0 of x in xb */
                     float *c = direct ? (float *)y + r0 * ldy + col : edge;
