@@ -273,9 +273,10 @@ def test_rms_norm_in_the_gemm_matches_the_two_layers(m, n, k, dtype):
 
 def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
     """bf16 panels widened to fp32 (pairs of panels in the SiLU mode, through a per-thread
-    scratch for blocks of more than a tile's rows), as a CPU without bf16 dot products runs them: the
-    fused norm and SiLU give the unfused layers' values there too. On a CPU with AVX512-BF16 a
-    build without it (-mno-avx512bf16) is the one checked; elsewhere the default build widens."""
+    scratch for blocks of more than a tile's rows), as a CPU without bf16 dot products runs
+    them: the fused norm and SiLU give the unfused layers' values there too. On a CPU with
+    AVX512-BF16 a build without it (-mno-avx512bf16) is the one checked; elsewhere the default
+    build widens."""
     from corellm.layers import RMSNorm
     plain = GEMM
     if GEMM.bf16_dot:

@@ -15,8 +15,8 @@
  * Threads split the panels (each streams its own share of W once per block of MC rows), and a
  * block of MC rows of x stays in cache while all the panels pass over it.
  * bf16 weights: half the bytes to stream, each widened to fp32 in registers (a shift), exactly.
- * For a block of more than one tile's rows a panel is widened once into a per-thread scratch and the
- * fp32 tiles run on it, so the widening is not repeated per tile.
+ * For a block of more than one tile's rows a panel is widened once into a per-thread scratch and
+ * the fp32 tiles run on it, so the widening is not repeated per tile.
  *
  * CPUs with AVX512-BF16 (built with -march=native there): bf16 weights are packed in pairs of k,
  * [ceil(N / NR)][ceil(K / 2)][NR][2], and a bf16 input (not widened) meets them in
