@@ -30,9 +30,9 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 
 
 # n around the panel width (one vector pair) and a big one; m around the tile's rows (6 with
-# AVX2, 8 with AVX-512), and past the 192-row block; k down to 1
+# AVX2; 8 with AVX-512 up to 64 rows, 6 above), and past the 192-row block; k down to 1
 @pytest.mark.parametrize("n,k", [(1, 5), (15, 7), (16, 64), (17, 1), (33, 100), (1280, 768)])
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 9, 64, 193, 400])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 9, 64, 65, 193, 400])
 def test_matches_float64_with_and_without_bias(m, n, k):
     x, w, b = _case(m, n, k)
     packed = GEMM.pack(w)
@@ -56,6 +56,12 @@ def test_bf16_weights_widened_exactly(m, n, k):
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * k)
     assert torch.equal(GEMM.linear(x[-1:], packed, n, b), y[-1:])
     assert GEMM.linear(x.float(), packed, n, b.float()) is None        # dtype not the weight's
+
+
+def test_tile_height_follows_the_vector_width():
+    """8-row tiles where the build has AVX-512's 32 vector registers (panels of 32 floats), 6
+    with AVX2's 16 (panels of 16)."""
+    assert (GEMM.panel, GEMM.tile_rows) in ((32, 8), (16, 6))
 
 
 def test_bf16_dot_products_where_the_cpu_has_them():

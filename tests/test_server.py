@@ -128,7 +128,9 @@ def paced_server(llama_path, tmp_path_factory):
                                                       base=0.02))}
     srv = Server(tmp, config)
     yield srv
+    engine_pid = srv.engine_pid
     assert srv.stop(signal.SIGINT) == 0, "".join(srv.log[-30:])
+    _wait(lambda: not _pid_alive(engine_pid), 10, "the engine process to exit")
 
 
 @pytest.fixture(scope="module")

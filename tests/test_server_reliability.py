@@ -54,7 +54,9 @@ def paced_server(llama_path, tmp_path_factory):
                        "profile": str(make_profile(llama_path, tmp / "profile.json", base=0.02))}
     srv = Server(tmp, cfg)
     yield srv
+    engine_pid = srv.engine_pid
     assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+    _wait(lambda: not _pid_alive(engine_pid), 10, "the engine process to exit")
 
 
 def _children(pid: int) -> set[int]:

@@ -236,7 +236,8 @@ class NativeGemm:
             size.argtypes = [i64, i64]
             size.restype = i64
         self.panel = int(lib.corellm_gemm_nr())
-        self.tile_rows = int(lib.corellm_gemm_mr())     # 8 with AVX-512, 6 with AVX2
+        # rows per tile for calls of up to 64 rows: 8 with AVX-512, 6 with AVX2 (6 above 64)
+        self.tile_rows = int(lib.corellm_gemm_mr())
         self.bf16_dot = bool(lib.corellm_gemm_bf16_dot())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

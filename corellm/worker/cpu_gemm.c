@@ -46,15 +46,15 @@ int omp_get_thread_num(void);      /* libgomp's, without needing omp.h at build 
 
 #define MC 192          /* rows of x per block: 192 x K floats stay in L2 while panels pass */
 
-/* Rows per tile: MR (8 with AVX-512) for calls of up to MR_SMALL_M rows, where a panel streamed
- * from memory feeds more multiply-adds per byte; 6 for more rows, where the panels are in cache
- * and 6-row tiles measured about 1.3% faster at 512-2048 rows (docs/benchmarks.md). */
-#define MR_SMALL_M 128
+/* Rows per tile: MR (8 with AVX-512) for calls of up to MR_SMALL_M rows (decode batches), where a
+ * panel streamed from memory feeds more multiply-adds per byte; 6 for more rows, where the panels
+ * are in cache: 8-row tiles were even at 96-384 rows and about 1% slower at 512 and 2048
+ * (docs/benchmarks.md). 64 is also the edge of the GEMM plans' row buckets (cpu.py). */
+#define MR_SMALL_M 64
 #define MR_LARGE_M 6
 
 int corellm_gemm_nr(void) { return NR; }
-int corellm_gemm_mr(void) { return MR; }
-int corellm_gemm_mr_small_m(void) { return MR_SMALL_M; }
+int corellm_gemm_mr(void) { return MR; }     /* rows per tile for calls of up to MR_SMALL_M */
 
 /* 1 where bf16 weights meet a bf16 input in dot-product instructions (then corellm_gemm_bf16
  * takes bf16 rows of x), 0 where they are widened to meet an fp32 input. */
@@ -153,7 +153,8 @@ static void dot_tile_##R(int64_t k, const bf16_t *a, int64_t lda, const bf16_t *
     }                                                                                         \
 }
 DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
-DOT_KERNEL(7) DOT_KERNEL(8)                          /* (AVX-512: MR is 8) */
+DOT_KERNEL(7) DOT_KERNEL(8)
+_Static_assert(MR == 8, "bf16 dot-product tiles: 1 to 8 rows (AVX-512's MR)");
 typedef void (*dot_tile_fn)(int64_t, const bf16_t *, int64_t, const bf16_t *, const float *,
                             float *, int64_t);
 static const dot_tile_fn dot_tiles[MR + 1] = {0, dot_tile_1, dot_tile_2, dot_tile_3,
