@@ -184,9 +184,11 @@ def test_rope_positions_outside_the_table_raise_as_torch_does():
     q, k = _qkv(2, 2, 1, 64)
     with pytest.raises(IndexError):
         rope(torch.tensor([0, 128]), q, k)
-    pos = torch.tensor([-1, 3])           # torch indexing wraps a negative position: so does this
-    want = RotaryEmbedding.forward(rope, pos, q, k)
-    assert all(torch.equal(a, b) for a, b in zip(rope(pos, q.clone(), k.clone()), want))
+    # torch indexing wraps a negative position: so does this. The kernel checks every position
+    # before it rotates any row in place (here the first row's is valid).
+    for pos in (torch.tensor([-1, 3]), torch.tensor([3, -1])):
+        want = RotaryEmbedding.forward(rope, pos, q, k)
+        assert all(torch.equal(a, b) for a, b in zip(rope(pos, q.clone(), k.clone()), want))
 
 
 def test_a_silu_kernel_slower_than_torch_is_not_used(monkeypatch, caplog):

@@ -235,10 +235,20 @@ class NativeGemm:
         for size in self._sizes.values():
             size.argtypes = [i64, i64]
             size.restype = i64
+        self._size_cache: dict[tuple[torch.dtype, int, int], int] = {}
         self.panel = int(lib.corellm_gemm_nr())
         # rows per tile for calls of up to 64 rows: 8 with AVX-512, 6 with AVX2 (6 above 64)
         self.tile_rows = int(lib.corellm_gemm_mr())
         self.bf16_dot = bool(lib.corellm_gemm_bf16_dot())
+
+    def _packed_size(self, dtype: torch.dtype, n: int, k: int) -> int:
+        """Elements of the packed copy of an [n, k] weight (a ctypes call the first time per
+        shape; each GEMM call checks its weight against it)."""
+        key = (dtype, n, k)
+        size = self._size_cache.get(key)
+        if size is None:
+            size = self._size_cache[key] = int(self._sizes[dtype](n, k))
+        return size
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of an fp32 or bf16 [out, in] weight (rows may be strided)."""
@@ -248,7 +258,8 @@ class NativeGemm:
                              f"contiguous rows, not {weight.dtype} {tuple(weight.shape)} "
                              f"strides {weight.stride()} on {weight.device}")
         n, k = weight.shape
-        out = zeroed_cpu_tensor(int(self._sizes[weight.dtype](n, k)), weight.dtype, huge_pages=True)
+        out = zeroed_cpu_tensor(self._packed_size(weight.dtype, n, k), weight.dtype,
+                                huge_pages=True)
         self._pack[weight.dtype](weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
                                  torch.get_num_threads())
         return out
@@ -290,7 +301,7 @@ class NativeGemm:
                 or dtype not in self._DTYPES or (k is not None and x.shape[1] != k)
                 or (torch.is_grad_enabled() and (x.requires_grad
                                                  or (bias is not None and bias.requires_grad)))
-                or packed.numel() != self._sizes[dtype](n, x.shape[1])):
+                or packed.numel() != self._packed_size(dtype, n, x.shape[1])):
             return None
         if bias is not None and (bias.dtype != dtype or bias.shape != (n,)
                                  or not bias.is_contiguous()):
@@ -631,8 +642,9 @@ class CpuOps:
             silu.argtypes = [ptr, ptr, i64, i64, i32]
             rope = self._rope[dtype] = getattr(lib, f"corellm_rope_{suffix}")
             rope.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                             i32]
-            for fn in (rms, silu, rope):
+                             i64, i32]
+            rope.restype = i32                  # -1: a position outside the tables
+            for fn in (rms, silu):
                 fn.restype = None
         self._argmax = lib.corellm_argmax_f32
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
@@ -699,16 +711,12 @@ class CpuOps:
                 or not positions.is_contiguous()
                 or positions.numel() != q.shape[0] or k.shape[0] != q.shape[0]):
             return False
-        if q.shape[0]:
-            # Outside the table, torch's indexing raises (past the end) or wraps (negative):
-            # leave both to it.
-            lo, hi = torch.aminmax(positions)
-            if int(lo) < 0 or int(hi) >= cos.shape[0]:
-                return False
-            self._rope[q.dtype](q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
-                                k.data_ptr(), k.stride(0), k.stride(1), k.shape[1],
-                                positions.data_ptr(), q.shape[0], cos.data_ptr(),
-                                sin.data_ptr(), rotary_dim, torch.get_num_threads())
+        # Positions outside the tables (the kernel checks them all first, rotating nothing):
+        # torch's indexing raises (past the end) or wraps (negative); leave both to it.
+        return not q.shape[0] or self._rope[q.dtype](
+            q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
+            k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0], cos.data_ptr(),
+            sin.data_ptr(), cos.shape[0], rotary_dim, torch.get_num_threads()) == 0
         return True
 
 

@@ -120,12 +120,14 @@ static void rope_one_##T(T##_t *x, int64_t token_stride, int64_t head_stride, in
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-void corellm_rope_##T(T##_t *q, int64_t q_token_stride, int64_t q_head_stride,               \
-                      int64_t q_heads, T##_t *k, int64_t k_token_stride,                     \
-                      int64_t k_head_stride, int64_t k_heads, const int64_t *positions,      \
-                      int64_t tokens, const float *cos_table, const float *sin_table,        \
-                      int64_t rot, int num_threads) {                                        \
+int corellm_rope_##T(T##_t *q, int64_t q_token_stride, int64_t q_head_stride,                \
+                     int64_t q_heads, T##_t *k, int64_t k_token_stride,                      \
+                     int64_t k_head_stride, int64_t k_heads, const int64_t *positions,       \
+                     int64_t tokens, const float *cos_table, const float *sin_table,         \
+                     int64_t table_rows, int64_t rot, int num_threads) {                     \
     const int64_t half = rot / 2, work = tokens * (q_heads + k_heads) * rot;                 \
+    for (int64_t t = 0; t < tokens; ++t)       /* outside the tables: nothing is rotated */  \
+        if (positions[t] < 0 || positions[t] >= table_rows) return -1;                       \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(work >= 65536)")  \
     for (int64_t t = 0; t < tokens; ++t) {                                                   \
         const float *c = cos_table + positions[t] * half;                                    \
@@ -133,6 +135,7 @@ void corellm_rope_##T(T##_t *q, int64_t q_token_stride, int64_t q_head_stride,  
         rope_one_##T(q, q_token_stride, q_head_stride, q_heads, t, c, s, half);              \
         rope_one_##T(k, k_token_stride, k_head_stride, k_heads, t, c, s, half);              \
     }                                                                                        \
+    return 0;                                                                                \
 }
 
 RMS_NORM(f32)

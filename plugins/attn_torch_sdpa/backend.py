@@ -184,16 +184,25 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, md: SDPAMetadata) -> torch.Tensor:
         hkv, d = layer.num_kv_heads, layer.head_size
-        key_cache, value_cache = kv_cache[0], kv_cache[1]          # [nb, bs, Hkv, D]
         slots = md.slot_mapping
         native = self._native
-        if native is None or not native.write_kv(key, value, kv_cache, slots):
-            key_cache.view(-1, hkv, d).index_copy_(0, slots, key.to(key_cache.dtype))
-            value_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(value_cache.dtype))
+        # The native decode kernel writes its rows' K/V itself (each just before reading that
+        # sequence's cache); the other rows are written here, before any kernel reads them.
+        nd = md.num_decodes
+        fused = (self.decode_path == "native" and nd > 0
+                 and native.takes_kv(key, value, kv_cache, slots))
+        if not fused:
+            nd = 0
+        if nd < key.shape[0]:
+            k, v, s = (key[nd:], value[nd:], slots[nd:]) if nd else (key, value, slots)
+            if native is None or not native.write_kv(k, v, kv_cache, s):
+                cache = kv_cache.view(2, -1, hkv, d)                 # [K|V, slot, Hkv, D]
+                cache[0].index_copy_(0, s, k.to(kv_cache.dtype))
+                cache[1].index_copy_(0, s, v.to(kv_cache.dtype))
         gqa = layer.num_heads != hkv
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
         if self.decode_path == "native" and md.num_decodes:
-            native.decode(layer, query, kv_cache, md, out)
+            native.decode(layer, query, kv_cache, md, out, (key, value) if fused else None)
         if md.prefill_meta is not None:                     # the native prefill path
             native.prefill(layer, query, kv_cache, md, out)
             if not md.decode_groups:
@@ -230,6 +239,13 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
 
+def _kv_ptrs(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a layer's K and V caches (``kv_cache[0]``, ``kv_cache[1]``) without
+    making the two views."""
+    k = kv_cache.data_ptr()
+    return k, k + kv_cache.stride(0) * kv_cache.element_size()
+
+
 class _NativeKernels:
     """ctypes bindings of ``paged_cpu.c`` for one dtype."""
 
@@ -237,7 +253,7 @@ class _NativeKernels:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = getattr(lib, f"corellm_paged_decode_{_NATIVE_DTYPES[dtype]}")
         self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, ctypes.c_int]
+                                 ctypes.c_float, i64, ptr, i64, ptr, i64, ptr, ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = getattr(lib, f"corellm_paged_prefill_{_NATIVE_DTYPES[dtype]}")
         self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
@@ -248,36 +264,57 @@ class _NativeKernels:
         self._write.restype = ctypes.c_int
         self.dtype = dtype
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    @staticmethod
+    def takes_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slots: torch.Tensor) -> bool:
-        """Copy each token's K/V row to its slot; False (nothing done) for inputs it does not
-        take: another dtype than the cache's, or heads not contiguous within a token."""
-        t, hkv, d = key.shape
+        """Whether the kernels write these K/V rows [T, Hkv, D] to their slots themselves: the
+        cache's dtype, heads contiguous within a token, int64 slots, one per token."""
+        d = key.shape[2]
         for x in (key, value):
             if (x.dtype != kv_cache.dtype or x.stride(2) != 1 or x.stride(1) != d
                     or x.device.type != "cpu"):
                 return False
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != t:
+        return (slots.dtype == torch.int64 and slots.is_contiguous()
+                and slots.numel() == key.shape[0])
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """Copy each token's K/V row to its slot; False (nothing done) for inputs it does not
+        take (:meth:`takes_kv`)."""
+        if not self.takes_kv(key, value, kv_cache, slots):
             return False
+        t, hkv, d = key.shape
         row = hkv * d * kv_cache.element_size()
         self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                    kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), t, row,
+                    *_kv_ptrs(kv_cache), slots.data_ptr(), t, row,
                     kv_cache.element_size(), torch.get_num_threads())
         return True
 
     def decode(self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor,
-               md: SDPAMetadata, out: torch.Tensor) -> None:
-        """Attention of the step's decode rows (the first ``md.num_decodes``) into ``out``."""
+               md: SDPAMetadata, out: torch.Tensor,
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Attention of the step's decode rows (the first ``md.num_decodes``) into ``out``.
+        ``new_kv``: the step's K and V (rows the kernel writes to their slots, each before its
+        sequence is read: one pass and no separate call; :meth:`takes_kv` must hold), or None
+        when they are already in the cache."""
         nd = md.num_decodes
         q = query[:nd]
         if q.stride(2) != 1 or q.stride(1) != layer.head_size:
             q = q.contiguous()
         table, seq = md.block_table, md.seq_lens
-        rc = self._decode(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
-                          kv_cache[1].data_ptr(), table.data_ptr(), table.stride(0),
+        if new_kv is None:
+            kn = kv = slots = None
+            kn_stride = kv_stride = 0
+        else:
+            k, v = new_kv
+            kn, kv, slots = k.data_ptr(), v.data_ptr(), md.slot_mapping.data_ptr()
+            kn_stride, kv_stride = k.stride(0), v.stride(0)
+        rc = self._decode(q.data_ptr(), q.stride(0), *_kv_ptrs(kv_cache),
+                          table.data_ptr(), table.stride(0),
                           seq.data_ptr(), out.data_ptr(), nd, layer.num_heads,
                           layer.num_kv_heads, layer.head_size, md.block_size, layer.scale,
-                          layer.sliding_window or 0, torch.get_num_threads())
+                          layer.sliding_window or 0, kn, kn_stride, kv, kv_stride, slots,
+                          torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for its score buffers")
 
@@ -290,8 +327,8 @@ class _NativeKernels:
         if q.stride(2) != 1 or q.stride(1) != layer.head_size:
             q = q.contiguous()
         table = md.block_table[md.num_decodes:]
-        rc = self._prefill(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(),
-                           kv_cache[1].data_ptr(), table.data_ptr(), table.stride(0),
+        rc = self._prefill(q.data_ptr(), q.stride(0), *_kv_ptrs(kv_cache),
+                           table.data_ptr(), table.stride(0),
                            md.prefill_meta.data_ptr(), md.prefill_meta.shape[0], out.data_ptr(),
                            layer.num_heads, layer.num_kv_heads, layer.head_size, md.block_size,
                            layer.scale, layer.sliding_window or 0, torch.get_num_threads())

@@ -14,7 +14,10 @@
  * where the gather path copies it out and reads it again. With fewer sequences than threads,
  * a work item is one (sequence, KV head) instead, so that a lone long sequence still keeps
  * every thread busy (one sequence of 416-2048 tokens: 1.3-1.5x on 2 threads; with as many
- * sequences as threads, whole rows read in order are faster).
+ * sequences as threads, whole rows read in order are faster). The step's new K/V of a
+ * sequence are written to its slot by the work item that reads it, first (its part of the
+ * row), so a decode step needs no separate write call; prefill rows are written by
+ * corellm_write_kv before the prefill kernel reads them.
  *
  * Tried and measured slower (docs/attention.md): scores for 8 keys at a time with explicit
  * vector code (faster while the cache is hot, 10-20% slower once it is not: the per-token
@@ -71,10 +74,10 @@ static float *scratch(float **buf, int64_t *cap, int64_t n) {
  * else 0 and D is used. */
 #define DECODE_SEQ(SUFFIX, T, LD, ST, HD)                                                     \
 static int decode_seq_##SUFFIX##_##HD(                                                       \
-        const T *qrow, const T *k_cache, const T *v_cache, const int64_t *table,              \
+        const T *qrow, T *k_cache, T *v_cache, const int64_t *table,                          \
         int64_t len, T *o, int64_t num_heads, int64_t num_kv_heads, int64_t D_,               \
         int64_t block_size, float scale, int64_t window, int64_t g0, int64_t g1,              \
-        float **buf, int64_t *cap) {                                                          \
+        const T *knew, const T *vnew, int64_t slot, float **buf, int64_t *cap) {              \
     const int64_t D = HD ? HD : D_;                                                           \
     const int64_t G = num_heads / num_kv_heads, H = (g1 - g0) * G, row = num_kv_heads * D;   \
     const int64_t start = (window > 0 && len > window) ? len - window : 0;                    \
@@ -88,6 +91,10 @@ static int decode_seq_##SUFFIX##_##HD(                                          
     o += g0 * G * D;                                                                          \
     k_cache += g0 * D;                                                                        \
     v_cache += g0 * D;                                                                        \
+    if (knew && slot >= 0) {          /* this token's K/V first: its own key is read last */  \
+        memcpy(k_cache + slot * row, knew + g0 * D, (size_t)row_bytes);                       \
+        memcpy(v_cache + slot * row, vnew + g0 * D, (size_t)row_bytes);                       \
+    }                                                                                         \
     for (int64_t x = 0; x < H * D; ++x) { qf[x] = LD(qrow, x) * scale; acc[x] = 0.f; }       \
     for (int64_t b = start / block_size; b * block_size < len; ++b) {                        \
         const int64_t t0 = b * block_size > start ? b * block_size : start;                   \
@@ -142,10 +149,15 @@ DECODE_SEQ(SUFFIX, T, LD, ST, 64)                                               
 DECODE_SEQ(SUFFIX, T, LD, ST, 128)                                                            \
 int corellm_paged_decode_##SUFFIX(                                                            \
         const T *q, int64_t q_stride, /* [n, H, D]: token stride, heads contiguous */         \
-        const T *k_cache, const T *v_cache, const int64_t *block_table,                      \
+        T *k_cache, T *v_cache, const int64_t *block_table,                                   \
         int64_t table_stride, const int64_t *seq_lens, T *out, /* [n, H, D] contiguous */     \
         int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,                \
-        int64_t block_size, float scale, int64_t window, int num_threads) {                  \
+        int64_t block_size, float scale, int64_t window,                                      \
+        /* the n new tokens' K and V ([n, Hkv, D], token strides), each written to its slot  \
+         * (slots[i]; negative: none) by its work item before it reads the cache; NULL: the  \
+         * caller wrote them */                                                               \
+        const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride,           \
+        const int64_t *slots, int num_threads) {                                              \
     int failed = 0;                                                                           \
     /* whole sequences while there is one per thread, else one KV head each */                \
     const int64_t per = n >= (int64_t)num_threads ? num_kv_heads : 1;                         \
@@ -159,19 +171,22 @@ int corellm_paged_decode_##SUFFIX(                                              
             const T *qi = q + i * q_stride;                                                   \
             const int64_t *ti = block_table + i * table_stride;                               \
             T *oi = out + i * num_heads * head_size;                                          \
+            const T *kn = k_new ? k_new + i * k_new_stride : NULL;                            \
+            const T *vn = k_new ? v_new + i * v_new_stride : NULL;                            \
+            const int64_t slot = k_new ? slots[i] : -1;                                       \
             int rc;                                                                           \
             if (head_size == 64)                                                              \
                 rc = decode_seq_##SUFFIX##_64(qi, k_cache, v_cache, ti, seq_lens[i], oi,      \
                         num_heads, num_kv_heads, 64, block_size, scale, window, g0, g1,       \
-                        &buf, &cap);                                                          \
+                        kn, vn, slot, &buf, &cap);                                            \
             else if (head_size == 128)                                                        \
                 rc = decode_seq_##SUFFIX##_128(qi, k_cache, v_cache, ti, seq_lens[i], oi,     \
                         num_heads, num_kv_heads, 128, block_size, scale, window, g0, g1,      \
-                        &buf, &cap);                                                          \
+                        kn, vn, slot, &buf, &cap);                                            \
             else                                                                              \
                 rc = decode_seq_##SUFFIX##_0(qi, k_cache, v_cache, ti, seq_lens[i], oi,       \
                         num_heads, num_kv_heads, head_size, block_size, scale, window, g0,    \
-                        g1, &buf, &cap);                                                      \
+                        g1, kn, vn, slot, &buf, &cap);                                        \
             if (rc) {                                                                         \
                 _Pragma("omp atomic write")                                                   \
                 failed = 1;                                                                   \
@@ -186,7 +201,8 @@ DEFINE_DECODE(f32, float, ld_f32, st_f32)
 DEFINE_DECODE(bf16, bf16_t, ld_bf16, st_bf16)
 
 /* KV write: token j's K and V rows (num_kv_heads * head_size contiguous elements at
- * key + j * key_stride) go to cache slot slots[j]; negative slots are skipped. */
+ * key + j * key_stride) go to cache slot slots[j]; negative slots are skipped. For the rows the
+ * decode kernel does not write itself (prefills; decodes when the caller writes them first). */
 int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
                      int64_t value_stride, char *k_cache, char *v_cache, const int64_t *slots,
                      int64_t n, int64_t row_bytes, int64_t elem_bytes, int num_threads) {
