@@ -34,28 +34,35 @@ def _backend(decode: str, dtype=torch.float32, prefill: str = "auto"):
     return TorchSDPABackend(decode, CPU, dtype, prefill)
 
 
-def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks=NUM_BLOCKS):
+def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks=NUM_BLOCKS,
+          kv_dtype=None, strided_heads=False):
     """One step of ``reqs`` ((context length, new tokens), decodes first) through
-    ``backend.forward`` over a cache that is ``fill`` (NaN) wherever no token was written."""
+    ``backend.forward`` over a cache that is ``fill`` (NaN) wherever no token was written.
+    The new K/V are views into one fused projection, as the model hands them, unless
+    ``kv_dtype`` (K/V of another dtype than the cache's) or ``strided_heads`` (heads not
+    contiguous within a token) ask for inputs the kernels do not write themselves."""
     gen = torch.Generator().manual_seed(seed)
     hkv, d = layer.num_kv_heads, layer.head_size
     spec = backend.kv_cache_spec(layer, num_blocks, bs, dtype)
     cache, tables = paged_cache(spec.shape, spec.dtype, reqs, bs, gen, fill)
     t = sum(n for _, n in reqs)
-    # The query and new K/V as the model hands them: views into one fused projection.
     qkv = torch.randn(t, (layer.num_heads + 2 * hkv) * d, generator=gen).to(dtype)
     q, k, v = qkv.split([layer.num_heads * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.reshape(t, -1, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    if kv_dtype is not None:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    if strided_heads:                          # the same values, [T, D, Hkv] in memory
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     common = common_metadata(reqs, tables, bs, pad_blocks=1)
-    slots = common.slot_mapping
+    slots = torch.from_numpy(common.slot_mapping)
     builder = backend.make_metadata_builder(AttentionBuildLimits(
         block_size=bs, max_num_seqs=max(8, len(reqs)), max_num_batched_tokens=max(64, t),
         max_model_len=1024, device=CPU))
     out = backend.forward(layer, q, k, v, cache, builder.build(common))
     ref = reference_attention(layer, q, cache, reqs, tables, bs)
     flat = cache.flatten(1, 2)                                     # [2, slots, Hkv, D]
-    assert torch.equal(flat[0, torch.from_numpy(slots)], k)      # new K/V exactly at its slot
-    assert torch.equal(flat[1, torch.from_numpy(slots)], v)
+    assert torch.equal(flat[0, slots], k.to(cache.dtype))          # new K/V exactly at its slot
+    assert torch.equal(flat[1, slots], v.to(cache.dtype))
     return out, ref
 
 
@@ -100,6 +107,75 @@ def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
             torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("reqs", [MIXED[:5], [(70, 1)], [(0, 1)]])
+def test_decode_only_steps(threads, reqs):
+    """Steps of decodes only (the kernel writes every new row itself; a lone one-token prompt;
+    one sequence split by KV head across threads), a head size without an unrolled loop."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = AttentionLayerSpec(0, 6, 3, 80, scale=0.1)
+        out, ref = _step(_backend("native"), layer, reqs, 16, torch.float32, seed=threads)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("reqs,kind,prefill", [
+    (MIXED, "strided_heads", "native"), (MIXED, "strided_heads", "sdpa"),
+    (MIXED[:5], "strided_heads", "native"), (MIXED[5:], "strided_heads", "sdpa"),
+    (MIXED, "other_dtype", "native"), (MIXED[:5], "other_dtype", "native"),
+    (MIXED[5:], "other_dtype", "native"),
+])
+def test_native_decode_of_kv_the_kernels_do_not_write(reqs, kind, prefill):
+    """K/V the kernels do not take (another dtype than the cache's, heads not contiguous within
+    a token): every row is written first (torch's index_copy_) and the decode kernel only
+    reads; the cache and the outputs are the same."""
+    backend = _backend("native", torch.bfloat16, prefill)
+    assert backend.decode_path == "native"
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125, sliding_window=20)
+    kw = {"kv_dtype": torch.float32} if kind == "other_dtype" else {"strided_heads": True}
+    out, ref = _step(backend, layer, reqs, 8, torch.bfloat16, **kw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_decode_step_makes_no_separate_kv_write(monkeypatch):
+    """The decode kernel writes its rows' K/V: a step of decodes calls no write, a mixed step
+    writes its prefill rows only."""
+    backend = _backend("native")
+    written, real = [], backend._native._write
+    monkeypatch.setattr(backend._native, "_write", lambda *a: written.append(a[8]) or real(*a))
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125)
+    _step(backend, layer, MIXED[:5], 16, torch.float32)
+    assert written == []
+    _step(backend, layer, MIXED, 16, torch.float32)
+    assert written == [19 + 7]                        # the two prefills' rows
+
+
+@pytest.mark.parametrize("reqs", [MIXED[:5], MIXED[5:]])
+def test_a_slot_outside_the_cache_is_an_error_and_nothing_is_written(reqs):
+    """A slot mapping past the cache (a KV manager's bug) raises, naming the slot, before the
+    decode kernel or the KV write touches the cache."""
+    backend = _backend("native")
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125)
+    spec = backend.kv_cache_spec(layer, NUM_BLOCKS, 16, torch.float32)
+    cache, tables = paged_cache(spec.shape, spec.dtype, reqs, 16, torch.Generator(), 0.0)
+    before = cache.clone()
+    t = sum(n for _, n in reqs)
+    q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    common = common_metadata(reqs, tables, 16, pad_blocks=1)
+    common.slot_mapping[-1] = NUM_BLOCKS * 16             # one past the last slot
+    md = backend.make_metadata_builder(AttentionBuildLimits(
+        block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
+        device=CPU)).build(common)
+    with pytest.raises(IndexError, match=f"slot {NUM_BLOCKS * 16} of token {t - 1} is outside"):
+        backend.forward(layer, q, k, v, cache, md)
+    assert torch.equal(cache, before)
 
 
 # Prefills: several row chunks (up to 192 rows each) and key panels, after cached context (a

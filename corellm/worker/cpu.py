@@ -717,7 +717,6 @@ class CpuOps:
             q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
             k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0], cos.data_ptr(),
             sin.data_ptr(), cos.shape[0], rotary_dim, torch.get_num_threads()) == 0
-        return True
 
 
 _cpu_ops: list[CpuOps | None] = []

@@ -202,7 +202,8 @@ class TorchSDPABackend(AttentionBackend):
         gqa = layer.num_heads != hkv
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
         if self.decode_path == "native" and md.num_decodes:
-            native.decode(layer, query, kv_cache, md, out, (key, value) if fused else None)
+            native.decode(layer, query, kv_cache, md, out,
+                          (key, value, slots) if fused else None)
         if md.prefill_meta is not None:                     # the native prefill path
             native.prefill(layer, query, kv_cache, md, out)
             if not md.decode_groups:
@@ -239,6 +240,19 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
 
+def _num_slots(kv_cache: torch.Tensor) -> int:
+    return kv_cache.shape[1] * kv_cache.shape[2]           # blocks x tokens per block
+
+
+def _slot_error(slots: torch.Tensor, kv_cache: torch.Tensor) -> IndexError:
+    """The error for a slot mapping that points past the cache (a KV manager's bug): the C
+    kernels check it and write nothing."""
+    n = _num_slots(kv_cache)
+    bad = [(i, s) for i, s in enumerate(slots.tolist()) if s >= n]
+    return IndexError(f"torch_sdpa: slot {bad[0][1] if bad else '?'} of token "
+                      f"{bad[0][0] if bad else '?'} is outside the KV cache's {n} slots")
+
+
 def _kv_ptrs(kv_cache: torch.Tensor) -> tuple[int, int]:
     """The addresses of a layer's K and V caches (``kv_cache[0]``, ``kv_cache[1]``) without
     making the two views."""
@@ -253,14 +267,15 @@ class _NativeKernels:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = getattr(lib, f"corellm_paged_decode_{_NATIVE_DTYPES[dtype]}")
         self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+                                 ctypes.c_float, i64, ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = getattr(lib, f"corellm_paged_prefill_{_NATIVE_DTYPES[dtype]}")
         self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
                                   i64, ctypes.c_float, i64, ctypes.c_int]
         self._prefill.restype = ctypes.c_int
         self._write = lib.corellm_write_kv
-        self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+                                ctypes.c_int]
         self._write.restype = ctypes.c_int
         self.dtype = dtype
 
@@ -285,18 +300,23 @@ class _NativeKernels:
             return False
         t, hkv, d = key.shape
         row = hkv * d * kv_cache.element_size()
-        self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                    *_kv_ptrs(kv_cache), slots.data_ptr(), t, row,
-                    kv_cache.element_size(), torch.get_num_threads())
+        if self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                       *_kv_ptrs(kv_cache), slots.data_ptr(), _num_slots(kv_cache), t, row,
+                       kv_cache.element_size(), torch.get_num_threads()):
+            raise _slot_error(slots, kv_cache)
         return True
 
     def decode(self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor,
                md: SDPAMetadata, out: torch.Tensor,
-               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Attention of the step's decode rows (the first ``md.num_decodes``) into ``out``.
-        ``new_kv``: the step's K and V (rows the kernel writes to their slots, each before its
-        sequence is read: one pass and no separate call; :meth:`takes_kv` must hold), or None
-        when they are already in the cache."""
+        ``new_kv``: the step's K, V and slots (the decode rows' K/V, which the kernel writes
+        to their slots, each before its sequence is read: one pass and no separate call;
+        :meth:`takes_kv` must hold for them), or None when they are already in the cache.
+        The writes run while other sequences are read, so no decode's slot may lie in a block
+        another sequence of the step reads: the KV managers never share a block that is still
+        being written (a prefix-cache hit never includes the block of a sequence's last
+        token)."""
         nd = md.num_decodes
         q = query[:nd]
         if q.stride(2) != 1 or q.stride(1) != layer.head_size:
@@ -306,15 +326,17 @@ class _NativeKernels:
             kn = kv = slots = None
             kn_stride = kv_stride = 0
         else:
-            k, v = new_kv
-            kn, kv, slots = k.data_ptr(), v.data_ptr(), md.slot_mapping.data_ptr()
+            k, v, new_slots = new_kv
+            kn, kv, slots = k.data_ptr(), v.data_ptr(), new_slots.data_ptr()
             kn_stride, kv_stride = k.stride(0), v.stride(0)
         rc = self._decode(q.data_ptr(), q.stride(0), *_kv_ptrs(kv_cache),
                           table.data_ptr(), table.stride(0),
                           seq.data_ptr(), out.data_ptr(), nd, layer.num_heads,
                           layer.num_kv_heads, layer.head_size, md.block_size, layer.scale,
                           layer.sliding_window or 0, kn, kn_stride, kv, kv_stride, slots,
-                          torch.get_num_threads())
+                          _num_slots(kv_cache), torch.get_num_threads())
+        if rc == -2:
+            raise _slot_error(new_kv[2][:nd], kv_cache)
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for its score buffers")
 

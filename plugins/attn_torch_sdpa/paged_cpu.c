@@ -82,9 +82,6 @@ static int decode_seq_##SUFFIX##_##HD(                                          
     const int64_t G = num_heads / num_kv_heads, H = (g1 - g0) * G, row = num_kv_heads * D;   \
     const int64_t start = (window > 0 && len > window) ? len - window : 0;                    \
     const int64_t span = len - start;                                                         \
-    float *s = scratch(buf, cap, ALIGN16(H * span) + 2 * ALIGN16(H * D));                     \
-    if (!s) return -1;                                                                        \
-    float *qf = s + ALIGN16(H * span), *acc = qf + ALIGN16(H * D);                            \
     const int64_t row_bytes = (g1 - g0) * D * (int64_t)sizeof(T);  /* what is read per token */ \
     const int64_t pf = sizeof(T) == 2 ? DECODE_PF_BF16 : 0;                                   \
     qrow += g0 * G * D;                                                                       \
@@ -95,6 +92,9 @@ static int decode_seq_##SUFFIX##_##HD(                                          
         memcpy(k_cache + slot * row, knew + g0 * D, (size_t)row_bytes);                       \
         memcpy(v_cache + slot * row, vnew + g0 * D, (size_t)row_bytes);                       \
     }                                                                                         \
+    float *s = scratch(buf, cap, ALIGN16(H * span) + 2 * ALIGN16(H * D));                     \
+    if (!s) return -1;                                                                        \
+    float *qf = s + ALIGN16(H * span), *acc = qf + ALIGN16(H * D);                            \
     for (int64_t x = 0; x < H * D; ++x) { qf[x] = LD(qrow, x) * scale; acc[x] = 0.f; }       \
     for (int64_t b = start / block_size; b * block_size < len; ++b) {                        \
         const int64_t t0 = b * block_size > start ? b * block_size : start;                   \
@@ -154,11 +154,16 @@ int corellm_paged_decode_##SUFFIX(                                              
         int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,                \
         int64_t block_size, float scale, int64_t window,                                      \
         /* the n new tokens' K and V ([n, Hkv, D], token strides), each written to its slot  \
-         * (slots[i]; negative: none) by its work item before it reads the cache; NULL: the  \
-         * caller wrote them */                                                               \
+         * (slots[i], of num_slots; negative: none) by its work item before it reads the      \
+         * cache; NULL: the caller wrote them. Work items run at once, so no sequence's slot  \
+         * may lie in a block another sequence of the call reads (the KV managers never      \
+         * share a block that is still being written). */                                     \
         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride,           \
-        const int64_t *slots, int num_threads) {                                              \
+        const int64_t *slots, int64_t num_slots, int num_threads) {                           \
     int failed = 0;                                                                           \
+    if (k_new)                            /* -2, nothing done: a slot outside the cache */    \
+        for (int64_t i = 0; i < n; ++i)                                                       \
+            if (slots[i] >= num_slots) return -2;                                             \
     /* whole sequences while there is one per thread, else one KV head each */                \
     const int64_t per = n >= (int64_t)num_threads ? num_kv_heads : 1;                         \
     const int64_t parts = num_kv_heads / per;                                                 \
@@ -201,11 +206,15 @@ DEFINE_DECODE(f32, float, ld_f32, st_f32)
 DEFINE_DECODE(bf16, bf16_t, ld_bf16, st_bf16)
 
 /* KV write: token j's K and V rows (num_kv_heads * head_size contiguous elements at
- * key + j * key_stride) go to cache slot slots[j]; negative slots are skipped. For the rows the
- * decode kernel does not write itself (prefills; decodes when the caller writes them first). */
+ * key + j * key_stride) go to cache slot slots[j] (of num_slots); negative slots are skipped.
+ * For the rows the decode kernel does not write itself (prefills; decodes when the caller
+ * writes them first). -2, nothing written: a slot outside the cache. */
 int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
                      int64_t value_stride, char *k_cache, char *v_cache, const int64_t *slots,
-                     int64_t n, int64_t row_bytes, int64_t elem_bytes, int num_threads) {
+                     int64_t num_slots, int64_t n, int64_t row_bytes, int64_t elem_bytes,
+                     int num_threads) {
+    for (int64_t j = 0; j < n; ++j)
+        if (slots[j] >= num_slots) return -2;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(n >= 64)")
     for (int64_t j = 0; j < n; ++j) {
         const int64_t slot = slots[j];
