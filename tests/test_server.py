@@ -662,7 +662,7 @@ def test_api_key_then_engine_death(fragile_server):
             pass
     t.join(30)
     assert not t.is_alive() and outcome["result"] == 500
-    assert httpx.get(srv.url + "/health").status_code == 503
+    assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
     with pytest.raises(openai.APIStatusError) as info:
         good.completions.create(model=srv.model, prompt="Hi", max_tokens=2)
     assert info.value.status_code == 503

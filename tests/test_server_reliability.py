@@ -427,7 +427,10 @@ def test_keep_alive_on_engine_death(llama_path, tmp_path):
     srv = Server(tmp_path, _config(llama_path, exit_on_engine_death=False))
     try:
         os.kill(srv.engine_pid, signal.SIGKILL)
-        _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 20, "health 503")
+        # /health pings the engine for up to health_timeout_s (5 s) before it answers 503
+        # while the death is not yet noticed: httpx's default 5 s read timeout would race it.
+        _wait(lambda: httpx.get(srv.url + "/health", timeout=30).status_code == 503, 20,
+              "health 503")
         time.sleep(1.0)
         assert srv.proc.poll() is None
         r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1})

@@ -303,7 +303,9 @@ def test_serve_with_a_rank_killed(make_checkpoint, tmp_path):
         message = events[-2]["error"]["message"]
         assert re.search(rf"tensor-parallel rank [01] \(pid {workers[1]}\) was killed by signal "
                          "SIGKILL", message), events[-2]
-        _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 20, "health 503")
+        # (a /health can take health_timeout_s, 5 s, to answer: more than httpx's default)
+        _wait(lambda: httpx.get(srv.url + "/health", timeout=30).status_code == 503, 20,
+              "health 503")
         assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
 
 
