@@ -261,6 +261,41 @@ def test_async_shutdown_with_timeout(llama_path):
     assert not os.path.exists(ipc_dir) and not _pid_alive(pid)
 
 
+def test_a_send_blocked_on_a_core_that_dies_ends_with_the_death():
+    """A send that began just before the core's death was noticed (the core no longer reads:
+    the send does not complete) fails as soon as the death is noticed, not after
+    SEND_TIMEOUT_S; and a utility call's timeout bounds its send too. (/health, a ping with a
+    5 s timeout, once took the 10 s send timeout here.)"""
+    import asyncio
+    import types
+
+    from corellm.engine import core_client
+    from corellm.engine.ipc import EngineDeadError
+
+    async def run() -> tuple[float, float]:
+        client = object.__new__(core_client.AsyncMPClient)
+        loop = asyncio.get_running_loop()
+        client.loop, client.outputs, client._calls = loop, asyncio.Queue(), {}
+        client._call_ids = iter(range(1, 1000))
+        client._death = asyncio.Event()
+        client.process = types.SimpleNamespace(dead_reason=None)
+        client._in = types.SimpleNamespace(send_multipart=lambda parts: loop.create_future())
+        t0 = time.monotonic()
+        loop.call_later(0.2, client._on_death, "killed by signal SIGKILL")
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            await client.call_utility_async("ping", timeout=30)
+        after_death = time.monotonic() - t0
+        client.process.dead_reason, client._death = None, asyncio.Event()    # alive, not reading
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await client.call_utility_async("ping", timeout=0.3)
+        return after_death, time.monotonic() - t0
+
+    after_death, after_timeout = asyncio.run(run())
+    assert 0.2 <= after_death < core_client.SEND_TIMEOUT_S / 2
+    assert 0.3 <= after_timeout < core_client.SEND_TIMEOUT_S / 2
+
+
 def test_a_core_that_does_not_stop_in_time_is_killed(llama_path, tmp_path, monkeypatch, caplog):
     """The graceful part of a shutdown is bounded by its timeout: a stop hook that hangs gets
     the core SIGKILLed, and the log says exactly that."""

@@ -425,6 +425,7 @@ class AsyncMPClient(_MPClientBase):
         self._calls = {}
         self.outputs = asyncio.Queue()
         self._reader: asyncio.Task | None = None
+        self._death = asyncio.Event()       # set when the core's death is noticed
 
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncMPClient:
@@ -458,15 +459,29 @@ class AsyncMPClient(_MPClientBase):
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
+        self._death.set()                   # and the sends blocked on a core that is gone
 
     async def _send(self, kind: bytes, obj: Any) -> None:
         self._check_alive()
+        sent = self._in.send_multipart((kind, ipc.encoder.encode(obj)))
+        if sent.done():                     # queued at once: the usual case
+            sent.result()
+            return
+        # The core is not reading: its queue is full, or it died just now (a send that began
+        # before the death was noticed). Wait for the send, the death or SEND_TIMEOUT_S,
+        # whichever comes first, so that a death ends the wait at once.
+        death = asyncio.ensure_future(self._death.wait())
         try:
-            await asyncio.wait_for(self._in.send_multipart((kind, ipc.encoder.encode(obj))),
-                                   SEND_TIMEOUT_S)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise EngineDeadError(self.process.dead_reason or "engine core stopped receiving "
-                                  "requests") from None
+            await asyncio.wait((sent, death), timeout=SEND_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+        if sent.done():
+            sent.result()
+            return
+        sent.cancel()
+        raise EngineDeadError(self.process.dead_reason or "engine core stopped receiving "
+                              "requests")
 
     async def add_requests_async(self, requests: Iterable[EngineCoreRequest]) -> None:
         for r in requests:
@@ -485,14 +500,23 @@ class AsyncMPClient(_MPClientBase):
 
     async def call_utility_async(self, method: str, *args: Any,
                                  timeout: float | None = 60.0) -> Any:
+        """Call ``method`` in the core; ``timeout`` bounds the whole call, the send included
+        (asyncio.TimeoutError past it)."""
         fut = self.loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (fut, ipc.UTILITY_RESULT_TYPES[method])
-        try:
+
+        async def call() -> Any:
             await self._send(ipc.UTILITY, ipc.UtilityCall(call_id, method, list(args)))
-            return await asyncio.wait_for(fut, timeout)
+            return await fut
+        try:
+            return await asyncio.wait_for(call(), timeout)
         finally:
             self._calls.pop(call_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()     # failed by a death noticed while the send was blocked
+            else:
+                fut.cancel()
 
     # the synchronous interface, for symmetry (used from other threads only)
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
