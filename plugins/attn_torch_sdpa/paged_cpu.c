@@ -68,6 +68,14 @@ static float *scratch(float **buf, int64_t *cap, int64_t n) {
 }
 #define ALIGN16(n) (((n) + 15) / 16 * 16)      /* floats to the next multiple of 64 bytes */
 
+/* Whether any of n slots lies past the cache's num_slots (a KV manager's bug): both writers
+ * check this before they write anything. */
+static int slot_outside(const int64_t *slots, int64_t n, int64_t num_slots) {
+    for (int64_t i = 0; i < n; ++i)
+        if (slots[i] >= num_slots) return 1;
+    return 0;
+}
+
 /* One sequence's decode attention for KV heads [g0, g1) and the query heads that share them:
  * each cached token's row (all KV heads, contiguous) is read once, in order within a block.
  * HD is the head size when known at compile time (the common 64 and 128 get unrolled loops),
@@ -161,9 +169,8 @@ int corellm_paged_decode_##SUFFIX(                                              
         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride,           \
         const int64_t *slots, int64_t num_slots, int num_threads) {                           \
     int failed = 0;                                                                           \
-    if (k_new)                            /* -2, nothing done: a slot outside the cache */    \
-        for (int64_t i = 0; i < n; ++i)                                                       \
-            if (slots[i] >= num_slots) return -2;                                             \
+    if (k_new && slot_outside(slots, n, num_slots))                                           \
+        return -2;                                /* nothing done: a slot outside the cache */ \
     /* whole sequences while there is one per thread, else one KV head each */                \
     const int64_t per = n >= (int64_t)num_threads ? num_kv_heads : 1;                         \
     const int64_t parts = num_kv_heads / per;                                                 \
@@ -213,8 +220,8 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
                      int64_t value_stride, char *k_cache, char *v_cache, const int64_t *slots,
                      int64_t num_slots, int64_t n, int64_t row_bytes, int64_t elem_bytes,
                      int num_threads) {
-    for (int64_t j = 0; j < n; ++j)
-        if (slots[j] >= num_slots) return -2;
+    if (slot_outside(slots, n, num_slots))
+        return -2;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(n >= 64)")
     for (int64_t j = 0; j < n; ++j) {
         const int64_t slot = slots[j];
