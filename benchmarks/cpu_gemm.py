@@ -1,4 +1,4 @@
-"""The CPU GEMM paths (corellm/worker/cpu.py) on this machine: per weight shape, and end to end.
+"""The CPU GEMM paths (plugins/platform_cpu/gemm.py) on this machine: per weight shape, and end to end.
 
 1. For each linear weight shape of the model, the GFLOP/s of every available path of the
    weights' dtype (``--dtype``; fp32: plain ``F.linear``, MKL packed, oneDNN prepacked, corellm's
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from corellm import LLM, SamplingParams
-    from corellm.worker import cpu
+    from corellm_plugins.platform_cpu import gemm as cpu
 
     model = args.model
     if model is None:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cpu.gemm_plan = (lambda path: lambda shape, paths=None, dtype=None: cpu.GemmPlan(
                 shape, (1,), (path,), dtype=args.dtype))(name)
         if name == "measured":
-            probe = LLM(cfg | {"model": cfg["model"] | {"cpu_weight_packing": False}})
+            probe = LLM(cfg | {"platform": {"name": "cpu", "weight_packing": False}})
             shapes = model_shapes(probe)
             probe.shutdown()
             measured = {s: cpu.measure_gemm_plan(s, paths, dtype=dtype) for s in shapes}

@@ -65,7 +65,7 @@ from _common import (Clock, agreement, count_params, environment,  # noqa: E402
                      random_token_requests, report, warn_if_busy)
 
 # The benchmark process is ours, as under the `corellm` command: corellm's CPU workers may tune
-# the allocator (corellm/worker/cpu.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
+# the allocator (plugins/platform_cpu/memory.py). Set CORELLM_MALLOC_TUNING=0 to measure without it.
 os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
 
 # ----------------------------------------------------------------------------- the model
@@ -231,7 +231,7 @@ def measure_compute_limit(size: int = 2048, rounds: int = 5,
     corellm's own CPU GEMM (where it builds), whichever is faster: a limit that one of the
     engines beats is not the machine's."""
     import torch
-    from corellm.worker.cpu import native_gemm
+    from corellm_plugins.platform_cpu.gemm import native_gemm
     a, b = (torch.randn(size, size).to(getattr(torch, dtype)) for _ in range(2))
     runs = {"torch": lambda: a @ b}
     gemm = native_gemm()
@@ -265,8 +265,9 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
                 repeats: list[list[dict]] = ()) -> dict[str, Any]:
     from corellm import LLM, SamplingParams
 
-    from corellm.config import default_block_size
-    bs = args.block_size or default_block_size(None)
+    from corellm.config import load_config
+    # Left out, the block size is the platform's default (platform.name: auto).
+    bs = args.block_size or load_config({}).kv_cache.block_size
     blocks_needed = max(sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // bs) for r in rs)
                         for rs in [requests, *(phases or {}).values()])
     num_blocks = args.num_kv_blocks or max(blocks_needed + args.max_num_seqs,

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from corellm.platforms import host_visible
+
 
 class BatchOrder(str, Enum):
     """The order of a step's requests a backend's metadata builder asks for.
@@ -105,9 +107,10 @@ class DeviceArray:
     """A persistent buffer on ``device`` that each step's numpy array (1-D or 2-D) is copied
     into, returned as a contiguous view of the buffer's start.
 
-    On CUDA the values go through a pinned host buffer with a non-blocking copy; before the host
-    buffer is written again, the previous copy out of it is waited for (a CUDA event), so a
-    step prepared while the last one still runs never races its copy. On the CPU ``put``
+    On a device outside the host's memory (a GPU) the values go through a pinned host buffer
+    with a non-blocking copy; before the host buffer is written again, the previous copy out of
+    it is waited for (an event of the device's stream), so a step prepared while the last one
+    still runs never races its copy. On the host (``corellm.platforms.host_visible``) ``put``
     returns a zero-copy view of the array itself (converted when its dtype differs). The buffer
     grows (doubling) when a step exceeds it, which moves it: ``cuda_graphs`` address stability
     holds only for steps within the limits. Give each array its own ``DeviceArray``: a second
@@ -119,13 +122,13 @@ class DeviceArray:
         self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
         self._event: Any = None
         self.capacity = 0
-        if device.type != "cpu":
+        self.on_host = host_visible(device)
+        if not self.on_host:
             self._alloc(int(np.prod(shape)))
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        pinned = self.device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=self.dtype, pin_memory=pinned)
+        self.host = torch.zeros(capacity, dtype=self.dtype, pin_memory=True)
         self.host_np = self.host.numpy()
         self.gpu = torch.zeros(capacity, dtype=self.dtype, device=self.device)
         self._event = None
@@ -133,7 +136,7 @@ class DeviceArray:
     def put(self, values: np.ndarray) -> torch.Tensor:
         """The values on the device: a contiguous view of the buffer's first ``values.size``
         elements, in ``values``' shape."""
-        if self.device.type == "cpu":
+        if self.on_host:
             if values.dtype != self._np_dtype:
                 values = values.astype(self._np_dtype)
             return torch.from_numpy(np.ascontiguousarray(values))
@@ -145,9 +148,8 @@ class DeviceArray:
         self.host_np[:n] = values.reshape(-1)
         out = self.gpu[:n]
         out.copy_(self.host[:n], non_blocking=True)
-        if self.device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._event = torch.Event(device=self.device)
+        self._event.record()
         return out.view(values.shape)
 
 

@@ -192,15 +192,21 @@ class BlockPool:
             assert self.block_hash[b] == h, f"hash {h.hex()} maps to block {b}, which has another"
 
 
-def num_blocks_for_budget(num_blocks: int | None, memory_gib: float, bytes_per_block: int) -> int:
+def num_blocks_for_budget(num_blocks: int | None, memory_gib: float | None,
+                          bytes_per_block: int, default_bytes: int | None = None) -> int:
     """The KV pool's size: ``kv_cache.num_blocks`` when given, else as many blocks of
-    ``bytes_per_block`` (all layers of one worker) as ``kv_cache.memory_gib`` holds. Every
-    executor sizes its pool with this, a simulated one included, so both get the same pool."""
+    ``bytes_per_block`` (all layers of one worker) as ``kv_cache.memory_gib`` holds, else as
+    ``default_bytes`` holds (the platform's budget; 1 GiB when None). Every executor sizes its
+    pool with this, a simulated one included, so both get the same pool."""
     if num_blocks is not None:
         return num_blocks
-    num = int(memory_gib * (1 << 30)) // bytes_per_block
+    budget = (int(memory_gib * (1 << 30)) if memory_gib is not None
+              else default_bytes if default_bytes is not None else 1 << 30)
+    num = budget // bytes_per_block
     if num < 1:
         from corellm.errors import ConfigError
-        raise ConfigError([("kv_cache.memory_gib", f"{memory_gib} GiB holds no KV block of "
+        what = (f"{memory_gib} GiB" if memory_gib is not None
+                else f"the platform's budget of {budget / 2**30:.3g} GiB")
+        raise ConfigError([("kv_cache.memory_gib", f"{what} holds no KV block of "
                                                    f"{bytes_per_block} bytes")])
     return num

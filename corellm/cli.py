@@ -174,9 +174,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from corellm.platforms import choose_platform, platform_availability
     from corellm.plugins import load_registry
 
     registry = load_registry()
+    try:
+        auto_platform = choose_platform(registry)[0]
+    except CorellmError:
+        auto_platform = None
     plugins = [{"name": name, "entry_point": info.value, "distribution": info.distribution,
                 "version": info.version, "hooks": registry.hooks_of(name)}
                for name, info in sorted(registry.plugins.items())]
@@ -195,6 +200,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                    "unavailable": spec.unavailable}
             if section == "model":
                 row["architectures"] = list(spec.architectures)  # type: ignore[attr-defined]
+            if section == "platform":       # asked now: a device may come and go
+                row["unavailable"] = platform_availability(registry, name)
+                row["auto_priority"] = spec.auto_priority  # type: ignore[attr-defined]
+                row["auto_selected"] = name == auto_platform
             rows.append(row)
     broken = [{"plugin": b.info.name, "distribution": b.info.distribution,
                "version": b.info.version, "error": b.error} for b in registry.broken]
@@ -223,6 +232,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(line)
         if row["unavailable"]:
             print(f"{'':<4}UNAVAILABLE: {row['unavailable']}")
+        if row.get("auto_selected"):
+            print(f"{'':<4}available; platform.name: auto picks it here")
+        elif row["kind"] == "platform" and not row["unavailable"]:
+            print(f"{'':<4}available" + ("" if row["auto_priority"] is not None
+                                         else " (selected by name only)"))
         if row.get("architectures"):
             print(f"{'':<4}architectures: {', '.join(row['architectures'])}")
         for opt in row["options"]:
@@ -307,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # This process is ours: let CPU workers tune the allocator (see corellm/worker/cpu.py).
+    # This process is ours: let CPU workers tune the allocator (the CPU platform's memory.py).
     os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
     args = build_parser().parse_args(argv)
     try:

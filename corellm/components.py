@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from corellm.config import EngineConfig
     from corellm.interfaces import AttentionBackend, KVCacheManager
     from corellm.model_config import ModelArchConfig
+    from corellm.platforms import Platform
+    from corellm.setup import EngineSetup
     from corellm.plugins import Registry
 
 
@@ -47,13 +49,16 @@ class SchedulerOptions(ComponentOptions):
 class KVCacheOptions(ComponentOptions):
     name: str = "paged"
     block_size: int = Field(16, ge=1, le=1024, description=(
-        "Tokens per KV block. Left out of a config: 128 on the CPU, 16 on a GPU (vLLM's "
-        "defaults; longer runs of a request's K/V read faster on a CPU, shorter ones cache "
-        "prefixes more finely)."))
+        "Tokens per KV block. Left out of a config: the platform's default_block_size (128 on "
+        "the CPU, 16 on CUDA: vLLM's defaults; longer runs of a request's K/V read faster on a "
+        "CPU, shorter ones cache prefixes more finely)."))
     num_blocks: int | None = Field(
         None, ge=1, description="KV blocks in the pool; when absent, sized from memory_gib.")
-    memory_gib: float = Field(
-        1.0, gt=0, description="KV-cache memory budget (GiB) used when num_blocks is absent.")
+    memory_gib: float | None = Field(
+        None, gt=0, description=(
+            "KV-cache memory budget (GiB) used when num_blocks is absent. Left out: the "
+            "platform's (1 GiB on the CPU; on CUDA what platform.gpu_memory_utilization "
+            "leaves after the weights and a profiling forward at the largest batch)."))
 
 
 class AttentionOptions(ComponentOptions):
@@ -76,6 +81,14 @@ class FrontendOptions(ComponentOptions):
     name: str = "openai"
 
 
+class PlatformOptions(ComponentOptions):
+    """``auto`` (the default) picks, when the config is loaded, the available platform of the
+    highest ``auto_priority`` (CUDA where a GPU is visible, else the CPU); naming a platform
+    selects it and its options."""
+
+    name: str = "auto"
+
+
 class NoOptions(ComponentOptions):
     """For components with nothing to configure beyond their name."""
 
@@ -88,6 +101,12 @@ class BuildContext:
     config: EngineConfig
     registry: Registry
     arch: ModelArchConfig | None = None
+    # The worker's platform (corellm.platforms.Platform), for worker-side components: its ops
+    # (a sampler's argmax), its native kernels (an attention backend's), its device facts.
+    platform: Platform | None = None
+    # What the config and checkpoint resolved to (corellm.setup.EngineSetup): set for the
+    # executor and every worker-side component.
+    setup: EngineSetup | None = None
     device: Any = None                 # torch.device, for worker-side components
     dtype: Any = None                  # torch.dtype
     kv_cache_manager: KVCacheManager | None = None
@@ -210,10 +229,34 @@ class ModelSpec(ComponentSpec):
     config_class: type[ModelArchConfig] | None = None
 
 
+def _available(*_: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlatformSpec(ComponentSpec):
+    """A device platform (``corellm.platforms.Platform``): ``factory(options) -> Platform``.
+
+    ``availability() -> reason or None``: why the platform cannot run on this machine (no
+    device, no driver), asked lazily (``platform: auto``, ``corellm plugins``), so a probe that
+    imports torch costs nothing at discovery. ``auto_priority``: ``platform: auto`` picks the
+    available platform of the highest one; None keeps it out of ``auto`` (selected by name
+    only, as a reference or test platform should be). ``interface_version``: the major.minor
+    of ``corellm.platforms.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
+    """
+
+    kind: ClassVar[str] = "platform"
+    section: ClassVar[str] = "platform"
+    options: type[ComponentOptions] = PlatformOptions
+    availability: Callable[[], str | None] = _available
+    auto_priority: int | None = None
+    interface_version: tuple[int, int] = (1, 0)
+
+
 SECTION_SPECS: dict[str, type[ComponentSpec]] = {
     spec.section: spec
-    for spec in (SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec, ExecutorSpec,
-                 SamplerSpec, FrontendSpec)
+    for spec in (PlatformSpec, SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec,
+                 ExecutorSpec, SamplerSpec, FrontendSpec)
 }
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]

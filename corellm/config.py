@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import re
 import tomllib
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,12 +23,19 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from corellm.components import (SECTION_SPECS, AttentionOptions, ComponentOptions, DType,
-                                ExecutorOptions, FrontendOptions, KVCacheOptions, SamplerOptions,
-                                SchedulerOptions)
-from corellm.errors import ConfigError, PluginError
+                                ExecutorOptions, FrontendOptions, KVCacheOptions, PlatformOptions,
+                                SamplerOptions, SchedulerOptions)
+from corellm.errors import ConfigDeprecationWarning, ConfigError, PluginError
 
 if TYPE_CHECKING:
     from corellm.plugins import Registry
+
+logger = logging.getLogger(__name__)
+
+# Keys of the model section that moved to the platform section: old key -> new option (None:
+# the platform's name). They keep working for one release, with a ConfigDeprecationWarning.
+DEPRECATED_MODEL_KEYS: dict[str, str | None] = {
+    "device": None, "cpu_weight_packing": "weight_packing", "cpu_fused_ops": "fused_ops"}
 
 
 class ModelConfig(BaseModel):
@@ -43,19 +52,7 @@ class ModelConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output; default: the checkpoint's "
                                 "max_position_embeddings.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
-    cpu_weight_packing: bool = Field(
-        True, description="On CPU, run each fp32 linear layer through the GEMM path measured "
-                          "fastest for its shape and batch size (plain, MKL packed, oneDNN "
-                          "prepacked, corellm's own kernel; cached per machine), keeping a "
-                          "weight copy per packed path used.")
-    cpu_fused_ops: bool = Field(
-        True, description="On CPU, run RMSNorm, SiLU-and-multiply and rotary embeddings of "
-                          "float32 and bfloat16 models as one C kernel each (built on first "
-                          "use; without a C compiler, the torch ops), RMSNorm and SiLU inside "
-                          "the GEMM of layers planned on corellm's kernel, and greedy "
-                          "sampling's argmax as one native pass.")
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -110,6 +107,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    # Resolved when the config is loaded: ``auto`` never survives load_config.
+    platform: SerializeAsAny[PlatformOptions] = Field(default_factory=PlatformOptions)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scheduler: SerializeAsAny[SchedulerOptions] = Field(default_factory=SchedulerOptions)
     kv_cache: SerializeAsAny[KVCacheOptions] = Field(default_factory=KVCacheOptions)
@@ -124,10 +123,12 @@ class EngineConfig(BaseModel):
 
 
 PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
+    "platform": PlatformOptions,
     "scheduler": SchedulerOptions, "kv_cache": KVCacheOptions, "attention": AttentionOptions,
     "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
 }
-SECTIONS = ["model", "parallel", *PLUGIN_SECTIONS, "plugins"]
+SECTIONS = ["model", "platform", "parallel", *(s for s in PLUGIN_SECTIONS if s != "platform"),
+            "plugins"]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -178,6 +179,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if key not in SECTIONS:
             problems.append((str(key), "unknown section" + did_you_mean(str(key), SECTIONS)))
 
+    data = _move_deprecated_model_keys(data, problems)
     values: dict[str, Any] = {}
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
     values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
@@ -208,9 +210,15 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if not isinstance(name, str):
             problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
             continue
+        if section == "platform":
+            name = _resolve_platform(name, raw, registry, problems)
+            if name is None:
+                continue
         raw["name"] = name
         if section == "kv_cache" and "block_size" not in raw:
-            raw["block_size"] = default_block_size(values["model"])
+            platform = values.get("platform")
+            raw["block_size"] = (registry.get("platform", platform.name).spec.factory(platform)
+                                 .default_block_size if platform is not None else 16)
         if section == "attention" and name == "auto":     # resolved by each worker, per device
             values[section] = _validate_model(base, raw, section, problems,
                                               owner="attention.name: auto (name a backend to set "
@@ -235,19 +243,83 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
 
 
-CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16
+def _move_deprecated_model_keys(data: dict[str, Any],
+                                problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """``model.device``, ``model.cpu_weight_packing`` and ``model.cpu_fused_ops`` (before the
+    platform section) become ``platform.name``, ``platform.weight_packing`` and
+    ``platform.fused_ops``, with a ConfigDeprecationWarning naming the new key; giving both
+    spellings with different values is an error. The CPU options move only when the platform
+    is (or resolves to) ``cpu``: elsewhere they never applied."""
+    model = data.get("model")
+    if not isinstance(model, Mapping) or not set(model) & set(DEPRECATED_MODEL_KEYS):
+        return data
+    model = dict(model)
+    platform = data.get("platform")
+    platform = dict(platform) if isinstance(platform, Mapping) else {}
+    for old, new in DEPRECATED_MODEL_KEYS.items():
+        if old not in model:
+            continue
+        value = model.pop(old)
+        target = new or "name"
+        warnings.warn(f"model.{old} is deprecated and will be removed in the next release; "
+                      f"use platform.{target}", ConfigDeprecationWarning, stacklevel=4)
+        if new is None and value == "auto":
+            continue
+        if target in platform and platform[target] != value:
+            problems.append((f"model.{old}", f"{value!r} contradicts platform.{target}="
+                                             f"{platform[target]!r} (the same setting; give "
+                                             f"platform.{target} alone)"))
+            continue
+        if new is None:
+            platform[target] = value
+        else:               # applied once the platform is resolved, if it takes them (cpu)
+            platform.setdefault("_cpu_only", {})[target] = value
+    return {**data, "model": model, "platform": platform}
 
 
-def default_block_size(model: ModelConfig | None) -> int:
-    """``kv_cache.block_size`` when the config leaves it unset, per device, as vLLM sets it: 128
-    tokens on the CPU, where a decode reads each request's K/V block by block and longer runs
-    in one place read faster (1.3-1.6x for the decode attention of 300-1024-token contexts
-    against 16-token blocks, docs/benchmarks.md), 16 on a GPU (finer prefix caching)."""
-    device = model.device if model is not None else "auto"
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
+def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
+                      problems: list[tuple[str, str]]) -> str | None:
+    """The platform ``name`` stands for: itself when available here (else a problem with the
+    reason), or for ``auto`` the available platform of the highest priority (the others' reasons
+    logged). Options moved from the deprecated ``model.cpu_*`` keys join ``raw`` when the result
+    is the CPU platform."""
+    from corellm.platforms import choose_platform, platform_availability
+
+    cpu_only = raw.pop("_cpu_only", {})
+    if name == "auto":
+        options = [k for k in raw if k != "name"]
+        if options:
+            problems.append((f"platform.{options[0]}", "platform.name: auto takes no options "
+                                                       "(name a platform to set its options)"))
+            return None
+        try:
+            name, skipped = choose_platform(registry)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return None
+        logger.info("platform.name: auto -> %s%s", name,
+                    f" (not {'; not '.join(skipped)})" if skipped else "")
+    else:
+        try:
+            entry = registry.get("platform", name, usable=False)
+        except PluginError as exc:
+            problems.append(("platform.name", str(exc)))
+            return None
+        reason = platform_availability(registry, name)
+        if reason:
+            problems.append(("platform.name", f"{name!r} ({entry.plugin.describe()}) is not "
+                                              f"available here: {reason}"))
+            return None
+    if cpu_only:
+        fields = registry.get("platform", name, usable=False).spec.options.model_fields
+        if all(key in fields for key in cpu_only):        # the CPU platform's options
+            for key, value in cpu_only.items():
+                raw.setdefault(key, value)
+        else:
+            logger.warning("model.%s only ever applied on the CPU; platform %r has no such "
+                           "option, so it is ignored",
+                           ", model.".join(f"cpu_{k}" for k in cpu_only), name)
+    return name
 
 
 def _move_tp_shorthand(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
@@ -365,6 +437,11 @@ def config_schema(registry: Registry) -> dict[str, Any]:
             schema["title"] = f"{section}: {name}"
             schema["description"] = f"{entry.spec.summary} [{entry.plugin.describe()}]".strip()
             variants.append(schema)
+        if section == "platform":
+            variants.append({"title": "platform: auto", "type": "object",
+                             "additionalProperties": False,
+                             "description": PlatformOptions.__doc__.split("\n\n")[0],
+                             "properties": {"name": {"const": "auto", "default": "auto"}}})
         if section == "attention":
             variants.append({"title": "attention: auto", "type": "object",
                              "additionalProperties": False,

@@ -7,7 +7,8 @@ runner) reads one ``ParallelContext``, handed over in ``BuildContext.parallel``.
 single-device model runs exactly the code it ran before tensor parallelism existed.
 
 Process groups come from ``torch.distributed`` (gloo on CPU, NCCL on CUDA), initialised by
-``init_parallel`` from the ``parallel`` config section: a TCP rendezvous on 127.0.0.1 for the
+``init_parallel`` from the ``parallel`` config section (the backend of ``auto`` is the
+platform's): a TCP rendezvous on 127.0.0.1 for the
 workers an executor spawns on one machine, or ``env://`` for processes started by ``torchrun``
 on one machine or many.
 """
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from corellm.config import ParallelConfig
     from corellm.model_config import ModelArchConfig
+    from corellm.platforms import Platform
 
 TP_KEY = "parallel.tensor_parallel_size"
 
@@ -108,7 +110,7 @@ def kv_head_split(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     return 1, tp_size // num_kv_heads
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, device_type: str,
+def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, platform: Platform,
                           source: str = "config.json") -> None:
     """Refuse, before any worker starts, a tensor-parallel size the checkpoint or the machine
     cannot take; each message names both numbers."""
@@ -122,12 +124,12 @@ def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, device_type: str,
         kv_head_split(arch.num_key_value_heads, tp_size)
     except ConfigError as exc:
         problems.extend((k, f"{m} ({source})") for k, m in exc.problems)
-    if device_type == "cuda":
-        import torch
-        visible = torch.cuda.device_count()
+    if not platform.shares_devices:
+        visible = platform.device_count()
         if tp_size > visible:
             problems.append((TP_KEY, f"tensor_parallel_size={tp_size} exceeds the "
-                                     f"{visible} visible CUDA device(s)"))
+                                     f"{visible} visible {platform.device_type} device(s) of "
+                                     f"platform {platform.name!r}"))
     if problems:
         raise ConfigError(problems)
 
@@ -146,22 +148,23 @@ def launcher_env() -> tuple[int, int] | None:
     return None
 
 
-def resolve_backend(cfg: ParallelConfig, device_type: str) -> str:
+def resolve_backend(cfg: ParallelConfig, platform: Platform) -> str:
+    """``parallel.backend``, or for ``auto`` the platform's (gloo on the CPU, NCCL on CUDA)."""
     if cfg.backend != "auto":
         return cfg.backend
-    return "nccl" if device_type == "cuda" else "gloo"
+    return platform.dist_backend
 
 
 def init_parallel(cfg: ParallelConfig, rank: int, init_method: str,
-                  device: torch.device) -> ParallelContext:
-    """Join the process group (``cfg.tensor_parallel_size`` ranks) as ``rank``; on CUDA the
-    worker's device must be set first. Returns the worker's ParallelContext."""
+                  device: torch.device, platform: Platform) -> ParallelContext:
+    """Join the process group (``cfg.tensor_parallel_size`` ranks) as ``rank``; the worker's
+    device must be set first (``Platform.device``). Returns the worker's ParallelContext."""
     import torch.distributed as dist
 
     size = cfg.tensor_parallel_size
     if size == 1:
         return SINGLE
-    backend = resolve_backend(cfg, device.type)
+    backend = resolve_backend(cfg, platform)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}

@@ -24,6 +24,12 @@ class ProblemsError(CorellmError, ValueError):
         super().__init__(head + ":\n" + "\n".join(lines))
 
 
+class ConfigDeprecationWarning(FutureWarning):
+    """A config key that still works but has moved; the message names the new key. Shown by
+    default (a FutureWarning), since the people who read it are the ones who wrote the
+    config."""
+
+
 class ConfigError(ProblemsError):
     """The engine configuration is invalid."""
 

@@ -7,7 +7,7 @@ A plugin is a module (or object) with functions named after these hooks and deco
     [project.entry-points.corellm]
     my_policy = "my_package.plugin"
 
-Registration hooks (``corellm_schedulers`` ... ``corellm_frontends``) are called once, when the
+Registration hooks (``corellm_platforms`` ... ``corellm_frontends``) are called once, when the
 plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
 Every implementation is called and all results are collected (none is "first wins"). Two specs of
 one kind with the same name is an error naming both distributions.
@@ -26,7 +26,8 @@ import pluggy
 
 if TYPE_CHECKING:
     from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendSpec,
-                                    KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
+                                    KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
+                                    SchedulerSpec)
     from corellm.config import EngineConfig
     from corellm.outputs import StepStats
 
@@ -37,6 +38,26 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 # --------------------------------------------------------------------------- registration hooks
+@hookspec
+def corellm_platforms() -> Iterable[PlatformSpec]:
+    """Register device platforms, selected by ``platform.name`` in the config.
+
+    Called once when the registry is built. Return an iterable of ``PlatformSpec``. The factory
+    receives the validated options (a subclass of ``PlatformOptions``) and returns a
+    ``corellm.platforms.Platform``: the device, its memory, its distributed backend, its dtype
+    rules, how a step runs (``ModelStepper``) and the kernels it gives models
+    (``corellm.layers.ops.DeviceOps``). ``availability()`` says why it cannot run here;
+    ``platform.name: auto`` (the default) picks the available one of the highest
+    ``auto_priority``::
+
+        @hookimpl
+        def corellm_platforms():
+            yield PlatformSpec(name="npu", factory=NpuPlatform, options=NpuOptions,
+                               availability=npu_missing_reason, auto_priority=30,
+                               summary="Ascend NPUs through torch_npu.")
+    """
+
+
 @hookspec
 def corellm_schedulers() -> Iterable[SchedulerSpec]:
     """Register schedulers, selected by ``scheduler.name`` in the config.

@@ -384,15 +384,14 @@ def resolve_max_model_len(arch: ModelArchConfig, requested: int | None) -> int:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def resolve_dtype_name(requested: str, arch: ModelArchConfig, device_type: str) -> str:
-    """The dtype a model runs in: ``model.dtype``, or for ``auto`` the checkpoint's (float32
-    when it names none or another; float16 becomes float32 on a CPU, where fp16 matmuls are slow
-    or missing)."""
+def resolve_dtype_name(requested: str, arch: ModelArchConfig) -> str:
+    """``model.dtype``, or for ``auto`` the checkpoint's (float32 when it names none or
+    another). The platform has the last word (``Platform.resolve_dtype``: the CPU runs a
+    float16 checkpoint in float32, where fp16 matmuls are slow or missing)."""
     if requested != "auto":
         return requested
     name = str(arch.checkpoint_dtype).replace("torch.", "")
-    name = name if name in DTYPE_NAMES else "float32"
-    return "float32" if device_type == "cpu" and name == "float16" else name
+    return name if name in DTYPE_NAMES else "float32"
 
 
 def model_path(config: EngineConfig) -> str:

@@ -24,7 +24,8 @@ import pluggy
 
 from corellm import hookspecs
 from corellm.components import (AttentionBackendSpec, ComponentSpec, ExecutorSpec, FrontendSpec,
-                                KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
+                                KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
+                                SchedulerSpec)
 from corellm.errors import PluginError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ ALLOW_ENV = "CORELLM_PLUGINS"
 
 # registration hook -> the spec type its results must have
 REGISTRATION_HOOKS: dict[str, type[ComponentSpec]] = {
+    "corellm_platforms": PlatformSpec,
     "corellm_schedulers": SchedulerSpec,
     "corellm_kv_cache_managers": KVCacheManagerSpec,
     "corellm_attention_backends": AttentionBackendSpec,
@@ -275,6 +277,8 @@ def _collect(registry: Registry) -> None:
                     raise PluginError(f"{info.describe()}: {spec_type.__name__} name {spec.name!r} "
                                       "must be lower-case letters, digits, '_', '-' or '.'")
                 _check_options(spec, info)
+                if isinstance(spec, PlatformSpec):
+                    _check_platform_spec(spec, info)
                 entry = RegisteredComponent(spec, info)
                 if isinstance(spec, ModelSpec):
                     _check_model_spec(spec, info)
@@ -303,6 +307,20 @@ def _check_model_spec(spec: ModelSpec, info: PluginInfo) -> None:
     if cls is not None and not (isinstance(cls, type) and issubclass(cls, ModelArchConfig)):
         raise PluginError(f"{info.describe()}: ModelSpec {spec.name!r} config_class must "
                           "subclass corellm.model_config.ModelArchConfig")
+
+
+def _check_platform_spec(spec: PlatformSpec, info: PluginInfo) -> None:
+    from corellm.platforms import PLATFORM_INTERFACE_VERSION
+
+    if spec.name == "auto":
+        raise PluginError(f"{info.describe()}: a platform cannot be named 'auto' (it selects "
+                          "the platform automatically)")
+    version = tuple(spec.interface_version)
+    if len(version) != 2 or version[0] != PLATFORM_INTERFACE_VERSION[0]:
+        raise PluginError(
+            f"{info.describe()}: platform {spec.name!r} was written for platform interface "
+            f"{'.'.join(map(str, version))}; this corellm has "
+            f"{'.'.join(map(str, PLATFORM_INTERFACE_VERSION))} (docs/plugins.md, 'A platform')")
 
 
 def _check_options(spec: ComponentSpec, info: PluginInfo) -> None:

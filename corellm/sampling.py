@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corellm.layers.ops import REFERENCE_OPS, DeviceOps
+
 
 @dataclass
 class SamplingMetadata:
@@ -85,15 +87,9 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, ops: DeviceOps | None = None) -> torch.Tensor:
     """Each row's greedy token: the index of its first maximum (NaN counting as the maximum),
-    as ``logits.max(dim=-1).indices``. Float32 logits on the CPU take one native pass over the
-    rows in parallel (``CpuOps.argmax``; see docs/benchmarks.md for its speed) where the
-    worker built the fused CPU kernels (``model.cpu_fused_ops``); else torch's reduction."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from corellm.worker.cpu import built_cpu_ops
-        ops = built_cpu_ops()
-        out = ops.argmax(logits) if ops is not None else None
-        if out is not None:
-            return out
-    return logits.max(dim=-1).indices
+    as ``logits.max(dim=-1).indices``, by the platform's ``ops.argmax`` (the CPU platform: one
+    native pass over the rows in parallel; the reference: torch's reduction). A sampler gets
+    the ops from ``BuildContext.platform``."""
+    return (ops or REFERENCE_OPS).argmax(logits)

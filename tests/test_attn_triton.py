@@ -183,15 +183,14 @@ def test_auto_picks_by_device(llama_path, caplog):
     from corellm import LLM
     from corellm.config import load_config
     from corellm.plugins import load_registry
-    from corellm.worker.model_runner import select_attention_backend
+    from corellm.setup import attention_candidates
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
 
     config = load_config(engine_config(llama_path))
     assert config.attention.name == "auto"
     registry = load_registry()
-    chosen = select_attention_backend(config, registry, torch.device("cuda", 0))
-    assert chosen.entry.spec.name == "triton"
-    assert chosen.why == "attention.name: auto -> triton on cuda:0"
+    # On a CUDA platform auto tries Triton first, then torch SDPA.
+    assert attention_candidates(config, registry, "cuda") == (["triton", "torch_sdpa"], [])
     # On the CPU, even under the interpreter, auto takes torch SDPA and says why.
     with caplog.at_level("INFO", logger="corellm.worker.model_runner"):
         with LLM(engine_config(llama_path)) as llm:

@@ -89,7 +89,7 @@ def test_throughput_benchmark(llama_path, tmp_path):
 def test_cpu_gemm_benchmark(llama_path, tmp_path, dtype):
     import torch
 
-    from corellm.worker import cpu
+    from corellm_plugins.platform_cpu import gemm as cpu
     bench = load("cpu_gemm")
     args = bench.build_parser().parse_args([
         "--model", str(llama_path), "--dtype", dtype, "--num-requests", "2", "--prompt-len", "4",

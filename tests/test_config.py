@@ -32,20 +32,103 @@ def test_defaults(registry):
     assert cfg.attention.name == "auto" and cfg.executor.name == "uniproc"
     assert cfg.sampler.name == "default" and cfg.frontend is None
     assert cfg.parallel.tensor_parallel_size == 1 and cfg.parallel.init_method.startswith("tcp")
-    assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib > 0
+    assert cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_gib is None
+    assert cfg.platform.name == "cpu"            # the one platform available here
 
 
-def test_kv_block_size_defaults_per_device(registry, monkeypatch):
-    """Left out, kv_cache.block_size is the device's (vLLM's defaults): 128 tokens on the CPU,
-    16 on a GPU; device auto follows what torch finds; a value given is kept."""
-    import torch
-    size = lambda data: load_config(data, registry=registry).kv_cache.block_size  # noqa: E731
-    assert size({"model": {"device": "cpu"}}) == 128
-    assert size({"model": {"device": "cuda"}}) == 16
-    assert size({"model": {"device": "cpu"}, "kv_cache": {"block_size": 16}}) == 16
-    for cuda in (False, True):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-        assert size({}) == (16 if cuda else 128)
+class _TestPlatforms:
+    """In-process platforms: ``fake16`` (available, auto_priority 100, 16-token blocks) and
+    ``absent`` (unavailable, with a reason)."""
+
+    @staticmethod
+    def _make(options):
+        from corellm.platforms import Platform
+
+        class Fake(Platform):
+            device_type = "cpu"
+            default_block_size = 16
+
+            def device(self, local_rank=0):
+                import torch
+                return torch.device("cpu")
+
+            def free_memory(self, device, local_world_size=1):
+                return None
+        return Fake(options)
+
+    @corellm.hookimpl
+    def corellm_platforms(self):
+        from corellm.components import PlatformSpec
+        yield PlatformSpec(name="fake16", factory=self._make, auto_priority=100,
+                           summary="test platform")
+        yield PlatformSpec(name="absent", factory=self._make, auto_priority=200,
+                           availability=lambda: "no such device here", summary="test platform")
+
+
+def test_kv_block_size_defaults_per_platform(registry, caplog):
+    """Left out, kv_cache.block_size is the platform's default_block_size (vLLM's defaults: 128
+    tokens on the CPU, 16 on a GPU); platform auto picks the available platform of the highest
+    priority, logging why the others were passed over; a value given is kept."""
+    def size(data, reg=registry):
+        return load_config(data, registry=reg).kv_cache.block_size
+    assert size({"platform": {"name": "cpu"}}) == 128
+    assert size({"platform": {"name": "cpu"}, "kv_cache": {"block_size": 16}}) == 16
+    with_fake = load_registry(plugins=[_TestPlatforms()])
+    assert size({"platform": {"name": "fake16"}}, with_fake) == 16
+    with caplog.at_level("INFO", logger="corellm.config"):
+        cfg = load_config({}, registry=with_fake)
+    assert cfg.platform.name == "fake16" and cfg.kv_cache.block_size == 16
+    assert "platform.name: auto -> fake16" in caplog.text
+    assert "absent: no such device here" in caplog.text
+    assert "cpu: lower auto_priority (10)" in caplog.text
+
+
+def test_platform_section_errors_name_their_key(registry):
+    assert "did you mean weight_packing?" in problems(
+        {"platform": {"name": "cpu", "weight_packin": False}}, registry)["platform.weight_packin"]
+    assert "unknown platform 'gpu'" in problems({"platform": {"name": "gpu"}},
+                                                registry)["platform.name"]
+    assert "auto takes no options" in problems(
+        {"platform": {"weight_packing": False}}, registry)["platform.weight_packing"]
+    with_fake = load_registry(plugins=[_TestPlatforms()])
+    msg = problems({"platform": {"name": "absent"}}, with_fake)["platform.name"]
+    assert "not available here: no such device here" in msg
+
+
+def test_deprecated_model_keys_move_to_the_platform_with_a_warning(registry):
+    from corellm.errors import ConfigDeprecationWarning
+    with pytest.warns(ConfigDeprecationWarning, match="model.device is deprecated .* use "
+                                                      "platform.name"):
+        cfg = load_config({"model": {"device": "cpu"}}, registry=registry)
+    assert cfg.platform.name == "cpu"
+    with pytest.warns(ConfigDeprecationWarning, match="use platform.weight_packing"):
+        cfg = load_config({"model": {"cpu_weight_packing": False}}, registry=registry)
+    assert cfg.platform.weight_packing is False and cfg.platform.fused_ops is True
+    with pytest.warns(ConfigDeprecationWarning, match="use platform.fused_ops"):
+        cfg = load_config({"model": {"cpu_fused_ops": False}, "platform": {"name": "cpu"}},
+                          registry=registry)
+    assert cfg.platform.fused_ops is False
+    with pytest.warns(ConfigDeprecationWarning):
+        bad = problems({"model": {"device": "cpu"}, "platform": {"name": "cuda"}}, registry)
+    assert "contradicts platform.name='cuda'" in bad["model.device"]
+    # On a platform without those options (not the CPU's), the old CPU keys are ignored.
+    with_fake = load_registry(plugins=[_TestPlatforms()])
+    with pytest.warns(ConfigDeprecationWarning):
+        cfg = load_config({"model": {"cpu_fused_ops": False}}, registry=with_fake)
+    assert cfg.platform.name == "fake16"
+
+
+def test_a_platform_for_another_interface_version_is_refused():
+    from corellm.components import PlatformSpec
+    from corellm.errors import PluginError
+
+    class Old:
+        @corellm.hookimpl
+        def corellm_platforms(self):
+            yield PlatformSpec(name="old", factory=lambda o: None, interface_version=(0, 9))
+    with pytest.raises(PluginError, match="platform 'old' was written for platform interface "
+                                          "0.9; this corellm has 1.0"):
+        load_registry(plugins=[Old()])
 
 
 def test_auto_attention_takes_no_backend_options(registry):

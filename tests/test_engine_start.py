@@ -58,3 +58,23 @@ def test_a_kv_cache_larger_than_memory_is_refused_at_start(llama_path):
     with pytest.raises(ConfigError, match=r"kv_cache.memory_gib: the KV cache needs .* GiB but "
                                           r"only .* GiB of memory is available"):
         LLM(cfg)
+
+
+def test_the_setup_is_resolved_once(llama_path, monkeypatch):
+    """The checkpoint's config is read once per engine (``corellm.setup.resolve_setup``), and
+    the worker takes its facts from the resulting ``EngineSetup``: the batch limits are the
+    scheduler's own options, the block size the config's."""
+    import corellm.model_config as mc
+    from corellm import LLM
+    from tests.conftest import engine_config
+
+    reads = []
+    real = mc.read_checkpoint_config
+    monkeypatch.setattr(mc, "read_checkpoint_config", lambda p: (reads.append(p), real(p))[1])
+    cfg = engine_config(llama_path, scheduler={"max_num_seqs": 5, "max_num_batched_tokens": 96})
+    with LLM(cfg) as llm:
+        runner = llm.engine.executor.worker.runner
+        assert runner.setup is llm.engine.setup
+        assert (runner.limits.max_num_seqs, runner.limits.max_num_batched_tokens) == (5, 96)
+        assert llm.engine.setup.platform == "cpu" and llm.engine.setup.block_size == 16
+    assert len(reads) == 1

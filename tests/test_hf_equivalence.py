@@ -39,7 +39,7 @@ SETTINGS = {
 
 def force_native_gemm(monkeypatch) -> None:
     """Plan every CPU linear on corellm's native GEMM (skip where it cannot be built)."""
-    from corellm.worker import cpu
+    from corellm_plugins.platform_cpu import gemm as cpu
     if cpu.native_gemm() is None:
         pytest.skip("no C compiler: the native GEMM cannot be built here")
     monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
@@ -50,18 +50,17 @@ def force_native_gemm(monkeypatch) -> None:
 def assert_all_native(llm: LLM, dtype: torch.dtype) -> None:
     """Every linear layer of the engine's model was planned on the native GEMM, packed in
     ``dtype`` (and there were such layers)."""
+    from corellm_plugins.platform_cpu.gemm import PackedLinear
     model = llm.engine.executor.worker.runner.model
-    planned = [m for m in model.modules() if hasattr(m, "gemm_plan")]
-    assert planned and all(m.gemm_plan.paths == ("native",)
-                           and m.gemm_packed["native"].dtype == dtype for m in planned)
-    # the merged gate/up projections of the Llama family run SiLU-and-multiply in the GEMM
-    merged = [m for m in planned if type(m).__name__ == "MergedColumnParallelLinear"]
-    assert all(hasattr(m, "linear_silu_mul") for m in merged)
+    planned = [m for m in model.modules() if isinstance(m.kernel if hasattr(m, "kernel")
+                                                        else None, PackedLinear)]
+    assert planned and all(m.kernel.plan.paths == ("native",)
+                           and m.kernel.packed["native"].dtype == dtype for m in planned)
 
 
 def count_fused_gemms(monkeypatch) -> dict[str, int]:
     """Counts of the native GEMM calls that ran SiLU-and-multiply, or an RMSNorm, inside."""
-    from corellm.worker import cpu
+    from corellm_plugins.platform_cpu import gemm as cpu
     counts = {"silu_mul": 0, "norm": 0}
     silu_mul, call = cpu.NativeGemm.linear_silu_mul, cpu.NativeGemm._call
 
@@ -204,9 +203,12 @@ def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, mo
         assert next(model.parameters()).dtype == torch.bfloat16
         if gemm == "native":
             assert_all_native(llm, torch.bfloat16)
-        from corellm.worker import cpu
-        if cpu.cpu_ops() is not None:       # RMSNorm, SiLU and RoPE through the bf16 kernels
-            assert sum(hasattr(m, "cpu_ops") for m in model.modules()) >= 3
+        from corellm_plugins.platform_cpu.kernels import cpu_ops
+        from corellm_plugins.platform_cpu.ops import CpuDeviceOps
+        if cpu_ops() is not None:       # RMSNorm, SiLU and RoPE through the bf16 kernels
+            ops = llm.engine.executor.worker.runner.platform.ops
+            assert isinstance(ops, CpuDeviceOps) and ops.kernels is not None
+            assert model.model.norm.ops is ops
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                               ignore_eos=True), use_tqdm=False)

@@ -16,11 +16,14 @@ import torch
 from corellm import LLM, SamplingParams, hookimpl, hookspecs
 from corellm.block_pool import BlockPool
 from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendOptions, FrontendSpec,
-                                KVCacheManagerSpec, ModelSpec, SamplerSpec, SchedulerSpec)
+                                KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
+                                SchedulerSpec)
 from corellm.config import load_config
 from corellm.errors import PluginError
 from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
                                 SchedulingPolicy)
+from corellm.layers.ops import DeviceOps
+from corellm.platforms import ModelStepper, Platform
 from corellm.plugins import load_registry
 from corellm.sampling import SamplerOutput
 from corellm.scheduling import BatchScheduler
@@ -280,6 +283,88 @@ def test_corellm_executors(llama_path):
     llm = LLM(engine_config(llama_path, executor={"name": "recording"}), plugins=[ExecutorPlugin()])
     llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
     assert llm.engine.executor.plans == [3] + [1] * 7
+
+
+# --------------------------------------------------------------------------- platforms
+class CountingOps(DeviceOps):
+    """The reference ops, counting what the model asked of them."""
+
+    def __init__(self):
+        self.calls = {"linear": 0, "rms_norm": 0, "rotary": 0, "argmax": 0, "prepare": 0}
+
+    def prepare(self, model):
+        self.calls["prepare"] += 1
+
+    def linear(self, layer, x, bias):
+        self.calls["linear"] += 1
+        return super().linear(layer, x, bias)
+
+    def rms_norm(self, x, weight, eps):
+        self.calls["rms_norm"] += 1
+        return super().rms_norm(x, weight, eps)
+
+    def rotary(self, positions, q, k, cos, sin, rotary_dim):
+        self.calls["rotary"] += 1
+        return super().rotary(positions, q, k, cos, sin, rotary_dim)
+
+    def argmax(self, logits):
+        self.calls["argmax"] += 1
+        return super().argmax(logits)
+
+
+class CountingPlatform(Platform):
+    device_type = "cpu"
+    default_block_size = 32
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.counting = CountingOps()
+        self.steps = 0
+
+    def device(self, local_rank=0):
+        return torch.device("cpu")
+
+    def free_memory(self, device, local_world_size=1):
+        return None
+
+    @property
+    def ops(self):
+        return self.counting
+
+    def make_stepper(self, model, device, limits):
+        platform = self
+
+        class Counted(ModelStepper):
+            def forward(self, inputs):
+                platform.steps += 1
+                return super().forward(inputs)
+        return Counted(model, device)
+
+
+class PlatformPlugin:
+    def corellm_platforms(self):
+        yield PlatformSpec(name="counting", factory=CountingPlatform,
+                           summary="the reference ops, counted")
+
+
+def test_corellm_platforms(llama_path):
+    """A platform from a plugin runs the model: its ops (bound to every core layer, prepared
+    once), its stepper (every step), its block size; the tokens are the built-in CPU
+    platform's."""
+    cfg = engine_config(llama_path, platform={"name": "counting"})
+    del cfg["kv_cache"]["block_size"]                 # the platform's default
+    llm = LLM(cfg, plugins=[PlatformPlugin()])
+    out = llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
+    platform = llm.engine.executor.worker.platform
+    calls = platform.counting.calls
+    assert isinstance(platform, CountingPlatform) and platform.steps == 8
+    assert calls["prepare"] == 1 and calls["argmax"] == 8
+    assert calls["linear"] > 0 and calls["rms_norm"] > 0 and calls["rotary"] > 0
+    assert llm.config.kv_cache.block_size == 32
+    llm.shutdown()
+    with LLM(engine_config(llama_path, platform={"name": "cpu"})) as cpu:
+        want = cpu.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 # --------------------------------------------------------------------------- samplers

@@ -54,3 +54,86 @@ def test_plugin_modules_import_without_torch_heavy_work():
     for d in PLUGIN_DIRS:
         top = {m.split(".")[0] for m in imports_of(d / "__init__.py")}
         assert not top & heavy, f"{d.name}/__init__.py imports {top & heavy} at import time"
+
+
+# --------------------------------------------------------------------------- device code
+# The exact rule of "no core module branches on the device type": outside corellm/platforms.py
+# (the platform interface, whose host_visible() is the one device-type test the core has), no
+# module of corellm/
+#   1. compares the ``.type`` of anything named like a device (``device.type == ...``,
+#      ``x.device.type in (...)``, ``self.dev.type != ...``);
+#   2. compares anything with a device-type name ("cpu", "cuda", "xpu", "mps", "hip", "npu"),
+#      alone or inside a tuple/list/set;
+#   3. reads ``.is_cuda``, ``.is_cpu``, ``.is_xpu`` or ``.is_mps``;
+#   4. uses a device's own torch API: ``torch.cuda``, ``torch.xpu``, ``torch.mps``,
+#      ``torch.backends.{cuda,cudnn,mkl,mkldnn,mps}``, ``torch.ops.{mkl,mkldnn}``.
+# Device names may appear elsewhere (a docstring, a data table of GPUs, an error message).
+DEVICE_TYPES = {"cpu", "cuda", "xpu", "mps", "hip", "npu"}
+DEVICE_APIS = ("torch.cuda", "torch.xpu", "torch.mps", "torch.backends.cuda",
+               "torch.backends.cudnn", "torch.backends.mkl", "torch.backends.mkldnn",
+               "torch.backends.mps", "torch.ops.mkl", "torch.ops.mkldnn")
+PLATFORM_INTERFACE = ROOT / "corellm" / "platforms.py"
+
+
+def _names_a_device(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in DEVICE_TYPES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_device(e) for e in node.elts)
+    return False
+
+
+def device_branches(source: str) -> list[str]:
+    """Every place in ``source`` that breaks the rule above, as "line: code"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        bad = False
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            bad = any((isinstance(o, ast.Attribute) and o.attr == "type"
+                       and "dev" in ast.unparse(o.value).lower()) or _names_a_device(o)
+                      for o in operands)
+        elif isinstance(node, ast.Attribute):
+            bad = node.attr in ("is_cuda", "is_cpu", "is_xpu", "is_mps") or any(
+                ast.unparse(node) == api for api in DEVICE_APIS)
+        if bad:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_rule_catches_device_branches():
+    """The checker itself: each form it must catch, and what it must let through."""
+    assert device_branches("if x.device.type == 'cuda': pass")
+    assert device_branches("ok = t.device.type in ('cpu', 'mps')")
+    assert device_branches("if name != 'cpu': pass")
+    assert device_branches("if kind in ['cuda', 'xpu']: pass")
+    assert device_branches("if t.is_cuda: pass")
+    assert device_branches("n = torch.cuda.device_count()")
+    assert device_branches("ok = torch.backends.mkldnn.is_available()")
+    assert device_branches("if self.dev.type != other: pass")
+    assert not device_branches("d = torch.device('cuda')\nmsg = f'on {device}'\n"
+                               "x = {'kind': 'cuda'}\nif host_visible(d): pass\n"
+                               "if kind == Model.type: pass")
+
+
+def test_the_core_holds_no_device_code():
+    """``corellm/`` contains no C source and no device-specific module, and no core module
+    branches on the device type outside the platform interface (the rule above)."""
+    core = ROOT / "corellm"
+    sources = [p for ext in ("*.c", "*.h", "*.cc", "*.cpp", "*.cu", "*.cuh")
+               for p in core.rglob(ext)]
+    assert not sources, f"C sources in the core: {sources}"
+    named = [p for p in core.rglob("*.py") if p.stem.startswith(("cpu", "cuda"))]
+    assert not named, f"device-specific modules in the core: {named}"
+    problems = []
+    for f in sorted(core.rglob("*.py")):
+        if f == PLATFORM_INTERFACE:
+            continue
+        problems += [f"{f.relative_to(ROOT)}:{line}" for line in device_branches(f.read_text())]
+    assert not problems, "device branches outside corellm/platforms.py:\n" + "\n".join(problems)
+
+
+def test_the_core_imports_no_platform_plugin():
+    for f in (ROOT / "corellm").rglob("*.py"):
+        bad = {m for m in imports_of(f) if m.startswith("corellm_plugins.platform_")}
+        assert not bad, f"{f.relative_to(ROOT)} imports {bad}"

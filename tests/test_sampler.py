@@ -15,7 +15,10 @@ V = 50
 def sampler():
     reg = load_registry()
     entry = reg.get("sampler", "default")
-    return entry.spec.factory(entry.spec.options(), None)
+    from corellm.components import BuildContext
+    from corellm.config import load_config
+    return entry.spec.factory(entry.spec.options(),
+                              BuildContext(config=load_config({}, registry=reg), registry=reg))
 
 
 def md(n, temperature=1.0, top_k=None, top_p=None, min_p=None, generators=None, logprobs=None):
@@ -49,11 +52,13 @@ def test_greedy(sampler, logits):
 
 @pytest.mark.parametrize("n", [1, 5, 31, 33, 1000, 32000])
 def test_greedy_pass_is_torchs_first_maximum(n, monkeypatch):
-    """``corellm.sampling.greedy`` (the native argmax on the CPU) picks what
-    ``max(dim=-1).indices`` picks: the first of tied maxima (-0.0 ties +0.0), an infinity, a
-    row of -inf (index 0), the first NaN anywhere in the row; strided rows too."""
+    """``corellm.sampling.greedy`` with the CPU platform's ops (a native argmax) and with the
+    reference ops picks what ``max(dim=-1).indices`` picks: the first of tied maxima (-0.0 ties
+    +0.0), an infinity, a row of -inf (index 0), the first NaN anywhere in the row; strided rows
+    too."""
     from corellm.sampling import greedy
-    from corellm.worker import cpu
+    from corellm_plugins.platform_cpu.kernels import cpu_ops
+    from corellm_plugins.platform_cpu.ops import CpuDeviceOps
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(9, n, generator=gen)
     x[1, -1] = x[1].max()                       # a tie with an earlier maximum
@@ -67,15 +72,19 @@ def test_greedy_pass_is_torchs_first_maximum(n, monkeypatch):
     x[6, :(n + 1) // 2] = -0.0                   # -0.0 first: it wins the tie
     x[7, 0] = float("nan")
     cases = [x, torch.cat([x, x], dim=1)[:, :n], x[:0]]
-    ops = cpu.cpu_ops()                           # built: greedy() takes the native pass
+    kernels = cpu_ops()                           # built: the platform's ops take the native pass
+    platform_ops = CpuDeviceOps(weight_packing=False, fused_ops=True)
+    platform_ops.prepare(torch.nn.Linear(2, 2))
+    assert platform_ops.kernels is kernels
     ran = []
-    if ops is not None:
-        assert ops.argmax(x.double()) is None     # float32 only
-        monkeypatch.setattr(type(ops), "argmax",
-                            lambda self, t, f=type(ops).argmax: (ran.append(1), f(self, t))[1])
+    if kernels is not None:
+        assert kernels.argmax(x.double()) is None     # float32 only
+        monkeypatch.setattr(type(kernels), "argmax",
+                            lambda self, t, f=type(kernels).argmax: (ran.append(1), f(self, t))[1])
     for t in cases:                               # without a C compiler: torch's reduction
-        assert torch.equal(greedy(t), t.max(dim=-1).indices)
-    assert len(ran) == (len(cases) if ops is not None else 0)
+        assert torch.equal(greedy(t, platform_ops), t.max(dim=-1).indices)
+        assert torch.equal(greedy(t), t.max(dim=-1).indices)         # the reference ops
+    assert len(ran) == (len(cases) if kernels is not None else 0)
 
 
 def test_distribution_matches_softmax(sampler, logits):

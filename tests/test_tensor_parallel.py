@@ -126,20 +126,37 @@ def test_config_errors_name_both_numbers(make_checkpoint):
         LLM(cfg)
 
 
-def test_cuda_device_count_is_checked(monkeypatch):
+def test_the_platforms_device_count_is_checked():
     import torch
 
+    from corellm.components import PlatformOptions
     from corellm.distributed import check_tensor_parallel
+    from corellm.platforms import Platform
     from corellm.model_config import LlamaArchConfig
     arch = LlamaArchConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
                                       "hidden_size": 64, "num_hidden_layers": 1,
                                       "num_attention_heads": 8, "num_key_value_heads": 8,
                                       "intermediate_size": 8, "max_position_embeddings": 8})
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 exceeds the 1 visible CUDA "
-                                          r"device"):
-        check_tensor_parallel(arch, 2, "cuda")
-    check_tensor_parallel(arch, 2, "cpu")
+
+    class OneGpu(Platform):            # one device per rank, one visible
+        device_type = "cuda"
+
+        def device(self, local_rank=0):
+            return torch.device("cuda", local_rank)
+
+        def device_count(self):
+            return 1
+
+        def free_memory(self, device, local_world_size=1):
+            return None
+
+    class SharedHost(OneGpu):          # ranks share the device (the CPU's cores)
+        shares_devices = True
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 exceeds the 1 visible cuda "
+                                          r"device\(s\) of platform 'onegpu'"):
+        check_tensor_parallel(arch, 2, OneGpu(PlatformOptions(name="onegpu")))
+    check_tensor_parallel(arch, 2, SharedHost(PlatformOptions(name="host")))
 
 
 def test_the_shorthand_and_the_cli_flag_pick_multiproc(make_checkpoint):

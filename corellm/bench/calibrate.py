@@ -188,7 +188,7 @@ def device_description() -> dict[str, Any]:
     from corellm.bench.env import environment
     env = environment()
     if env.get("gpus"):
-        return {"kind": "cuda", "name": env["gpus"][0]}
+        return {"kind": env.get("accelerator_kind", "cuda"), "name": env["gpus"][0]}
     simd = [f for f in env.get("cpu_simd", []) if f.startswith(("avx512", "amx", "avx2"))]
     isa = "amx" if any(f.startswith("amx") for f in simd) else (
         "avx512" if any(f.startswith("avx512") for f in simd) else "avx2" if simd else "")
@@ -221,7 +221,6 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
     the profile and a report: per workload group, the measured and predicted mean step time."""
     import corellm
     from corellm.engine.llm import LLM
-    from corellm.model_config import resolve_dtype_name
 
     llm = LLM(config)
     try:
@@ -239,7 +238,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         took = time.perf_counter() - t0
         name, arch, mshape = _model_facts(cfg, llm.registry)
         device = device_description()
-        dtype = resolve_dtype_name(cfg.model.dtype, arch, device["kind"])
+        dtype = llm.engine.setup.dtype
         attention = llm.engine.executor.collective_rpc("describe")[0]["attention"]
     finally:
         llm.shutdown()
@@ -290,7 +289,7 @@ def roofline_profile(config: Any, device_key: str, *, dtype: str | None = None,
     device = DEVICES[device_key]
     cfg, registry = build_config(config, None, ())
     name, arch, mshape = _model_facts(cfg, registry)
-    dtype = dtype or resolve_dtype_name(cfg.model.dtype, arch, device.kind)
+    dtype = dtype or resolve_dtype_name(cfg.model.dtype, arch)
     if dtype not in device.peak_flops:
         raise ValueError(f"{device.name} has no published peak for {dtype}; known: "
                          f"{', '.join(device.peak_flops)}")

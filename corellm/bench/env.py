@@ -64,10 +64,20 @@ def environment() -> dict[str, Any]:
         "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
     }
-    if env["cuda"]:
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    # Accelerators, as the installed platforms see them: every available platform whose
+    # devices are not the host's memory (a GPU) lists its devices.
+    try:
+        from corellm.platforms import available_platforms, host_visible
+        from corellm.plugins import load_registry
+        accelerators = [p for p in available_platforms(load_registry())
+                        if not host_visible(torch.device(p.device_type))]
+    except Exception:          # a report must not fail on a broken platform plugin
+        accelerators = []
+    env["cuda"] = torch.version.cuda if accelerators else None
+    if accelerators:
+        env["gpus"] = [name for p in accelerators for name in p.device_names()]
+        env["accelerator_kind"] = accelerators[0].device_type
     env["thread_env"] = {k: os.environ[k] for k in _THREAD_VARS if k in os.environ}
     try:
         env["cpu_affinity"] = len(os.sched_getaffinity(0))

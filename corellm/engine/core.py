@@ -23,6 +23,7 @@ from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCac
 from corellm.outputs import EngineCoreOutput, EngineStats, FinishedRequestStats, StepStats
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
+from corellm.setup import EngineSetup, resolve_setup
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +82,15 @@ def _notify_stopped(registry: Registry, engine_id: str, config: EngineConfig,
 class EngineCore:
     """Owns the scheduler, the KV-cache manager and the executor; ``step()`` is the whole loop."""
 
-    def __init__(self, config: EngineConfig, registry: Registry) -> None:
+    def __init__(self, config: EngineConfig, registry: Registry,
+                 setup: EngineSetup | None = None) -> None:
         self.config = config
         self.registry = registry
         # Unique among the engines of this host's processes; repeated in every observer call.
         self.engine_id = f"engine-{os.getpid()}-{next(_ENGINE_SEQ)}"
-        ctx = BuildContext(config=config, registry=registry)
+        # Resolved once, here, and handed to the executor and through it to every worker.
+        self.setup = setup or resolve_setup(config, registry)
+        ctx = BuildContext(config=config, registry=registry, setup=self.setup)
         self.executor: Executor = registry.get("executor", config.executor.name).spec.factory(
             config.executor, ctx)
         try:

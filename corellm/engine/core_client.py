@@ -131,7 +131,7 @@ class _CoreProcess:
         reader, writer = mp.Pipe(duplex=False)
         self.proc = mp.Process(
             target=run_engine_core, name="corellm-engine-core", daemon=True,
-            args=(config.to_dict(), self.input_addr, self.output_addr, writer, os.getpid(),
+            args=(config, self.input_addr, self.output_addr, writer, os.getpid(),
                   logging.getLogger("corellm").getEffectiveLevel(), self.ipc_dir))
         with self._lock:
             if self._killed:

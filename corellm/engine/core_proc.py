@@ -278,7 +278,7 @@ def _flush_logs() -> None:
             pass
 
 
-def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: str,
+def run_engine_core(config: Any, input_addr: str, output_addr: str,
                     ready: Connection, parent_pid: int, log_level: int,
                     ipc_dir: str | None = None) -> None:
     """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
@@ -293,12 +293,12 @@ def run_engine_core(config_data: dict[str, Any], input_addr: str, output_addr: s
 
     engine = proc = None
     try:
-        from corellm.config import load_config
         from corellm.engine.core import EngineCore
         from corellm.plugins import load_registry
 
-        registry = load_registry(disable=(config_data.get("plugins") or {}).get("disable", []))
-        config = load_config(config_data, registry=registry)
+        # The config arrives validated (an EngineConfig, pickled by the spawn): the registry is
+        # built again, since plugins are imported per process.
+        registry = load_registry(disable=config.plugins.disable)
         engine = EngineCore(config, registry)
         if engine.clock.is_virtual:
             from corellm.errors import ConfigError

@@ -11,9 +11,11 @@ from corellm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColum
 from corellm.layers.loading import (as_tensor, load_weights, materialize, narrow_weight,
                                     weight_shape)
 from corellm.layers.model import DecoderForCausalLM
+from corellm.layers.ops import REFERENCE_OPS, DeviceOps, OpsModule, bind_ops
 from corellm.layers.rotary import RotaryEmbedding, get_rope
 
-__all__ = ["ACTIVATIONS", "Attention", "ColumnParallelLinear", "DecoderForCausalLM",
+__all__ = ["ACTIVATIONS", "REFERENCE_OPS", "Attention", "ColumnParallelLinear",
+           "DecoderForCausalLM", "DeviceOps", "OpsModule", "bind_ops",
            "LinearBase", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
            "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
            "VocabParallelEmbedding", "as_tensor", "bind_kv_caches", "get_activation", "get_rope",

@@ -1,4 +1,4 @@
-"""Normalization, activations and weight-copy helpers."""
+"""Normalization and activations."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from corellm.errors import CheckpointError
+from corellm.layers.linear import LinearBase, MergedColumnParallelLinear
+from corellm.layers.loading import load_shard  # noqa: F401 - re-exported (corellm.layers)
+from corellm.layers.ops import OpsModule
 
 
-class RMSNorm(nn.Module):
-    """RMS normalization computed in float32, as the Llama reference does."""
+class RMSNorm(OpsModule, nn.Module):
+    """RMS normalization computed in float32, as the Llama reference does (``ops.rms_norm``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -21,44 +24,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def into(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``linear(self(x))``: one kernel where the worker gave ``linear`` a fused path
-        (``linear_normed``: on the CPU, corellm's GEMM normalizing the rows into a scratch of
-        its own call before its tiles read them: no separate layer call, output tensor or
-        pass), else the two layers. On the fused path neither module's ``forward`` (nor a
-        forward hook on them) runs."""
-        fused = getattr(linear, "linear_normed", None)
-        if fused is not None and type(self).forward is RMSNorm.forward:
-            out = fused(x, (self.weight, self.eps))
+        """``linear(self(x))``: one kernel where the platform fuses them
+        (``ops.linear_normed``: on the CPU, corellm's GEMM normalizing the rows into a scratch
+        of its own call before its tiles read them), else the two layers. Fused only for a
+        core linear layer whose output needs no collective and a norm whose ``forward`` is
+        this class's; on the fused path neither module's ``forward`` (nor a hook on it) runs."""
+        if (isinstance(linear, LinearBase) and linear.local_output
+                and type(self).forward is RMSNorm.forward):
+            out = linear.ops.linear_normed(linear, x, self.weight, self.eps)
             if out is not None:
                 return out
         return linear(self(x))
 
 
-class SiluAndMul(nn.Module):
-    """[..., 2*I] (gate | up) -> [..., I]: silu(gate) * up."""
+class SiluAndMul(OpsModule, nn.Module):
+    """[..., 2*I] (gate | up) -> [..., I]: silu(gate) * up (``ops.silu_and_mul``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return self.ops.silu_and_mul(x)
 
     def after(self, linear: nn.Module, x: torch.Tensor,
               norm: RMSNorm | None = None) -> torch.Tensor:
         """``self(linear(norm(x)))`` for a merged gate/up projection (``norm`` optional): one
-        kernel where the worker gave ``linear`` a fused path (``linear_silu_mul``: on the CPU,
-        corellm's GEMM multiplying each pair of gate and up tiles while they are in cache, so
-        the [T, 2I] product is never written, and normalizing the rows it multiplies), else
-        the layers one by one."""
-        fused = getattr(linear, "linear_silu_mul", None)
-        if fused is not None and type(self).forward is SiluAndMul.forward and (
-                norm is None or type(norm).forward is RMSNorm.forward):
-            out = fused(x, None if norm is None else (norm.weight, norm.eps))
+        kernel where the platform fuses them (``ops.linear_silu_mul``: on the CPU, corellm's
+        GEMM multiplying each pair of gate and up tiles while they are in cache, so the
+        [T, 2I] product is never written, and normalizing the rows it multiplies), else the
+        layers one by one."""
+        if (isinstance(linear, MergedColumnParallelLinear) and linear.local_output
+                and len(linear.output_sizes) == 2
+                and linear.output_sizes[0] == linear.output_sizes[1]
+                and type(self).forward is SiluAndMul.forward
+                and (norm is None or type(norm).forward is RMSNorm.forward)):
+            out = linear.ops.linear_silu_mul(linear, x,
+                                             None if norm is None else (norm.weight, norm.eps))
             if out is not None:
                 return out
         return self(linear(x) if norm is None else norm.into(linear, x))
@@ -95,11 +96,3 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     except KeyError:
         raise CheckpointError(f"hidden_act {name!r} is not supported (supported: "
                               f"{', '.join(sorted(ACTIVATIONS))})") from None
-
-
-def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
-    """Copy a checkpoint tensor into rows [offset, offset + size) of a fused parameter."""
-    if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
-        raise ValueError(f"shape {tuple(loaded.shape)} does not fit rows {offset}:{offset + size} "
-                         f"of a parameter of shape {tuple(param.shape)}")
-    param.data[offset:offset + size].copy_(loaded)

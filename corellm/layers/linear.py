@@ -29,6 +29,7 @@ from torch import nn
 
 from corellm.distributed import SINGLE, ParallelContext, divide, kv_head_split
 from corellm.layers.loading import narrow_weight, weight_shape
+from corellm.layers.ops import OpsModule
 
 
 def _check(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -42,9 +43,11 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearBase(OpsModule, nn.Module):
     """``y = x @ weight.T (+ bias)`` on this rank's ``weight`` [out, in]; ``linear`` is the one
-    matmul, so a device-specific path (CPU weight packing) replaces just that."""
+    matmul, run by the platform's ``ops.linear`` (the CPU platform's packed-weight GEMMs).
+    ``local_output``: the forward is that matmul alone (no collective after it), so a platform
+    may fuse the layers around it (``ops.linear_normed``, ``ops.linear_silu_mul``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  parallel: ParallelContext) -> None:
@@ -61,7 +64,14 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+        return self.ops.linear(self, x, bias)
+
+    @property
+    def local_output(self) -> bool:
+        """The forward is the matmul alone: a column-parallel or replicated layer whose class
+        keeps that forward (a subclass with its own forward, or a row-parallel layer's
+        all-reduce, is not)."""
+        return type(self).forward in (ColumnParallelLinear.forward, ReplicatedLinear.forward)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
@@ -73,6 +83,7 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
+
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parallel: ParallelContext = SINGLE) -> None:
@@ -90,6 +101,7 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays split (feed it to a row-parallel
     layer, or gather it)."""
+
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parallel: ParallelContext = SINGLE) -> None:
@@ -181,7 +193,7 @@ class RowParallelLinear(LinearBase):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(OpsModule, nn.Module):
     """Vocabulary rows split across ranks, each holding ``ceil(V / tp)`` (rows past V are
     zero); a token outside a rank's rows embeds to zero there, and one all-reduce sums the
     ranks."""
@@ -239,7 +251,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             super().weight_loader(param, loaded, shard_id)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+        return self.ops.linear(self, x, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:   # type: ignore[override]
         logits = self.linear(hidden, self.bias)

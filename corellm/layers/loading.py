@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
-from corellm.layers.layers import load_shard
 
 
 def materialize(model: nn.Module, device: torch.device | str,
@@ -149,3 +148,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s) of this "
                               f"{model_name} model, e.g. {', '.join(missing[:5])}")
+
+
+def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:
+    """Copy a checkpoint tensor into rows [offset, offset + size) of a fused parameter."""
+    if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit rows {offset}:{offset + size} "
+                         f"of a parameter of shape {tuple(param.shape)}")
+    param.data[offset:offset + size].copy_(loaded)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
+from corellm.layers.ops import OpsModule
 from corellm.model_config import ROPE_TYPES
 
 
@@ -32,15 +33,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(OpsModule, nn.Module):
     """Applies RoPE to q [T, H, D] and k [T, Hkv, D] at the given positions, from a cos/sin
     table precomputed for every position up to ``max_positions``. With ``rotary_dim < head_dim``
     only the first ``rotary_dim`` dimensions of each head are rotated (frequencies computed over
     ``rotary_dim``, as the reference does); the rest pass through unchanged.
 
-    Callers use the returned tensors and must not rely on q and k being left as they were: on
-    the CPU the worker's fused kernel (``model.cpu_fused_ops``) rotates them in place and
-    returns them."""
+    Callers use the returned tensors and must not rely on q and k being left as they were: a
+    platform's ``ops.rotary`` may rotate them in place and return them (the CPU platform's
+    fused kernel does)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None, device: torch.device | str = "cpu",
@@ -72,18 +73,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, R/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        if self.partial:
-            r = self.rotary_dim
-            return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
-                    torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
 
 
 def get_rope(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,

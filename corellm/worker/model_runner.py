@@ -24,65 +24,18 @@ from corellm.config import EngineConfig
 from corellm.distributed import SINGLE, ParallelContext
 from corellm.errors import CheckpointError, ConfigError, PluginError
 from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
-from corellm.model_config import (ModelArchConfig, iter_weights, parse_arch_config,
-                                  read_checkpoint_config, resolve_dtype_name,
-                                  resolve_max_model_len)
+from corellm.model_config import ModelArchConfig, iter_weights
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from corellm.platforms import Platform, StepInputs
 from corellm.plugins import RegisteredComponent, Registry
+from corellm.setup import EngineSetup
 from corellm.sampling import SamplingMetadata
 from corellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
-
-
-@dataclass
-class ResolvedModel:
-    path: str
-    arch: ModelArchConfig          # as parsed by the model plugin's config_class
-    model: RegisteredComponent     # the model plugin the checkpoint's architectures chose
-    source: str                    # where the config was read from, for error messages
-    max_model_len: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The worker's device; on CUDA the ``local_rank``-th visible one."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise CheckpointError("model.device: 'cuda' requested but no CUDA device is "
-                                  "available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
-
-
-def resolve_model(config: EngineConfig, model_path: str, registry: Registry,
-                  local_rank: int = 0) -> ResolvedModel:
-    """Checkpoint facts combined with the config: the model plugin and its parsed config, the
-    final max_model_len, dtype and device."""
-    cfg, source = read_checkpoint_config(model_path)
-    arch, model_entry = parse_arch_config(cfg, source, registry)
-    device = resolve_device(config.model.device, local_rank)
-    max_len = resolve_max_model_len(arch, config.model.max_model_len)
-    dtype = _DTYPES[resolve_dtype_name(config.model.dtype, arch, device.type)]
-    return ResolvedModel(model_path, arch, model_entry, source, max_len, dtype, device)
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on the CPU its own anonymous mapping, zero-filled by the kernel on first
-    touch (``zeroed_cpu_tensor``)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    from corellm.worker.cpu import zeroed_cpu_tensor
-
-    return zeroed_cpu_tensor(shape, dtype)
 
 
 @dataclass
@@ -99,63 +52,33 @@ _OLD_INTERFACE = ("The interface changed after corellm 0.3.0: kv_cache_shape(...
                   "\"An attention backend\")")
 
 
-def attention_candidates(config: EngineConfig, registry: Registry,
-                         device: torch.device) -> tuple[list[SelectedAttention], list[str]]:
-    """The backends to try, best first, and why others were passed over. A named backend is the
-    only candidate (its device checked: a refusal is a ConfigError). For ``auto``: the available
-    backends with an ``auto_priority`` that can run on ``device`` and list its type among their
-    ``auto_device_types``, by priority (Triton on CUDA, torch SDPA elsewhere, with the
-    built-ins)."""
-    name = config.attention.name
-    if name != "auto":
-        entry = registry.get("attention", name)
-        reason = entry.spec.check_device(device)
-        if reason:
-            raise ConfigError([("attention.name", f"{name!r} ({entry.plugin.describe()}) cannot "
-                                                  f"run on {device}: {reason}")])
-        return [SelectedAttention(entry, config.attention, f"attention.name: {name}")], []
-    skipped, candidates = [], []
-    for cand in registry.choices("attention"):
-        entry = registry.get("attention", cand, usable=False)
-        spec = entry.spec
-        if spec.auto_priority is None:
-            continue
-        reason = (spec.unavailable or spec.check_device(device)
-                  or (None if spec.auto_device_types is None
-                      or device.type in spec.auto_device_types
-                      else f"auto picks it only on {', '.join(spec.auto_device_types)}"))
-        if reason:
-            skipped.append(f"{cand}: {reason}")
-        else:
-            candidates.append((spec.auto_priority, cand, entry))
-    candidates.sort(key=lambda c: (-c[0], c[1]))
-    return [SelectedAttention(entry, entry.spec.options(name=cand),
-                              f"attention.name: auto -> {cand} on {device}")
-            for _, cand, entry in candidates], skipped
-
-
-def select_attention_backend(config: EngineConfig, registry: Registry, device: torch.device,
-                             ctx: BuildContext | None = None,
-                             layers: Sequence[AttentionLayerSpec] = (),
-                             dtype: torch.dtype | None = None) -> SelectedAttention:
-    """The backend to run: the named one, or for ``auto`` the first candidate
-    (``attention_candidates``) that accepts every one of ``layers`` in ``dtype`` (the layers
-    the checkpoint's config predicts, so a head size the best backend lacks falls back to the
-    next one), made with ``ctx`` when given."""
-    found, skipped = attention_candidates(config, registry, device)
+def select_attention_backend(config: EngineConfig, registry: Registry, setup: EngineSetup,
+                             ctx: BuildContext, layers: Sequence[AttentionLayerSpec] = (),
+                             ) -> SelectedAttention:
+    """The backend to run: the first of the setup's candidates (``EngineSetup.
+    attention_candidates``: the named backend, or ``auto``'s by priority for the platform's
+    device) that accepts every one of ``layers`` in the setup's dtype (the layers the
+    checkpoint's config predicts, so a head size the best backend lacks falls back to the next
+    one), made with ``ctx``."""
     auto = config.attention.name == "auto"
-    for cand in found:
-        if ctx is not None:
-            cand.backend = _make_backend(cand, ctx)
+    skipped = list(setup.attention_skipped)
+    device, dtype = ctx.device, ctx.dtype
+    for name in setup.attention_candidates:
+        entry = registry.get("attention", name)
+        options = config.attention if not auto else entry.spec.options(name=name)
+        why = (f"attention.name: auto -> {name} on {device}" if auto
+               else f"attention.name: {name}")
+        cand = SelectedAttention(entry, options, why)
+        cand.backend = _make_backend(cand, ctx)
         refusal = None
-        if auto and layers and cand.backend is not None:
+        if auto and layers:
             refusal = next((r for layer in layers
                             if (r := cand.backend.supports(layer, dtype, device))), None)
         if refusal is None:
             if skipped:
                 cand.why += f" (not {'; not '.join(skipped)})"
             return cand
-        skipped.append(f"{cand.entry.spec.name}: {refusal}")
+        skipped.append(f"{name}: {refusal}")
     raise ConfigError([("attention.name", f"auto: no installed attention backend can run this "
                                           f"model on {device}"
                                           + "".join(f"; {s}" for s in skipped))])
@@ -195,18 +118,6 @@ def predicted_attention_layers(arch: ModelArchConfig, parallel: ParallelContext,
     return layers
 
 
-def mem_available() -> int | None:
-    """Linux's estimate of the memory available to new allocations (bytes), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class CachedRequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
                  "params", "min_tokens_banned", "prompt_token_set")
@@ -235,30 +146,34 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, registry: Registry, resolved: ResolvedModel,
-                 parallel: ParallelContext = SINGLE) -> None:
+    """One worker's model, KV cache and sampler, on its ``platform``'s device."""
+
+    def __init__(self, config: EngineConfig, registry: Registry, setup: EngineSetup,
+                 platform: Platform, parallel: ParallelContext = SINGLE,
+                 local_rank: int = 0) -> None:
         self.config = config
-        self.resolved = resolved
-        self.device = resolved.device
-        self.dtype = resolved.dtype
-        self.block_size = config.kv_cache.block_size
+        self.setup = setup
+        self.platform = platform
+        self.device = platform.device(local_rank)
+        self.dtype = setup.torch_dtype
+        self.block_size = setup.block_size
         self.parallel = parallel
-        ctx = BuildContext(config=config, registry=registry, arch=resolved.arch,
-                           device=self.device, dtype=self.dtype,
-                           max_model_len=resolved.max_model_len, parallel=parallel)
+        self.model_entry = registry.model_for(setup.arch.architectures)
+        ctx = BuildContext(config=config, registry=registry, arch=setup.arch,
+                           device=self.device, dtype=self.dtype, platform=platform,
+                           max_model_len=setup.max_model_len, parallel=parallel)
         selected = select_attention_backend(
-            config, registry, self.device, ctx,
-            predicted_attention_layers(resolved.arch, parallel, resolved.max_model_len),
-            self.dtype)
+            config, registry, setup, ctx,
+            predicted_attention_layers(setup.arch, parallel, setup.max_model_len))
         self.attn_entry = selected.entry
         logger.info("attention backend %r (%s): %s", selected.entry.spec.name,
                     selected.entry.plugin.describe(), selected.why)
         ctx.attention_backend = self.attn_backend = selected.backend
-        model_entry = resolved.model
+        model_entry = self.model_entry
         try:
-            model = model_entry.spec.factory(resolved.arch, ctx)
+            model = model_entry.spec.factory(setup.arch, ctx)
         except CheckpointError as exc:     # e.g. an unsupported activation: name the file
-            raise CheckpointError(f"{resolved.source}: {exc} (model {model_entry.spec.name!r} "
+            raise CheckpointError(f"{setup.source}: {exc} (model {model_entry.spec.name!r} "
                                   f"of {model_entry.plugin.describe()})") from exc
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
@@ -267,31 +182,27 @@ class ModelRunner:
         self.attn_layers = self._check_attention_layers(model)
         # Models that load through corellm.layers.load_weights take lazy checkpoint slices:
         # each rank then reads only its shard of every weight.
-        model.load_weights(iter_weights(resolved.path,
+        model.load_weights(iter_weights(setup.model_path,
                                         lazy=getattr(model, "lazy_weights", False)))
-        if self.device.type == "cpu" and config.model.cpu_weight_packing:
-            from corellm.worker.cpu import pack_linear_weights
-            pack_linear_weights(model)
-        if self.device.type == "cpu" and config.model.cpu_fused_ops:
-            from corellm.worker.cpu import fuse_elementwise
-            fuse_elementwise(model)
+        platform.prepare_model(model)         # the platform's ops (and packed weights)
         self.model: CausalLM = model.eval()
-        sched = config.scheduler
-        self.attn_builder = self.attn_backend.make_metadata_builder(AttentionBuildLimits(
-            block_size=self.block_size,
-            max_num_seqs=getattr(sched, "max_num_seqs", 256),
-            max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", 8192),
-            max_model_len=resolved.max_model_len, device=self.device))
+        self.limits = AttentionBuildLimits(
+            block_size=self.block_size, max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=setup.max_model_len, device=self.device)
+        self.attn_builder = self.attn_backend.make_metadata_builder(self.limits)
         self.batch_order = BatchOrder(self.attn_builder.batch_order)
-        self.sampler = registry.get("sampler", config.sampler.name).spec.factory(config.sampler, ctx)
+        self.stepper = platform.make_stepper(self.model, self.device, self.limits)
+        sampler = registry.get("sampler", config.sampler.name)
+        self.sampler = sampler.spec.factory(config.sampler, ctx)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
-        self.model_info = ModelInfo(vocab_size=resolved.arch.vocab_size,
-                                    max_model_len=resolved.max_model_len,
-                                    architecture=(resolved.arch.architectures or ("?",))[0])
+        self.model_info = ModelInfo(vocab_size=setup.arch.vocab_size,
+                                    max_model_len=setup.max_model_len,
+                                    architecture=(setup.arch.architectures or ("?",))[0])
 
     # ------------------------------------------------------------------ attention and KV cache
     def _check_attention_layers(self, model: CausalLM) -> list[AttentionLayerSpec]:
@@ -299,12 +210,12 @@ class ModelRunner:
         start-up naming the backend, its plugin, the layer and the reason). A window at least
         as long as the longest sequence is full attention, and is checked as such."""
         backend = self.attn_entry
-        max_len = self.resolved.max_model_len
+        max_len = self.setup.max_model_len
         try:
             layers = model.attention_layers()
         except ValueError as exc:      # the default found no corellm.layers.Attention modules
-            raise PluginError(f"model {self.resolved.model.spec.name!r} of "
-                              f"{self.resolved.model.plugin.describe()}: {exc}") from exc
+            raise PluginError(f"model {self.model_entry.spec.name!r} of "
+                              f"{self.model_entry.plugin.describe()}: {exc}") from exc
         for layer in layers:
             checked = layer
             if layer.sliding_window is not None and layer.sliding_window >= max_len:
@@ -318,7 +229,7 @@ class ModelRunner:
                             "window full attention")
                 raise ConfigError([("attention.name",
                                     f"{backend.spec.name!r} ({backend.plugin.describe()}) cannot "
-                                    f"run layer {layer.layer_idx} of {self.resolved.source} in "
+                                    f"run layer {layer.layer_idx} of {self.setup.source} in "
                                     f"{str(self.dtype).replace('torch.', '')} on {self.device}: "
                                     f"{reason}{hint}")])
         return layers
@@ -333,10 +244,55 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the pool (its size checked against free memory by the worker first), one
         tensor per layer as the backend specifies, zero-filled only where it asks."""
-        self.kv_caches = [_zeros(spec.shape, spec.dtype, self.device) if spec.zero_init
+        zeros = self.platform.zeros
+        self.kv_caches = [zeros(spec.shape, spec.dtype, self.device) if spec.zero_init
                           else torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                           for spec in self.kv_cache_specs(num_blocks)]
         self.model.bind_kv_caches(self.kv_caches)
+
+    def warm_up(self) -> None:
+        """After the KV cache is bound: the platform's warm-up (graph capture on CUDA)."""
+        self.platform.warm_up(self.stepper)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward of the largest step the scheduler can plan (``max_num_batched_tokens``
+        prompt tokens, in sequences of at most ``max_model_len``), over a scratch KV cache of
+        just the blocks it needs, which is freed after: what a platform that sizes the KV cache
+        from the memory left (``Platform.kv_cache_budget``) measures."""
+        total = max(1, min(self.setup.max_num_batched_tokens,
+                           self.setup.max_num_seqs * self.setup.max_model_len))
+        lens = []
+        while sum(lens) < total:
+            lens.append(min(self.setup.max_model_len, total - sum(lens)))
+        bs = self.block_size
+        nblocks = [-(-n // bs) for n in lens]
+        self.initialize_kv_cache(sum(nblocks))
+        try:
+            starts = np.cumsum([0] + nblocks[:-1])
+            block_table = np.zeros((len(lens), max(nblocks)), dtype=np.int64)
+            for i, (s0, nb) in enumerate(zip(starts.tolist(), nblocks)):
+                block_table[i, :nb] = np.arange(s0, s0 + nb)
+            n_sched = np.asarray(lens, dtype=np.int64)
+            cu = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(n_sched, out=cu[1:])
+            req_of_token = np.repeat(np.arange(len(lens)), n_sched)
+            positions = np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][req_of_token]
+            slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+            zeros = np.zeros(len(lens), dtype=np.int64)
+            common = CommonAttentionMetadata(
+                num_reqs=len(lens), num_decodes=0, num_actual_tokens=int(cu[-1]),
+                query_start_loc=cu, seq_lens=n_sched, context_lens=zeros,
+                block_table=block_table, slot_mapping=slots, max_seq_len=int(n_sched.max()),
+                max_query_len=int(n_sched.max()), block_size=bs)
+            md = self.attn_builder.build(common)
+            inputs = StepInputs(np.zeros(int(cu[-1]), dtype=np.int64), positions,
+                                cu[1:] - 1, md, len(lens), 0)
+            self.stepper.forward(inputs)
+        finally:            # release the scratch cache before the real one is allocated
+            self.kv_caches = []
+            self.model.bind_kv_caches([torch.empty(0, dtype=self.dtype, device=self.device)
+                                       for _ in self.attn_layers])
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -394,21 +350,19 @@ class ModelRunner:
         sample_rows = np.flatnonzero(samples)
         logits_indices = cu[1:][sample_rows] - 1
 
-        dev = self.device
         common = CommonAttentionMetadata(
             num_reqs=num_reqs, num_decodes=num_decodes, num_actual_tokens=total,
             query_start_loc=cu, seq_lens=seq_lens, context_lens=starts, block_table=block_table,
             slot_mapping=slot_mapping, max_seq_len=int(seq_lens.max()),
             max_query_len=int(n_sched.max()), block_size=bs)
         backend_md = self.attn_builder.build(common)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions_t = torch.from_numpy(positions).to(dev)
+        inputs = StepInputs(np.asarray(ids, dtype=np.int64), positions, logits_indices,
+                            backend_md, num_reqs, num_decodes)
         sample_states = [states[i] for i in sample_rows.tolist()]
         t1 = time.perf_counter()
 
-        hidden = self.model(input_ids, positions_t, backend_md)          # [T, hidden]
         # With tensor parallelism only rank 0 gets the logits (the others get None).
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
+        logits = self.stepper.forward(inputs)
         t2 = time.perf_counter()
         self._pending = (logits, sample_states, {"prepare_inputs": t1 - t0, "forward": t2 - t1})
 
@@ -434,7 +388,7 @@ class ModelRunner:
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
         out = self.sampler(logits, self._sampling_metadata(states))
-        sampled = out.sampled_token_ids.tolist()
+        sampled = self.stepper.to_host(out.sampled_token_ids)
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
         logprobs = None

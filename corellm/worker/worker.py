@@ -16,11 +16,11 @@ from corellm.config import EngineConfig
 from corellm.distributed import SINGLE, ParallelContext
 from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
-from corellm.model_config import model_path
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+from corellm.platforms import Platform, build_platform
 from corellm.plugins import Registry, load_registry
-from corellm.worker.cpu import tune_malloc
-from corellm.worker.model_runner import ModelRunner, mem_available, resolve_model
+from corellm.setup import EngineSetup, resolve_setup
+from corellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +28,23 @@ logger = logging.getLogger(__name__)
 class Worker:
     """``parallel`` is this worker's rank (``SINGLE`` without tensor parallelism);
     ``local_world_size`` how many workers share this machine's memory (and ``local_rank`` which
-    CUDA device is this one's)."""
+    device is this one's). ``setup``: the engine's resolved setup (resolved here when not
+    given, for a worker made on its own); ``platform``: its platform, built from
+    ``config.platform`` when not given."""
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None,
                  parallel: ParallelContext = SINGLE, local_rank: int = 0,
-                 local_world_size: int = 1) -> None:
+                 local_world_size: int = 1, setup: EngineSetup | None = None,
+                 platform: Platform | None = None) -> None:
         self.config = config
         self.parallel = parallel
         self.local_world_size = local_world_size
         registry = registry or load_registry(disable=config.plugins.disable)
-        resolved = resolve_model(config, model_path(config), registry, local_rank=local_rank)
-        if resolved.device.type == "cpu":
-            tune_malloc()
-        self.runner = ModelRunner(config, registry, resolved, parallel)
+        self.platform = platform or build_platform(config.platform, registry)
+        self.setup = setup or resolve_setup(config, registry, self.platform)
+        self.platform.prepare_process(local_world_size)
+        self.runner = ModelRunner(config, registry, self.setup, self.platform, parallel,
+                                  local_rank)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -48,11 +52,17 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """The blocks this worker can hold: ``kv_cache.num_blocks``, or as many of its own
-        (its heads' share) as ``kv_cache.memory_gib`` holds; refused when more than the memory
-        this worker measures free (its share of the host's, or its device's)."""
+        (its heads' share) as ``kv_cache.memory_gib`` holds, or, with neither set, as the
+        platform's budget holds (``Platform.kv_cache_budget``: 1 GiB on the CPU, what
+        ``gpu_memory_utilization`` leaves on CUDA); refused when more than the memory this
+        worker measures free (its share of the host's, or its device's)."""
         kv = self.config.kv_cache
         per_block = self.runner.kv_cache_bytes_per_block()
-        num = num_blocks_for_budget(kv.num_blocks, kv.memory_gib, per_block)
+        budget = None
+        if kv.num_blocks is None and kv.memory_gib is None:
+            budget = self.platform.kv_cache_budget(self.runner.device, self.local_world_size,
+                                                   self.runner.profile_run)
+        num = num_blocks_for_budget(kv.num_blocks, kv.memory_gib, per_block, budget)
         available = self.measure_free_memory()
         need = per_block * num
         if available is not None and need > available:
@@ -65,18 +75,14 @@ class Worker:
         return num
 
     def measure_free_memory(self) -> int | None:
-        """Bytes this worker may still allocate: the device's free memory, or on the CPU its
-        share of the host's available memory (None where unknown)."""
-        device = self.runner.device
-        if device.type == "cuda":
-            import torch
-            free, _ = torch.cuda.mem_get_info(device)
-            return free
-        available = mem_available()
-        return None if available is None else available // self.local_world_size
+        """Bytes this worker may still allocate (the platform's measure: the device's free
+        memory, or on the CPU its share of the host's available memory; None where
+        unknown)."""
+        return self.platform.free_memory(self.runner.device, self.local_world_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step: forward on every rank, sampling on rank 0, which alone returns tokens."""
@@ -94,7 +100,8 @@ class Worker:
     def memory_usage(self) -> dict[str, int]:
         """This worker process's memory (bytes, from /proc/self/status): ``peak_rss`` (VmHWM,
         the high-water mark, mapped checkpoint pages included) and ``rss_anon`` (its own
-        allocations now); on CUDA also the device's peak allocation."""
+        allocations now); plus what the platform reports of its device (on CUDA the peak
+        allocation)."""
         out: dict[str, int] = {}
         try:
             with open("/proc/self/status") as f:
@@ -105,16 +112,15 @@ class Worker:
                              "VmRSS": "rss"}[key]] = int(value.split()[0]) * 1024
         except OSError:
             pass
-        if self.runner.device.type == "cuda":
-            import torch
-            out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(self.runner.device)
+        out.update(self.platform.memory_usage(self.runner.device))
         return out
 
     def describe(self) -> dict:
-        """This worker's rank, its attention backend, its KV heads and the shape of each of
-        its parameters."""
+        """This worker's rank, its platform, its attention backend, its KV heads and the shape
+        of each of its parameters."""
         model = self.runner.model
         return {"rank": self.parallel.tp_rank, "tp_size": self.parallel.tp_size,
+                "platform": self.platform.name,
                 "attention": self.runner.attn_entry.spec.name,
                 "num_kv_heads": model.num_kv_heads,
                 "params": {n: list(p.shape) for n, p in model.named_parameters()}}

@@ -2,8 +2,9 @@
 runs (CPU included). Each prefill (whole, chunked, or resumed after preemption) is one SDPA call,
 and decodes are batched into one SDPA call per group of similar lengths over K/V gathered from
 the block table. On the CPU (float32/bfloat16, with a C compiler at first use) C kernels take
-over (``corellm.native``): decodes read the cached K/V blocks in place, and a step's prefills
-run in one call on the core's GEMM micro-kernel."""
+over, built by the platform (``Platform.native_library``: the CPU platform compiles them with its
+shared headers): decodes read the cached K/V blocks in place, and a step's prefills run in one
+call on the CPU platform's GEMM micro-kernel."""
 
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ class SDPAOptions(AttentionOptions):
         "for one SDPA call per group; 'auto' takes native where it can run, else gather.")
     prefill: Literal["auto", "native", "sdpa"] = Field(
         "auto", description="Prefill path: 'native' runs all of a step's prefills in one call "
-        "of a C kernel on the core's GEMM micro-kernel, over their K/V in the cache (CPU, "
+        "of a C kernel on the CPU platform's GEMM micro-kernel, over their K/V in the cache (CPU, "
         "float32/bfloat16; needs a C compiler at first use), 'sdpa' one SDPA call per prefill; "
         "'auto' takes native where it can run, else sdpa.")
 
 
 def _make(options: SDPAOptions, ctx: BuildContext):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
-    return TorchSDPABackend(options.decode, ctx.device, ctx.dtype, options.prefill)
+    return TorchSDPABackend(options.decode, ctx.device, ctx.dtype, options.prefill,
+                            ctx.platform)
 
 
 @hookimpl

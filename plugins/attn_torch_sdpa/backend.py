@@ -12,6 +12,7 @@ from corellm.attention import (AttentionBuildLimits, AttentionMetadataBuilder, B
                                CommonAttentionMetadata, DeviceArray, KVCacheSpec)
 from corellm.errors import ConfigError
 from corellm.interfaces import AttentionBackend, AttentionLayerSpec
+from corellm.platforms import NativeUnavailable, Platform, host_visible
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_cpu.c")
@@ -138,9 +139,10 @@ class TorchSDPABackend(AttentionBackend):
     Logit soft-capping is refused (SDPA has no hook between the scores and the softmax)."""
 
     def __init__(self, decode: str = "auto", device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, prefill: str = "auto") -> None:
+                 dtype: torch.dtype | None = None, prefill: str = "auto",
+                 platform: Platform | None = None) -> None:
         self._buffer: torch.Tensor | None = None
-        self._native = _native_kernels(decode, prefill, device, dtype)
+        self._native = _native_kernels(decode, prefill, device, dtype, platform)
         self.decode_path = "native" if self._native and decode != "gather" else "gather"
         self.prefill_path = "native" if self._native and prefill != "sdpa" else "sdpa"
 
@@ -287,7 +289,7 @@ class _NativeKernels:
         d = key.shape[2]
         for x in (key, value):
             if (x.dtype != kv_cache.dtype or x.stride(2) != 1 or x.stride(1) != d
-                    or x.device.type != "cpu"):
+                    or not host_visible(x.device)):
                 return False
         return (slots.dtype == torch.int64 and slots.is_contiguous()
                 and slots.numel() == key.shape[0])
@@ -359,23 +361,26 @@ class _NativeKernels:
 
 
 def _native_kernels(decode: str, prefill: str, device: torch.device | None,
-                    dtype: torch.dtype | None) -> _NativeKernels | None:
-    """The native kernels when ``decode`` or ``prefill`` asks for them and they can run here,
-    else None (``auto``: with the reason logged). ``native`` that cannot run is a ConfigError
-    naming its key."""
+                    dtype: torch.dtype | None,
+                    platform: Platform | None) -> _NativeKernels | None:
+    """The native kernels when ``decode`` or ``prefill`` asks for them and they can run here
+    (the K/V in host memory, and a platform that builds C kernels: the CPU platform), else None
+    (``auto``: with the reason logged). ``native`` that cannot run is a ConfigError naming its
+    key."""
     if decode == "gather" and prefill == "sdpa":
         return None
     reason = None
-    if device is None or torch.device(device).type != "cpu":
+    if device is None or not host_visible(torch.device(device)):
         reason = f"runs on the CPU only (device: {device})"
     elif dtype not in _NATIVE_DTYPES:
         reason = f"takes float32 or bfloat16 (dtype: {dtype})"
+    elif platform is None:
+        reason = "needs a platform to build it (none given)"
     lib = None
     if reason is None:
-        from corellm.native import NativeBuildError, load_library
         try:
-            lib = load_library("corellm_paged_cpu", _SOURCE, ("-ffast-math",))
-        except NativeBuildError as exc:
+            lib = platform.native_library("corellm_paged_cpu", _SOURCE, ("-ffast-math",))
+        except NativeUnavailable as exc:
             reason = str(exc)
     if reason is not None:
         if decode == "native":

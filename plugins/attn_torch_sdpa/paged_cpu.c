@@ -28,25 +28,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "corellm_tile.h"     /* the core's GEMM micro-kernel (corellm/csrc), for prefills */
-
-static inline float bf16_to_f32(bf16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {     /* round to nearest even (finite values) */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (bf16_t)(v.u >> 16);
-}
+#include "corellm_tile.h"     /* the CPU platform's GEMM micro-kernel and bf16 conversions
+                               * (its csrc/, on the include path of Platform.native_library) */
 
 static inline float ld_f32(const float *p, int64_t i) { return p[i]; }
-static inline float ld_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline float ld_bf16(const bf16_t *p, int64_t i) { return from_bf16(p[i]); }
 static inline void st_f32(float *p, int64_t i, float x) { p[i] = x; }
-static inline void st_bf16(bf16_t *p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+static inline void st_bf16(bf16_t *p, int64_t i, float x) { p[i] = to_bf16(x); }
 
 /* bf16 rows are prefetched this many tokens ahead within a block: a bf16 row is half an fp32
  * one for the same work, so the loop alone kept half as many bytes in flight; on an AMD EPYC

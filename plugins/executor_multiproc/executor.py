@@ -39,14 +39,15 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from corellm.components import BuildContext
-from corellm.config import EngineConfig, load_config
+from corellm.config import EngineConfig
 from corellm.distributed import (check_tensor_parallel, destroy_parallel, free_port,
                                  init_parallel, launcher_env)
 from corellm.errors import ConfigError, CorellmError
 from corellm.interfaces import Executor, ExecutorError, ModelInfo
-from corellm.model_config import model_path, parse_arch_config, read_checkpoint_config
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+from corellm.platforms import Platform, build_platform
 from corellm.plugins import Registry, load_registry
+from corellm.setup import EngineSetup, resolve_setup
 from corellm_plugins.executor_multiproc.shm import (RingClosed, RingReader, RingWriter,
                                                    create_ring, doorbell_pair, unlink_ring)
 
@@ -77,16 +78,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _check_config(config: EngineConfig, registry: Registry) -> None:
+def _check_config(config: EngineConfig, registry: Registry, setup: EngineSetup) -> Platform:
     """Refuse in the engine process, before anything starts, a size the model or the machine
-    cannot take."""
-    cfg, source = read_checkpoint_config(model_path(config))
-    arch, _ = parse_arch_config(cfg, source, registry)
-    device = config.model.device
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_tensor_parallel(arch, config.parallel.tensor_parallel_size, device, source)
+    cannot take. Returns the platform."""
+    platform = build_platform(config.platform, registry)
+    check_tensor_parallel(setup.arch, config.parallel.tensor_parallel_size, platform,
+                          setup.source)
+    return platform
 
 
 # --------------------------------------------------------------------------- worker side
@@ -94,8 +92,8 @@ def _dispatch(worker: Any, method: str, args: tuple, kwargs: dict) -> Any:
     return getattr(worker, method)(*args, **kwargs)
 
 
-def _worker_main(rank: int, config_dict: dict, init_method: str, plan_spec: Any,
-                 plan_bell: Any, out_spec: Any, out_bells: list[Any], conn: Any,
+def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_method: str,
+                 plan_spec: Any, plan_bell: Any, out_spec: Any, out_bells: list[Any], conn: Any,
                  threads: int) -> None:
     """One rank's process: join the group, load the shard, then serve the ring until told to
     stop (or the engine is gone)."""
@@ -108,14 +106,16 @@ def _worker_main(rank: int, config_dict: dict, init_method: str, plan_spec: Any,
     try:
         import torch
         torch.set_num_threads(threads)
-        config = load_config(config_dict)
+        # The config arrives validated and the setup resolved (pickled by the spawn): the
+        # registry is all a rank builds again, since its plugins are imported per process.
         registry = load_registry(disable=config.plugins.disable)
-        from corellm.worker.model_runner import resolve_device
-        device = resolve_device(config.model.device, rank)
-        parallel = init_parallel(config.parallel, rank, init_method, device)
+        platform = build_platform(config.platform, registry)
+        device = platform.device(rank)
+        parallel = init_parallel(config.parallel, rank, init_method, device, platform)
         from corellm.worker.worker import Worker
         tp = config.parallel.tensor_parallel_size
-        worker = Worker(config, registry, parallel, local_rank=rank, local_world_size=tp)
+        worker = Worker(config, registry, parallel, local_rank=rank, local_world_size=tp,
+                        setup=setup, platform=platform)
         reader = RingReader(plan_spec, rank, plan_bell)
         if rank == 0:
             writer = RingWriter(out_spec, out_bells)
@@ -183,11 +183,12 @@ class MultiprocExecutor(Executor):
         self._failed: ExecutorError | None = None
         self._prev: ModelRunnerOutput | None = None
         self.procs: list[Any] = []
-        _check_config(config, ctx.registry)
+        setup = ctx.setup or resolve_setup(config, ctx.registry)
+        platform = _check_config(config, ctx.registry, setup)
         if config.parallel.external_launcher:
-            self._impl: _Backend = _LauncherBackend(config, ctx.registry)
+            self._impl: _Backend = _LauncherBackend(config, ctx.registry, setup, platform)
         else:
-            self._impl = _SpawnBackend(config, options)
+            self._impl = _SpawnBackend(config, options, setup, platform)
         self._finalizer = weakref.finalize(self, self._impl.stop)
         try:
             self._model_info = self._impl.start()
@@ -273,9 +274,12 @@ class _Backend:
 
 
 class _SpawnBackend(_Backend):
-    def __init__(self, config: EngineConfig, options: Any) -> None:
+    def __init__(self, config: EngineConfig, options: Any, setup: EngineSetup,
+                 platform: Platform) -> None:
         self.config = config
         self.options = options
+        self.setup = setup
+        self.platform = platform
         self.tp = config.parallel.tensor_parallel_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -297,8 +301,9 @@ class _SpawnBackend(_Backend):
         self.out_spec = create_ring(1, opts.ring_slots, opts.ring_slot_bytes)
         plan_bells = [doorbell_pair() for _ in range(self.tp)]
         out_r, out_w = doorbell_pair()
-        threads = _cpu_threads(self.tp) if self.config.model.device != "cuda" else 1
-        config_dict = self.config.to_dict()
+        # Ranks sharing one device (the CPU) share its cores; a rank with a device of its own
+        # needs one thread to drive it.
+        threads = _cpu_threads(self.tp) if self.platform.shares_devices else 1
         # The engine-core process of `corellm serve` is a daemonic process, which
         # multiprocessing forbids to have children lest they outlive it; these cannot (they die
         # with it by PR_SET_PDEATHSIG and watch it while idle), so lift the flag while starting.
@@ -309,7 +314,7 @@ class _SpawnBackend(_Backend):
                 parent_conn, child_conn = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker_main, name=f"corellm-tp-rank{rank}", daemon=True,
-                    args=(rank, config_dict, init, self.plan_spec, plan_bells[rank][0],
+                    args=(rank, self.config, self.setup, init, self.plan_spec, plan_bells[rank][0],
                           self.out_spec, [out_w] if rank == 0 else [], child_conn, threads))
                 proc.start()
                 child_conn.close()
@@ -468,9 +473,12 @@ class _LauncherBackend(_Backend):
     """Rank 0 of a ``torchrun``-style launch: the engine's process is also rank 0's worker; the
     other ranks (``launcher_worker``) receive the plan by a broadcast on the gloo group."""
 
-    def __init__(self, config: EngineConfig, registry: Registry) -> None:
+    def __init__(self, config: EngineConfig, registry: Registry, setup: EngineSetup,
+                 platform: Platform) -> None:
         self.config = config
         self.registry = registry
+        self.setup = setup
+        self.platform = platform
         self.tp = config.parallel.tensor_parallel_size
         self.worker: Any = None
         self.parallel: Any = None
@@ -493,14 +501,14 @@ class _LauncherBackend(_Backend):
                                 f"the engine runs on rank 0, but this process is RANK={rank} "
                                 "(its command should run the worker: corellm serve/generate "
                                 "do that by themselves)")])
-        from corellm.worker.model_runner import resolve_device
         from corellm.worker.worker import Worker
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.tp)))
-        device = resolve_device(self.config.model.device, local_rank)
-        self.parallel = init_parallel(self.config.parallel, 0, "env://", device)
+        device = self.platform.device(local_rank)
+        self.parallel = init_parallel(self.config.parallel, 0, "env://", device, self.platform)
         self.worker = Worker(self.config, self.registry, self.parallel, local_rank=local_rank,
-                             local_world_size=local_world)
+                             local_world_size=local_world, setup=self.setup,
+                             platform=self.platform)
         return self.worker.model_info
 
     def _collective(self, fn: Any, what: str) -> Any:
@@ -573,7 +581,6 @@ def launcher_worker(config: EngineConfig, registry: Registry) -> int:
     serve the broadcast plans until rank 0 stops. Returns the exit status."""
     import torch.distributed as dist
 
-    from corellm.worker.model_runner import resolve_device
     from corellm.worker.worker import Worker
 
     env = launcher_env()
@@ -586,15 +593,16 @@ def launcher_worker(config: EngineConfig, registry: Registry) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    device = resolve_device(config.model.device, local_rank)
-    if device.type == "cpu":
+    platform = build_platform(config.platform, registry)
+    device = platform.device(local_rank)
+    if platform.shares_devices:
         import torch
         torch.set_num_threads(_cpu_threads(local_world))
     parallel = None
     try:
-        parallel = init_parallel(config.parallel, rank, "env://", device)
+        parallel = init_parallel(config.parallel, rank, "env://", device, platform)
         worker = Worker(config, registry, parallel, local_rank=local_rank,
-                        local_world_size=local_world)
+                        local_world_size=local_world, platform=platform)
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=parallel.cpu_group)

@@ -31,10 +31,9 @@ from corellm.components import BuildContext, ExecutorOptions, ExecutorSpec
 from corellm.costmodel import Profile, StepShape, model_fingerprint
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
-from corellm.model_config import (checkpoint_name, model_path, parse_arch_config,
-                                  read_checkpoint_config, resolve_dtype_name,
-                                  resolve_max_model_len)
+from corellm.model_config import checkpoint_name, resolve_dtype_name
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+from corellm.setup import resolve_setup
 
 EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
@@ -66,19 +65,21 @@ def _special_ids(raw: dict) -> set[int]:
 class SimExecutor(Executor):
     def __init__(self, options: SimOptions, ctx: BuildContext) -> None:
         config = ctx.config
-        path = model_path(config)
-        cfg, source = read_checkpoint_config(path)
-        arch, _ = parse_arch_config(cfg, source, ctx.registry)
+        setup = ctx.setup or resolve_setup(config, ctx.registry)
+        path, arch = setup.model_path, setup.arch
         self.profile = profile = Profile.load(options.profile)
-        device = config.model.device
-        dtype = resolve_dtype_name(config.model.dtype, arch,
-                                   profile.device.get("kind", "cpu") if device == "auto"
-                                   else device)
-        profile.check_compatible(checkpoint_name(path), model_fingerprint(arch), dtype, device)
+        # The simulated device is the profile's, whatever platform this machine has: a profile
+        # measured on a GPU is simulated on a laptop. model.dtype auto follows the checkpoint,
+        # and a float16 one runs in float32 on a CPU (the CPU platform's rule).
+        kind = str(profile.device.get("kind", "cpu"))
+        dtype = resolve_dtype_name(config.model.dtype, arch)
+        if config.model.dtype == "auto" and kind == "cpu" and dtype == "float16":
+            dtype = "float32"
+        profile.check_compatible(checkpoint_name(path), model_fingerprint(arch), dtype, None)
         self.cost_model = profile.cost_model
         self._model_info = ModelInfo(
             vocab_size=arch.vocab_size,
-            max_model_len=resolve_max_model_len(arch, config.model.max_model_len),
+            max_model_len=setup.max_model_len,
             architecture=(arch.architectures or ("?",))[0])
         # The real engine's KV bytes per token (measured by calibration), for this block size.
         per_token = profile.kv_bytes_per_block / profile.block_size

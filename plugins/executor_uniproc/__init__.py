@@ -18,7 +18,7 @@ class UniprocOptions(ExecutorOptions):
 class UniprocExecutor(Executor):
     def __init__(self, options: UniprocOptions, ctx: BuildContext) -> None:
         from corellm.worker.worker import Worker
-        self.worker = Worker(ctx.config, ctx.registry)
+        self.worker = Worker(ctx.config, ctx.registry, setup=ctx.setup)
 
     @property
     def model_info(self) -> ModelInfo:

@@ -11,7 +11,7 @@ from corellm.components import BuildContext, SamplerOptions, SamplerSpec
 
 def _make(options: SamplerOptions, ctx: BuildContext):
     from corellm_plugins.sampler_default.sampler import DefaultSampler
-    return DefaultSampler()
+    return DefaultSampler(ctx.platform.ops if ctx.platform is not None else None)
 
 
 @hookimpl

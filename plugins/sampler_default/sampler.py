@@ -3,11 +3,18 @@ from __future__ import annotations
 import torch
 
 from corellm.interfaces import Sampler
+from corellm.layers.ops import DeviceOps
 from corellm.sampling import (LogprobsTensors, SamplerOutput, SamplingMetadata, apply_penalties,
                               greedy)
 
 
 class DefaultSampler(Sampler):
+    """``ops``: the platform's (``BuildContext.platform.ops``), whose ``argmax`` picks greedy
+    tokens; the reference's when None."""
+
+    def __init__(self, ops: DeviceOps | None = None) -> None:
+        self.ops = ops
+
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()                                    # [N, V]
         logprobs = None
@@ -23,7 +30,7 @@ class DefaultSampler(Sampler):
                                       torch.tensor(float("-inf")))
 
         if md.all_greedy:
-            sampled = greedy(logits)                               # first max, like argmax
+            sampled = greedy(logits, self.ops)                     # first max, like argmax
         else:
             sampled = self._sample(logits, md)
 
@@ -41,7 +48,7 @@ class DefaultSampler(Sampler):
         temperature = md.temperature
         assert temperature is not None
         greedy_rows = temperature == 0
-        greedy_ids = None if md.all_random else greedy(logits)
+        greedy_ids = None if md.all_random else greedy(logits, self.ops)
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
 
         if md.top_k is not None or md.top_p is not None:

@@ -1,7 +1,7 @@
 /* corellm's register-blocked fp32 micro-kernel for the CPU, shared by the native libraries
- * that multiply small matrices (the core's GEMM, cpu_gemm.c; the torch_sdpa plugin's prefill
- * attention, paged_cpu.c). A library includes it (corellm.native.load_library puts this
- * folder on the include path and keys its cache on these headers too) and instantiates the
+ * that multiply small matrices (the CPU platform's GEMM, cpu_gemm.c; the torch_sdpa plugin's
+ * prefill attention, paged_cpu.c). A library includes it (the CPU platform's native.py puts
+ * this folder on the include path and keys its cache on these headers too) and instantiates the
  * tiles it needs: TILES(f32, load_f32), and TILES(bf16, load_bf16) for panels of bf16 values
  * widened to fp32 as they are read.
  *
@@ -24,8 +24,9 @@
 
 #include <stdint.h>
 
+#include "corellm_bf16.h"
+
 typedef float f32_t;
-typedef uint16_t bf16_t;
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -57,9 +58,16 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));  /* lanes of a comparis
 /* Per lane: a where the mask (a comparison of vf, all ones or zeros) is set, else b. */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* The vector forms of corellm_bf16.h's conversions, lane by lane the same bits. */
 static inline vf load_f32(const float *p) { return load(p); }
 static inline vf load_bf16(const uint16_t *p) {     /* bf16 -> fp32: the top half of the bits */
     return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
+}
+/* Each lane rounded to bf16 and back as torch rounds (to nearest even; NaN -> 0x7fc0). */
+static inline vf vround_bf16(vf x) {
+    const vu u = (vu)x, nan = (vu)(x != x);
+    const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (vf)((r & ~nan) | (0x7fc00000u & nan));
 }
 
 /* One tile: rows [0, R) of x (row stride lda) times one panel b, plus bias (NR floats or

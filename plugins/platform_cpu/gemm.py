@@ -1,104 +1,28 @@
-"""CPU-specific tuning for workers: the allocator, and the GEMM path of each weight shape.
+"""The GEMM path of each weight shape on the CPU, measured at start-up, and corellm's own GEMM.
 
-glibc serves large allocations with mmap and returns freed memory to the OS (the mmap and trim
-thresholds), so the big temporaries of every forward pass (activations, logits, gathered KV) are
-page-faulted in afresh each step: zeroing the pages cost more than the matmuls that use them
-(a [2048, 4096] fp32 linear ran at 210 GFLOP/s before and 328 after, see docs/benchmarks.md).
-Raising both thresholds keeps freed memory in the heap for reuse, as the tcmalloc/jemalloc
-preloads that CPU inference servers recommend do. Resident memory then stays at its peak.
-
-The setting is process-wide, so a library must not impose it on the program that embeds it:
-``CORELLM_MALLOC_TUNING=1`` turns it on, and the ``corellm`` command sets that default for the
-processes it owns (``CORELLM_MALLOC_TUNING=0`` keeps it off there too).
+``pack_linear_weights`` gives every core linear layer of a model (``layer.kernel``) the plan of
+its weight's shape and dtype and a copy of the weight in each packed path's layout;
+``CpuDeviceOps.linear`` (ops.py) runs the plan's path for the call's row count.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
-import hashlib
 import json
 import logging
 import os
-import platform
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from corellm_plugins.platform_cpu.memory import zeroed_cpu_tensor
+from corellm_plugins.platform_cpu.native import machine_key
+
 logger = logging.getLogger(__name__)
-
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_THRESHOLD = -3
-_applied = False
-
-
-def tune_malloc() -> bool:
-    """Keep freed large blocks in the glibc heap, if ``CORELLM_MALLOC_TUNING=1``. Returns whether
-    the tuning was requested and is in effect."""
-    global _applied
-    if not sys.platform.startswith("linux") or os.environ.get("CORELLM_MALLOC_TUNING") != "1":
-        return False
-    if _applied:
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):      # not glibc (e.g. musl): nothing to tune
-        return False
-    ok = (mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
-          and mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
-          and mallopt(_M_TOP_PAD, 1 << 28) == 1)
-    if not ok:
-        logger.debug("mallopt rejected the CPU allocator tuning")
-    _applied = ok
-    return ok
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def zeroed_cpu_tensor(shape: tuple[int, ...] | int, dtype: torch.dtype,
-                      huge_pages: bool = False) -> torch.Tensor:
-    """A zero-filled CPU tensor on its own anonymous memory mapping, for big long-lived buffers
-    (the KV pool, packed weights). The kernel zero-fills pages on first touch, so a large pool
-    costs nothing at start-up (torch.zeros writes every page: 0.6 s per GiB on a 2-core CPU) and
-    only the pages ever used take memory.
-
-    ``huge_pages`` (Linux): the mapping is 2 MiB-aligned and asks for transparent huge pages
-    (``MADV_HUGEPAGE``, honoured where THP is ``always`` or ``madvise``), for data streamed
-    from memory in full at every step: packed weights. Their TLB misses drop 512-fold, and on
-    an AMD EPYC (AVX-512) the native GEMM over cold 4096x768 / 768x2048 / 32000x768 fp32
-    weights ran 2-4% faster at 40-64 rows, 5-11% at 16-24 and 4-29% at 1-8
-    (docs/benchmarks.md). The KV pool does not ask: measured end to end, no gain there."""
-    import mmap
-
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    huge = huge_pages and nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
-    buf = mmap.mmap(-1, nbytes + (_HUGE_PAGE if huge else 0),
-                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = 0
-    if huge:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        offset = -address % _HUGE_PAGE
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % _HUGE_PAGE)
-        except OSError:                 # THP off in this kernel: 4 KiB pages, still zeroed
-            pass
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
-
 
 # --------------------------------------------------------------------------- GEMM paths
 # Which library runs a small fp32 matmul fastest depends on the CPU, not on its vendor string:
@@ -340,7 +264,7 @@ def native_gemm() -> NativeGemm | None:
     """corellm's own fp32 GEMM, built on first use; None (logged once) when no C compiler can
     build it (then plans choose among the libraries' paths)."""
     if not _native_gemm:
-        from corellm.native import NativeBuildError, load_library
+        from corellm_plugins.platform_cpu.native import NativeBuildError, load_library
         try:
             _native_gemm.append(NativeGemm(load_library("corellm_gemm", _GEMM_SOURCE,
                                                         _GEMM_FLAGS)))
@@ -375,21 +299,6 @@ class GemmPlan:
         dtype = "" if self.dtype == "float32" else f" {self.dtype}"
         return (f"{self.shape[0]}x{self.shape[1]}{dtype} rows " + ", ".join(parts)
                 + " (and beyond)")
-
-
-def machine_key() -> str:
-    """The CPU (model name and feature flags) and torch build a measurement holds for."""
-    model, flags = platform.processor() or "?", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == (platform.processor() or "?"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{model}|flags={digest}|torch={torch.__version__}"
 
 
 def _cache_key(shape: tuple[int, int], paths: tuple[str, ...], dtype: torch.dtype) -> str:
@@ -539,22 +448,30 @@ def gemm_plan(shape: tuple[int, int], paths: tuple[str, ...] | None = None,
     return plan
 
 
+@dataclass(frozen=True)
+class PackedLinear:
+    """What ``pack_linear_weights`` prepared for one layer (its ``kernel``): the plan of its
+    weight's shape and a packed copy of the weight for each path the plan uses."""
+
+    plan: GemmPlan
+    packed: dict[str, torch.Tensor | None]
+
+
 def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPlan]:
-    """Give every fp32 or bf16 linear layer on the CPU (``nn.Linear``, and the layers of
-    ``corellm.layers.linear``, whose ``linear`` method is their one matmul) the measured plan
-    of its weight's shape and dtype, and a copy of the weight in the layout of each packed path
-    its plan uses (memory: up to the weights' size again per packed path). Returns the plans by
-    shape (empty when there is nothing to plan)."""
+    """Give every fp32 or bf16 core linear layer on the CPU (``corellm.layers.linear``'s
+    ``LinearBase`` layers and ``ParallelLMHead``, whose ``linear`` method is their one matmul)
+    the measured plan of its weight's shape and dtype, and a copy of the weight in the layout
+    of each packed path its plan uses (memory: up to the weights' size again per packed path),
+    as its ``kernel`` (a ``PackedLinear``). Returns the plans by shape (empty when there is
+    nothing to plan)."""
     from corellm.layers.linear import LinearBase, ParallelLMHead
     plans: dict[tuple[tuple[int, int], torch.dtype], GemmPlan] = {}
     t0 = time.perf_counter()
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not (isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
-                and weight.dim() == 2):
+        if not isinstance(module, (LinearBase, ParallelLMHead)):
             continue
-        if not (type(module) is torch.nn.Linear or isinstance(module, (LinearBase,
-                                                                       ParallelLMHead))):
+        weight = module.weight
+        if not (weight.device.type == "cpu" and weight.dim() == 2):
             continue
         paths = available_gemm_paths(weight.dtype)
         if paths == ("dense",):
@@ -565,284 +482,8 @@ def pack_linear_weights(model: torch.nn.Module) -> dict[tuple[int, int], GemmPla
         if set(plan.paths) == {"dense"}:
             continue
         w = weight.detach()
-        module.gemm_plan = plan
-        module.gemm_packed = {p: _pack(p, w) for p in set(plan.paths)}
-        if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_planned_forward, module)
-        else:
-            module.linear = types.MethodType(_planned_linear, module)
+        module.kernel = PackedLinear(plan, {p: _pack(p, w) for p in set(plan.paths)})
     if plans:
         logger.info("CPU GEMM paths, measured or cached (%.2f s): %s", time.perf_counter() - t0,
                     "; ".join(p.describe() for p in plans.values()))
     return {shape: plan for (shape, _), plan in plans.items()}
-
-
-def _planned_linear(self: torch.nn.Module, x: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dim() != 2 or (torch.is_grad_enabled() and (
-            self.weight.requires_grad or x.requires_grad
-            or (bias is not None and bias.requires_grad))):
-        return F.linear(x, self.weight, bias)     # packed copies carry no autograd history
-    path = self.gemm_plan.path_for(x.shape[0])
-    return _run(path, x, self.weight, self.gemm_packed[path], bias)
-
-
-def _planned_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _planned_linear(self, x, self.bias)
-
-
-def _native_rows(self: torch.nn.Module, x: torch.Tensor) -> bool:
-    return (x.dim() == 2 and self.gemm_plan.path_for(x.shape[0]) == "native"
-            and not (torch.is_grad_enabled() and self.weight.requires_grad))
-
-
-def _planned_silu_mul(self: torch.nn.Module, x: torch.Tensor,
-                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
-    """SiLU-and-multiply of a merged [gate; up] layer's output in its GEMM (and the RMSNorm
-    before it, ``norm``: its weight and eps), where the plan takes corellm's GEMM for these
-    rows; None (the caller runs the layers one by one) elsewhere."""
-    if not _native_rows(self, x):
-        return None
-    return native_gemm().linear_silu_mul(x, self.gemm_packed["native"], self.weight.shape[0],
-                                         self.bias, k=self.weight.shape[1], norm=norm)
-
-
-def _planned_normed(self: torch.nn.Module, x: torch.Tensor,
-                    norm: tuple[torch.Tensor, float]) -> torch.Tensor | None:
-    """The layer applied to RMSNorm(x) (``norm``: its weight and eps), normalized inside its
-    GEMM, where the plan takes corellm's GEMM for these rows; else None."""
-    if not _native_rows(self, x):
-        return None
-    return native_gemm().linear(x, self.gemm_packed["native"], self.weight.shape[0], self.bias,
-                                k=self.weight.shape[1], norm=norm)
-
-
-# --------------------------------------------------------------------------- fused element-wise
-# RMSNorm, SiLU-and-multiply and RoPE of a float32 model on the CPU, one C pass each
-# (cpu_ops.c) instead of a chain of torch ops that each read and write the whole tensor and pay
-# a dispatch: per decoder layer, 13 multiplies, 2 pows, 2 means, 4 adds, 2 subtractions, 2
-# rsqrts, 2 index lookups and 4 concatenations become 4 calls.
-_OPS_SOURCE = Path(__file__).with_name("cpu_ops.c")
-_OPS_FLAGS = ("-ffast-math", "-ffp-contract=off")
-
-
-class CpuOps:
-    """ctypes bindings of cpu_ops.c. Each method returns None for inputs it does not take (then
-    the caller runs its torch code)."""
-
-    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._rms, self._silu, self._rope = {}, {}, {}
-        for dtype, suffix in self.DTYPES.items():
-            rms = self._rms[dtype] = getattr(lib, f"corellm_rms_norm_{suffix}")
-            rms.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, f32, i32]
-            silu = self._silu[dtype] = getattr(lib, f"corellm_silu_and_mul_{suffix}")
-            silu.argtypes = [ptr, ptr, i64, i64, i32]
-            rope = self._rope[dtype] = getattr(lib, f"corellm_rope_{suffix}")
-            rope.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                             i64, i32]
-            rope.restype = i32                  # -1: a position outside the tables
-            for fn in (rms, silu):
-                fn.restype = None
-        self._argmax = lib.corellm_argmax_f32
-        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        self._argmax.restype = None
-
-    @classmethod
-    def _takes(cls, *xs: torch.Tensor) -> bool:
-        """CPU tensors of one dtype the kernels have, unit-strided in the last dimension."""
-        # Not for autograd: the kernels neither record a graph nor bump version counters.
-        if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
-            return False
-        return xs[0].dtype in cls.DTYPES and all(
-            x.dtype == xs[0].dtype and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor | None:
-        n = x.shape[-1]
-        if not self._takes(x, weight) or weight.shape != (n,) or x.dim() not in (2, 3):
-            return None
-        inner, inner_stride = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, n)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        rows = out.numel() // n if n else 0
-        if rows:
-            self._rms[x.dtype](x.data_ptr(), x.stride(0), inner_stride, inner,
-                               weight.data_ptr(), out.data_ptr(), rows, n, eps,
-                               torch.get_num_threads())
-        return out
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self._takes(x) or x.dim() != 2 or not x.is_contiguous() or x.shape[1] % 2:
-            return None
-        d = x.shape[1] // 2
-        out = torch.empty((x.shape[0], d), dtype=x.dtype)
-        if out.numel():
-            self._silu[x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], d,
-                                torch.get_num_threads())
-        return out
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The index of each row's first maximum of a float32 [rows, n] CPU tensor (NaN counts
-        as the maximum), as ``x.max(dim=-1).indices``: one pass, rows split over the threads
-        (torch's reduction ran at about 9 GB/s on a 2-core AMD EPYC for 64 x 32000 logits,
-        single-threaded). None for other inputs."""
-        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
-                or x.stride(1) != 1 or x.shape[1] == 0
-                or (torch.is_grad_enabled() and x.requires_grad)):
-            return None
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        if x.shape[0]:
-            self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
-                         torch.get_num_threads())
-        return out
-
-    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> bool:
-        """Rotate q [T, H, D] and k [T, Hkv, D] in place; False (nothing done) when it does not
-        take them."""
-        if (not self._takes(q, k) or not self._takes(cos, sin) or cos.dtype != torch.float32
-                or q.dim() != 3 or k.dim() != 3
-                or not (cos.is_contiguous() and sin.is_contiguous())
-                or cos.shape != sin.shape or 2 * cos.shape[1] != rotary_dim
-                or q.shape[2] < rotary_dim or k.shape[2] < rotary_dim
-                or positions.dtype != torch.int64 or positions.device.type != "cpu"
-                or not positions.is_contiguous()
-                or positions.numel() != q.shape[0] or k.shape[0] != q.shape[0]):
-            return False
-        # Positions outside the tables (the kernel checks them all first, rotating nothing):
-        # torch's indexing raises (past the end) or wraps (negative); leave both to it.
-        return not q.shape[0] or self._rope[q.dtype](
-            q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
-            k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0], cos.data_ptr(),
-            sin.data_ptr(), cos.shape[0], rotary_dim, torch.get_num_threads()) == 0
-
-
-_cpu_ops: list[CpuOps | None] = []
-
-
-def built_cpu_ops() -> CpuOps | None:
-    """The fused kernels if something in this process already built them (a model with
-    ``model.cpu_fused_ops`` on), else None: nothing is built here."""
-    return _cpu_ops[0] if _cpu_ops else None
-
-
-def cpu_ops() -> CpuOps | None:
-    """The fused kernels, built on first use; None (logged once) when no C compiler can build
-    them."""
-    if not _cpu_ops:
-        from corellm.native import NativeBuildError, load_library
-        try:
-            _cpu_ops.append(CpuOps(load_library("corellm_cpu_ops", _OPS_SOURCE, _OPS_FLAGS)))
-        except NativeBuildError as exc:
-            logger.info("fused CPU element-wise kernels unavailable, using torch ops: %s", exc)
-            _cpu_ops.append(None)
-    return _cpu_ops[0]
-
-
-def _fused_rms_norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = self.cpu_ops.rms_norm(x, self.weight, self.eps)
-    return out if out is not None else type(self).forward(self, x)
-
-
-def _fused_silu_and_mul(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # only for the dtypes whose kernel measured faster than torch's
-    out = self.cpu_ops.silu_and_mul(x) if x.dtype in self.cpu_ops_dtypes else None
-    return out if out is not None else type(self).forward(self, x)
-
-
-def _fused_rope(self: torch.nn.Module, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if self.cpu_ops.rope_(positions, q, k, self.cos, self.sin, self.rotary_dim):
-        return q, k
-    return type(self).forward(self, positions, q, k)
-
-
-_silu_faster: dict[torch.dtype, bool] = {}
-
-
-def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the SiLU-and-multiply kernel beats torch's here for ``dtype`` (measured once
-    per dtype, ~10 ms). It is the one kernel whose speed depends on the compiler: it needs a
-    vectorized ``exp`` (GCC finds glibc's vector ``expf`` under -ffast-math; a scalar one made
-    it 3x slower than torch)."""
-    if dtype not in _silu_faster:
-        from corellm.layers import SiluAndMul
-        x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0)).to(dtype)
-        best = {}
-        for name, fn in (("kernel", ops.silu_and_mul), ("torch", SiluAndMul().forward)):
-            fn(x)
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    fn(x)
-                times.append(time.perf_counter() - t0)
-            best[name] = min(times)
-        _silu_faster[dtype] = best["kernel"] < best["torch"]
-        if not _silu_faster[dtype]:
-            logger.info("the fused %s SiLU-and-multiply kernel is slower than torch's here (%.0f "
-                        "vs %.0f us): SiluAndMul keeps the torch code",
-                        str(dtype).removeprefix("torch."), 250e3 * best["kernel"],
-                        250e3 * best["torch"])
-    return _silu_faster[dtype]
-
-
-def fuse_into_gemms(model: torch.nn.Module) -> int:
-    """Give each column-parallel or replicated layer of ``model`` (its forward is its one
-    matmul: no collective after it) that :func:`pack_linear_weights` planned on corellm's GEMM
-    for some row counts ``linear_normed`` (the RMSNorm before it inside its GEMM:
-    ``RMSNorm.into``) and, for a ``MergedColumnParallelLinear`` of two equal halves,
-    ``linear_silu_mul`` (the SiLU-and-multiply after it: ``SiluAndMul.after``). Row-parallel
-    layers and the LM head keep their all-reduce or gather: they get neither. Returns the
-    number of layers given one."""
-    from corellm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                       ReplicatedLinear)
-    count = 0
-    for module in model.modules():
-        plan = getattr(module, "gemm_plan", None)
-        if not (plan is not None and "native" in plan.paths
-                and type(module).forward in (ColumnParallelLinear.forward,
-                                             ReplicatedLinear.forward)):
-            continue
-        module.linear_normed = types.MethodType(_planned_normed, module)
-        if (isinstance(module, MergedColumnParallelLinear) and len(module.output_sizes) == 2
-                and module.output_sizes[0] == module.output_sizes[1]):
-            module.linear_silu_mul = types.MethodType(_planned_silu_mul, module)
-        count += 1
-    return count
-
-
-def fuse_elementwise(model: torch.nn.Module) -> int:
-    """Route the core's RMSNorm, SiluAndMul and RotaryEmbedding modules of ``model`` through the
-    fused float32 or bfloat16 CPU kernels (other inputs keep the torch code), and let layers
-    planned on corellm's GEMM take the RMSNorm before them and the SiLU-and-multiply after them
-    (:func:`fuse_into_gemms`). Returns the number of modules routed to the element-wise
-    kernels: 0 when they cannot be built here."""
-    from corellm.layers import RMSNorm, SiluAndMul
-    from corellm.layers.rotary import RotaryEmbedding
-    in_gemms = fuse_into_gemms(model)
-    if in_gemms:
-        logger.info("RMSNorm and SiLU-and-multiply inside the GEMM of %d linear layers", in_gemms)
-    fused = {RMSNorm: _fused_rms_norm, SiluAndMul: _fused_silu_and_mul,
-             RotaryEmbedding: _fused_rope}
-    modules = [m for m in model.modules() if type(m) in fused]
-    dtypes = {p.dtype for p in model.parameters() if p.device.type == "cpu"} & set(CpuOps.DTYPES)
-    if not dtypes and next(model.parameters(), None) is not None:
-        modules = []                 # an fp16 or GPU model: the kernels take fp32 or bf16 CPU
-    ops = cpu_ops() if modules else None
-    if ops is None:
-        return 0
-    # SiLU: the dtypes the model's parameters have (float32 for a model without parameters)
-    has_silu = any(type(m) is SiluAndMul for m in modules)
-    silu_dtypes = {d for d in (dtypes or {torch.float32})
-                   if has_silu and _silu_kernel_is_faster(ops, d)}
-    if not silu_dtypes:
-        modules = [m for m in modules if type(m) is not SiluAndMul]
-    for m in modules:
-        m.cpu_ops = ops
-        m.cpu_ops_dtypes = silu_dtypes
-        m.forward = types.MethodType(fused[type(m)], m)
-    logger.info("fused CPU kernels for %d RMSNorm/SiLU-and-multiply/RoPE modules", len(modules))
-    return len(modules)

@@ -27,22 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "corellm_tile.h"     /* the core's vector types (vf: one register of floats) */
-
-static inline float from_bf16(bf16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* float32 -> bf16 as torch rounds: to nearest even, NaN -> 0x7fc0. */
-static inline bf16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u
-                                           : (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "corellm_tile.h"     /* the platform's vector types (vf: one register of floats) and
+                                 * bf16 conversions (corellm_bf16.h) */
 
 /* bf16 rounding of a float32 value, kept as float32 (the value torch's next op reads). */
 static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }

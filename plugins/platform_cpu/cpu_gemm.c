@@ -10,7 +10,7 @@
  * Layout: W is packed in panels of NR = 2 vector widths of columns, [ceil(N / NR)][K][NR]
  * (zero-padded), so the NR weights of one k are one contiguous pair of vectors and a panel is
  * one contiguous stream.
- * Micro-kernel: the MR x NR tiles of corellm/csrc/corellm_tile.h (shared with other native
+ * Micro-kernel: the MR x NR tiles of csrc/corellm_tile.h (shared with other native
  * libraries), each accumulated over the whole of K in registers and stored once.
  * Threads split the panels (each streams its own share of W once per block of MC rows), and a
  * block of MC rows of x stays in cache while all the panels pass over it.
@@ -170,12 +170,7 @@ static void widen(const bf16_t *b, int64_t k, float *out) {
 
 /* n fp32 values rounded to bf16 as torch rounds them: to nearest even, NaN -> 0x7fc0. */
 static void round_bf16(bf16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t u;
-        memcpy(&u, src + i, sizeof u);
-        dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u
-                                                 : (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 
 /* exp(x) for x in [-87.3, 88], each lane to within about 2 ulp: x = n ln2 + r with |r| <=
@@ -202,12 +197,6 @@ static inline vf vclamp(vf x, float lo, float hi) {     /* NaN stays NaN */
     return vselect(x < vlo, vlo, vselect(x > vhi, vhi, x));
 }
 
-/* Each lane rounded to bf16 and back as torch rounds (to nearest even; NaN -> 0x7fc0). */
-static inline vf vround_bf16(vf x) {
-    const vu u = (vu)x, nan = (vu)(x != x);
-    const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (vf)((r & ~nan) | (0x7fc00000u & nan));
-}
 
 /* SiLU-and-multiply of one row of a tile pair: out[0, NR) = silu(g) * u, computed as the
  * unfused layers compute it from the GEMM's stored output: in bf16 (y_bf16), g and u rounded
@@ -230,18 +219,9 @@ static void silu_mul_row(const float *g, const float *u, void *out, int y_bf16) 
  * x * inv is rounded to bf16 before w multiplies it and the product is rounded too. x is fp32
  * or bf16 (x_bf16), w is the layer's dtype, out is fp32 or bf16 (out_bf16: what the tiles
  * read). */
-static inline float bf16_value_of(bf16_t b) {          /* a bf16 value as fp32 (exact) */
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+static inline float bf16_value_of(bf16_t b) { return from_bf16(b); }   /* exact */
 static inline float bf16_value(float f) {              /* rounded to bf16, kept as fp32 */
-    bf16_t b;
-    round_bf16(&b, &f, 1);
-    uint32_t u = (uint32_t)b << 16;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return from_bf16(to_bf16(f));
 }
 static void rms_rows(const void *x, int x_bf16, int64_t lda, int64_t rows, int64_t k,
                      const void *w, int bf16_model, float eps, void *out, int out_bf16) {

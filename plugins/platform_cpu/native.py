@@ -1,10 +1,11 @@
 """Native (C) kernels for the CPU, compiled on first use and loaded with ctypes.
 
 A plugin ships its kernel as C source with plain pointer arguments (no torch headers, so a
-build takes about a second rather than the minute a torch extension takes) and calls
-``load_library`` when its backend is built. The core's own C headers (``corellm/csrc``: the
-register-blocked micro-kernel of its GEMM) are on every build's include path, so a plugin's
-kernel reuses them rather than copying them. The library is compiled for the machine it runs on
+build takes about a second rather than the minute a torch extension takes) and asks the CPU
+platform for it (``Platform.native_library``, which calls ``load_library``). The platform's C
+headers (``csrc/``: the register-blocked micro-kernel of its GEMM, ``corellm_tile.h``, and the
+one bf16 conversion every kernel uses, ``corellm_bf16.h``) are on every build's include path, so
+a plugin's kernel reuses them rather than copying them. The library is compiled for the machine it runs on
 (``-march=native``) and cached under ``~/.cache/corellm/native`` (``XDG_CACHE_HOME``), keyed by
 the source, the flags, the compiler's version and the CPU's model and feature flags, so a
 cache shared between different machines never hands one a library built for another. The
@@ -27,6 +28,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -34,19 +36,36 @@ import time
 from functools import cache
 from pathlib import Path
 
-from corellm.errors import CorellmError
+from corellm.platforms import NativeUnavailable
 
 logger = logging.getLogger(__name__)
 
 BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
-# Headers the core shares with every native library (``#include "corellm_tile.h"``): on the
-# include path of each build, and part of each build's cache key.
+# Headers the platform shares with every native library (``#include "corellm_tile.h"``): on
+# the include path of each build, and part of each build's cache key.
 INCLUDE_DIR = Path(__file__).with_name("csrc")
 LINK_FLAGS = ("-shared", "-fPIC", "-fopenmp")
 
 
-class NativeBuildError(CorellmError):
+class NativeBuildError(NativeUnavailable):
     """A native library could not be built or loaded (no compiler, a compile error)."""
+
+
+def machine_key() -> str:
+    """The CPU (model name and feature flags) and torch build a measurement holds for."""
+    model, flags = platform.processor() or "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == (platform.processor() or "?"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import torch
+
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{model}|flags={digest}|torch={torch.__version__}"
 
 
 def compiler() -> str | None:
@@ -83,8 +102,6 @@ def load_library(name: str, source: str | os.PathLike, flags: tuple[str, ...] = 
     """Compile ``source`` (a C file) into ``lib<name>.so`` for this machine, or reuse the cached
     build, and load it. Raises NativeBuildError naming the compiler, the source and its
     output when the build fails."""
-    from corellm.worker.cpu import machine_key
-
     source = Path(source)
     cc = compiler()
     if cc is None:

@@ -1,0 +1,45 @@
+"""The CPU platform: models on the host's cores, with corellm's C kernels for this CPU.
+
+Everything CPU-specific lives here: the GEMM path of each weight shape, measured at start-up and
+cached per machine (plain, MKL packed, oneDNN prepacked, corellm's own register-blocked kernel);
+RMSNorm and SiLU-and-multiply fused into that GEMM; the element-wise C kernels (RMSNorm,
+SiLU-and-multiply, RoPE, greedy argmax); the allocator tuning and huge-page weight buffers; and
+the C toolchain (``Platform.native_library``) other plugins build their CPU kernels with, its
+shared headers (``csrc/``) on their include path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pydantic import Field
+
+from corellm import hookimpl
+from corellm.components import PlatformOptions, PlatformSpec
+
+
+class CpuOptions(PlatformOptions):
+    name: str = "cpu"
+    weight_packing: bool = Field(
+        True, description="Run each fp32 or bf16 linear layer through the GEMM path measured "
+                          "fastest for its shape and batch size (plain, MKL packed, oneDNN "
+                          "prepacked, corellm's own kernel; cached per machine), keeping a "
+                          "weight copy per packed path used.")
+    fused_ops: bool = Field(
+        True, description="Run RMSNorm, SiLU-and-multiply and rotary embeddings of float32 and "
+                          "bfloat16 models as one C kernel each (built on first use; without a C "
+                          "compiler, the torch ops), RMSNorm and SiLU inside the GEMM of layers "
+                          "planned on corellm's kernel, and greedy sampling's argmax as one "
+                          "native pass.")
+
+
+def _make(options: CpuOptions):
+    from corellm_plugins.platform_cpu.platform import CpuPlatform
+    return CpuPlatform(options)
+
+
+@hookimpl
+def corellm_platforms() -> Iterator[PlatformSpec]:
+    yield PlatformSpec(name="cpu", factory=_make, options=CpuOptions, auto_priority=10,
+                       summary="The host's CPU cores: GEMM paths measured per shape, fused C "
+                               "kernels, gloo for tensor parallelism.")
