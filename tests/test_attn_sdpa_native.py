@@ -1,14 +1,17 @@
-"""The torch_sdpa backend's native paths on the CPU (``paged_cpu.c``, built on first use by
-``corellm.native``): decode, and prefill on the core's GEMM tiles; and the gather path the
-decode kernel replaces there.
+"""The torch_sdpa backend's native paths on the CPU (``paged_cpu.c``, built on first use by the
+platform: ``Platform.native_library``, which the CPU platform implements with
+``corellm_plugins.platform_cpu.native``): decode, and prefill on the CPU platform's GEMM tiles;
+and the gather path the decode kernel replaces there (and that runs wherever no platform builds
+the kernels).
 
 The backend runs whole steps (decodes next to a prefill and a chunk after cached context)
 against attention computed here in float64 from the paged cache. The cache is poisoned with NaN
 everywhere no token was written, so a kernel that reads a slot past a sequence's end, or a block
 it does not own, fails; outputs are poisoned too. Then the engine: native and gather decodes give
 the same greedy tokens, and both equal transformers. Then the choices: ``decode: native`` where
-it cannot run is a ConfigError naming ``attention.decode``; ``auto`` falls back to gather with
-the reason; a failed build names the compiler and its message.
+it cannot run (no platform, a platform that builds no kernels, no compiler) is a ConfigError
+naming ``attention.decode``; ``auto`` falls back to gather with the reason; a failed build names
+the compiler and its message.
 """
 
 from __future__ import annotations
@@ -21,26 +24,36 @@ import torch
 from corellm.attention import AttentionBuildLimits
 from corellm.errors import ConfigError
 from corellm.interfaces import AttentionLayerSpec
+from corellm.platforms import NativeUnavailable
+from corellm_plugins.platform_cpu import CpuOptions
+from corellm_plugins.platform_cpu.platform import CpuPlatform
 from tests.attn_reference import common_metadata, paged_cache, reference_attention
 from tests.conftest import assert_pool_whole, engine_config
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
 
 CPU = torch.device("cpu")
 NUM_BLOCKS = 48
+PLATFORM = CpuPlatform(CpuOptions())          # builds the kernels with the host's compiler
 
 
-def _backend(decode: str, dtype=torch.float32, prefill: str = "auto"):
+def _backend(decode: str, dtype=torch.float32, prefill: str = "auto", platform=PLATFORM):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
-    return TorchSDPABackend(decode, CPU, dtype, prefill)
+    return TorchSDPABackend(decode, CPU, dtype, prefill, platform)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of x's values (NaNs compared as bits, not as values)."""
+    return x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks=NUM_BLOCKS,
-          kv_dtype=None, strided_heads=False):
+          kv_dtype=None, strided_heads=False, edit=None):
     """One step of ``reqs`` ((context length, new tokens), decodes first) through
     ``backend.forward`` over a cache that is ``fill`` (NaN) wherever no token was written.
     The new K/V are views into one fused projection, as the model hands them, unless
     ``kv_dtype`` (K/V of another dtype than the cache's) or ``strided_heads`` (heads not
-    contiguous within a token) ask for inputs the kernels do not write themselves."""
+    contiguous within a token) ask for inputs the kernels do not write themselves. ``edit``:
+    called with q, k and v (views of the projection) before the step, to plant values."""
     gen = torch.Generator().manual_seed(seed)
     hkv, d = layer.num_kv_heads, layer.head_size
     spec = backend.kv_cache_spec(layer, num_blocks, bs, dtype)
@@ -49,6 +62,8 @@ def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks
     qkv = torch.randn(t, (layer.num_heads + 2 * hkv) * d, generator=gen).to(dtype)
     q, k, v = qkv.split([layer.num_heads * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.reshape(t, -1, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    if edit is not None:
+        edit(q, k, v)
     if kv_dtype is not None:
         k, v = k.to(kv_dtype), v.to(kv_dtype)
     if strided_heads:                          # the same values, [T, D, Hkv] in memory
@@ -61,8 +76,9 @@ def _step(backend, layer, reqs, bs, dtype, seed=0, fill=float("nan"), num_blocks
     out = backend.forward(layer, q, k, v, cache, builder.build(common))
     ref = reference_attention(layer, q, cache, reqs, tables, bs)
     flat = cache.flatten(1, 2)                                     # [2, slots, Hkv, D]
-    assert torch.equal(flat[0, slots], k.to(cache.dtype))          # new K/V exactly at its slot
-    assert torch.equal(flat[1, slots], v.to(cache.dtype))
+    # the new K/V at their slots, bit for bit (the kernels copy rows of the cache's dtype)
+    assert torch.equal(_bits(flat[0, slots]), _bits(k.to(cache.dtype)))
+    assert torch.equal(_bits(flat[1, slots]), _bits(v.to(cache.dtype)))
     return out, ref
 
 
@@ -262,33 +278,103 @@ def test_gather_path_still_matches_reference():
 def test_native_refusals_name_the_key(caplog):
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
     with pytest.raises(ConfigError, match=r"attention\.decode.*CPU only"):
-        TorchSDPABackend("native", torch.device("cuda"), torch.float32)
+        TorchSDPABackend("native", torch.device("cuda"), torch.float32, "auto", PLATFORM)
     with pytest.raises(ConfigError, match=r"attention\.decode.*float32 or bfloat16"):
-        TorchSDPABackend("native", CPU, torch.float16)
+        TorchSDPABackend("native", CPU, torch.float16, "auto", PLATFORM)
     with pytest.raises(ConfigError, match=r"attention\.prefill.*CPU only"):
-        TorchSDPABackend("gather", torch.device("cuda"), torch.float32, "native")
+        TorchSDPABackend("gather", torch.device("cuda"), torch.float32, "native", PLATFORM)
     with caplog.at_level(logging.INFO):
-        backend = TorchSDPABackend("auto", CPU, torch.float16)
+        backend = TorchSDPABackend("auto", CPU, torch.float16, "auto", PLATFORM)
         assert (backend.decode_path, backend.prefill_path) == ("gather", "sdpa")
     assert "float32 or bfloat16" in caplog.text
 
 
 def test_without_a_compiler_auto_gathers(monkeypatch, tmp_path, caplog):
-    from corellm import native
-    from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
+    from corellm_plugins.platform_cpu import native
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))        # nothing cached to fall back on
     monkeypatch.setattr(native, "compiler", lambda: None)
     with caplog.at_level(logging.INFO):
-        assert TorchSDPABackend("auto", CPU, torch.float32).decode_path == "gather"
+        assert _backend("auto").decode_path == "gather"
     assert "needs a C compiler" in caplog.text
     with pytest.raises(ConfigError, match=r"attention\.decode.*needs a C compiler"):
-        TorchSDPABackend("native", CPU, torch.float32)
+        _backend("native")
     with pytest.raises(ConfigError, match=r"attention\.prefill.*needs a C compiler"):
-        TorchSDPABackend("auto", CPU, torch.float32, "native")
+        _backend("auto", prefill="native")
+
+
+class _NoKernelsPlatform(CpuPlatform):
+    """A CPU platform that builds no native kernels (as a platform without a toolchain)."""
+
+    def native_library(self, name, source, flags=()):
+        raise NativeUnavailable(f"platform {self.name!r} builds no native C kernels here")
+
+
+@pytest.mark.parametrize("platform", [None, _NoKernelsPlatform(CpuOptions())],
+                         ids=["no-platform", "no-kernels"])
+def test_the_kernels_need_a_platform_that_builds_them(monkeypatch, caplog, platform):
+    """Without a platform (None), or with one whose ``native_library`` raises
+    ``NativeUnavailable``, ``auto`` takes the torch paths (gather, SDPA), says why, and builds
+    and loads nothing; ``native`` is a ConfigError naming its key and the reason. The CPU
+    platform is asked for the library (and builds it) where it is given."""
+    from corellm_plugins.platform_cpu import native
+    built = []
+    load = native.load_library
+    monkeypatch.setattr(native, "load_library",
+                        lambda name, *a, **k: built.append(name) or load(name, *a, **k))
+    reason = "none given" if platform is None else "builds no native C kernels here"
+    for dtype in (torch.float32, torch.bfloat16):
+        with caplog.at_level(logging.INFO):
+            backend = _backend("auto", dtype, platform=platform)
+        assert (backend.decode_path, backend.prefill_path) == ("gather", "sdpa")
+        assert backend._native is None and reason in caplog.text
+        assert backend.kv_cache_spec(AttentionLayerSpec(0, 4, 2, 64, scale=0.125), 4, 16,
+                                     dtype).zero_init
+        with pytest.raises(ConfigError, match=rf"attention\.decode.*{reason}"):
+            _backend("native", dtype, platform=platform)
+        with pytest.raises(ConfigError, match=rf"attention\.prefill.*{reason}"):
+            _backend("auto", dtype, "native", platform=platform)
+    assert built == []
+    # the torch paths give the reference's results (a zeroed cache, as zero_init asks)
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125, sliding_window=20)
+    out, ref = _step(_backend("auto", platform=platform), layer, MIXED, 16, torch.float32,
+                     fill=0.0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert _backend("auto").decode_path == "native" and built == ["corellm_paged_cpu"]
+
+
+_BF16_NAN = 0x7fc0                                 # torch's (and the kernels') NaN in bf16
+
+
+@pytest.mark.parametrize("prefill", ["native", "sdpa"])
+def test_bf16_nan_bits(prefill):
+    """The kernels' K/V writes (the decode kernel's own rows and ``corellm_write_kv``'s) copy
+    bf16 rows bit for bit, NaN payloads included; a NaN the kernels compute is stored as
+    torch's 0x7fc0 (a negative or signalling NaN rounded as a number would keep its sign or
+    payload, and some would become infinities), and a NaN V reaches exactly the outputs that
+    attend to it."""
+    layer = AttentionLayerSpec(0, 4, 2, 64, scale=0.125)
+    neg_nan, snan = (torch.tensor([b - 0x10000 if b >= 0x8000 else b], dtype=torch.int16)
+                     .view(torch.bfloat16) for b in (0xffc1, 0x7fa1))
+
+    def plant(q, k, v):
+        v[2, 0] = neg_nan            # a decode (15 + 1 tokens): its new V, KV head 0
+        v[5, 1] = snan               # the first token of the 19-token prompt, KV head 1
+        k[6, 1, :3] = neg_nan        # a K NaN: copied as it is (and poisons its scores)
+
+    out, ref = _step(_backend("native", torch.bfloat16, prefill), layer, MIXED, 16,
+                     torch.bfloat16, edit=plant)
+    nan = out.isnan()
+    assert torch.equal(nan, ref.isnan())
+    assert nan[2, :2].all() and not nan[2, 2:].any() and nan[5:24, 2:].all()
+    if prefill == "native":          # the native prefill's outputs; SDPA's are torch's
+        assert (_bits(out)[nan] == _BF16_NAN).all()
+    else:
+        assert (_bits(out[:5])[nan[:5]] == _BF16_NAN).all()
+    torch.testing.assert_close(out.double()[~nan], ref[~nan], atol=2e-2, rtol=2e-2)
 
 
 def test_native_build_is_cached_and_errors_are_clear(monkeypatch, tmp_path):
-    from corellm import native
+    from corellm_plugins.platform_cpu import native
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     src = tmp_path / "k.c"
     src.write_text("int twice(int x) { return 2 * x; }\n")
@@ -303,6 +389,9 @@ def test_native_build_is_cached_and_errors_are_clear(monkeypatch, tmp_path):
     src.write_text("int twice(int x) { return 2 * x }\n")       # edited, and broken
     with pytest.raises(native.NativeBuildError, match=r"(?s)building k failed.*error"):
         native.load_library("k", src)
+    # through the platform: the error every plugin catches
+    with pytest.raises(NativeUnavailable, match=r"(?s)building k failed.*error"):
+        PLATFORM.native_library("k", src)
 
 
 def test_decode_paths_equal_transformers(make_checkpoint):
@@ -352,8 +441,11 @@ def test_loading_the_kernel_keeps_ieee_subnormals(tmp_path, monkeypatch):
     import subprocess
     import sys
     code = ("import numpy as np, torch; from corellm_plugins.attn_torch_sdpa.backend import "
-            "TorchSDPABackend; b = TorchSDPABackend('native', torch.device('cpu'), torch.float32);"
-            " assert b.decode_path == 'native'; tiny = np.finfo(np.float32).smallest_subnormal;"
+            "TorchSDPABackend; from corellm_plugins.platform_cpu import CpuOptions; "
+            "from corellm_plugins.platform_cpu.platform import CpuPlatform; "
+            "b = TorchSDPABackend('native', torch.device('cpu'), torch.float32, 'auto', "
+            "CpuPlatform(CpuOptions())); assert b.decode_path == 'native'; "
+            "tiny = np.finfo(np.float32).smallest_subnormal;"
             " print(float(tiny * np.float32(3)) > 0, float(torch.tensor(tiny) * 3) > 0)")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # a fresh build
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

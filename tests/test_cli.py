@@ -153,6 +153,12 @@ def test_plugins_listing(capsys):
             "description": "Most requests running at once."} in fcfs["options"]
     llama = next(r for r in rows if r["name"] == "llama")
     assert llama["architectures"] == ["LlamaForCausalLM"]
+    # Platforms: availability asked now, and which one platform.name: auto picks here.
+    cpu = next(r for r in rows if r["kind"] == "platform" and r["name"] == "cpu")
+    assert cpu["unavailable"] is None and cpu["auto_selected"] and cpu["auto_priority"] == 10
+    assert {"weight_packing", "fused_ops"} <= {o["name"] for o in cpu["options"]}
+    assert main(["plugins"]) == 0
+    assert "available; platform.name: auto picks it here" in capsys.readouterr().out
 
 
 OBSERVER_ONLY = """

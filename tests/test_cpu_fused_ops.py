@@ -1,6 +1,8 @@
-"""The fused CPU element-wise kernels (corellm/worker/cpu_ops.c) against the torch code of the
-same layers: RoPE bit for bit, RMSNorm and SiLU-and-multiply to float32 rounding, every row
-independent of the batch around it, and the torch code wherever a kernel does not apply."""
+"""The CPU platform's fused element-wise kernels (plugins/platform_cpu/cpu_ops.c, run by
+``corellm_plugins.platform_cpu.ops.CpuDeviceOps``) against the reference ops of the same layers
+(``corellm.layers.ops.REFERENCE_OPS``, plain torch): RoPE bit for bit, RMSNorm and
+SiLU-and-multiply to float32 rounding, every row independent of the batch around it, and the
+torch code wherever a kernel does not apply."""
 
 from __future__ import annotations
 
@@ -12,24 +14,37 @@ import torch
 
 from corellm import LLM, SamplingParams
 from corellm.layers import RMSNorm, SiluAndMul
+from corellm.layers.ops import REFERENCE_OPS, bind_ops
 from corellm.layers.rotary import RotaryEmbedding
-from corellm.worker import cpu
+from corellm_plugins.platform_cpu import kernels, native
+from corellm_plugins.platform_cpu.ops import CpuDeviceOps
 from tests.conftest import engine_config
 
-pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(kernels.cpu_ops() is None,
+                                reason="no C compiler on this machine")
 
 
 @pytest.fixture(autouse=True)
 def _silu_kernel_used(monkeypatch):
     """Check the SiLU kernel's results wherever it builds, whether or not it is the faster
     one on this machine (the check that decides is tested on its own below)."""
-    monkeypatch.setattr(cpu, "_silu_faster", {torch.float32: True, torch.bfloat16: True})
+    monkeypatch.setattr(kernels, "_silu_faster", {torch.float32: True, torch.bfloat16: True})
 
 
 def _fused(*modules):
+    """The modules with the CPU platform's ops (fused kernels on, no weight packing) bound
+    and prepared, as the platform's ``prepare_model`` gives them to a model's layers."""
     mods = torch.nn.ModuleList(modules)
-    assert cpu.fuse_elementwise(mods) == len(modules)
+    ops = CpuDeviceOps(weight_packing=False, fused_ops=True)
+    assert bind_ops(mods, ops) == len(modules)
+    ops.prepare(mods)
+    assert ops.kernels is kernels.cpu_ops() and all(m.ops is ops for m in modules)
     return modules
+
+
+def _ref_rope(rope, positions, q, k):
+    """The reference (torch) rotation of ``rope``'s tables."""
+    return REFERENCE_OPS.rotary(positions, q, k, rope.cos, rope.sin, rope.rotary_dim)
 
 
 def _qkv(t, h, hkv, d, seed=0, dtype=torch.float32):
@@ -52,8 +67,7 @@ def test_rope_is_bit_equal_to_torch(rotary_dim, tokens, dtype):
     (rope,) = _fused(RotaryEmbedding(64, 4096, 10000.0, rotary_dim=rotary_dim))
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
     h, hkv, d = 12, 4, 64
-    want_q, want_k = RotaryEmbedding.forward(rope, positions,
-                                             *_qkv(tokens, h, hkv, d, tokens, dtype))
+    want_q, want_k = _ref_rope(rope, positions, *_qkv(tokens, h, hkv, d, tokens, dtype))
     qkv = torch.randn(tokens, (h + 2 * hkv) * d,
                       generator=torch.Generator().manual_seed(tokens)).to(dtype)
     before = qkv.clone()
@@ -73,7 +87,7 @@ def test_rope_refuses_heads_narrower_than_its_rotation():
     write past the heads."""
     (rope,) = _fused(RotaryEmbedding(64, 128, 1e4))
     q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
-    assert not rope.cpu_ops.rope_(torch.arange(3), q, k, rope.cos, rope.sin, 64)
+    assert not rope.ops.kernels.rope_(torch.arange(3), q, k, rope.cos, rope.sin, 64)
     with pytest.raises(RuntimeError):
         rope(torch.arange(3), q, k)
 
@@ -84,7 +98,8 @@ def test_rms_norm_matches_torch(shape):
     torch.nn.init.normal_(norm.weight.data)
     x = torch.randn(*shape) * 3
     with torch.inference_mode():
-        got, want = norm(x), RMSNorm.forward(norm, x)
+        got, want = norm(x), REFERENCE_OPS.rms_norm(x, norm.weight, norm.eps)
+        assert torch.equal(got, norm.ops.kernels.rms_norm(x, norm.weight, 1e-5))  # the kernel's
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
         if shape[0] > 1:   # a row's result does not depend on the rows around it
             assert torch.equal(norm(x[1:2])[0], got[1])
@@ -106,29 +121,29 @@ def test_bf16_rms_norm_matches_torch(shape):
     torch.nn.init.normal_(norm.weight.data)
     x = (torch.randn(*shape) * 3).to(torch.bfloat16)
     with torch.inference_mode():
-        got, want = norm(x), RMSNorm.forward(norm, x)
-        assert torch.equal(got, norm.cpu_ops.rms_norm(x, norm.weight, 1e-5))   # the kernel's
+        got, want = norm(x), REFERENCE_OPS.rms_norm(x, norm.weight, norm.eps)
+        assert torch.equal(got, norm.ops.kernels.rms_norm(x, norm.weight, 1e-5))  # the kernel's
         _bf16_close(got, want)
         if shape[0] > 1:
             assert torch.equal(norm(x[1:2])[0], got[1])
         q, _ = _qkv(9, 6, 2, 64, dtype=torch.bfloat16)            # Qwen3's strided heads
         head_norm = _fused(RMSNorm(64, 1e-6).to(torch.bfloat16))[0]
         got = head_norm(q)
-        assert torch.equal(got, head_norm.cpu_ops.rms_norm(q, head_norm.weight, 1e-6))
-        _bf16_close(got, RMSNorm.forward(head_norm, q))
+        assert torch.equal(got, head_norm.ops.kernels.rms_norm(q, head_norm.weight, 1e-6))
+        _bf16_close(got, REFERENCE_OPS.rms_norm(q, head_norm.weight, head_norm.eps))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 64])
 def test_bf16_silu_and_mul_matches_torch(rows):
     # in a bf16 model (the kernel is used for the dtypes of the model it was fused into)
     act, _ = _fused(SiluAndMul(), RMSNorm(8).to(torch.bfloat16))
-    assert act.cpu_ops_dtypes == {torch.bfloat16}
+    assert act.ops.silu_dtypes == {torch.bfloat16}
     x = (torch.randn(rows, 2 * 1000) * 8).to(torch.bfloat16)
     x[:, 0] = -1000.0                                     # exp(-g) overflows: -0, not NaN
     got = act(x)
-    assert torch.equal(got, act.cpu_ops.silu_and_mul(x))  # the kernel's result
+    assert torch.equal(got, act.ops.kernels.silu_and_mul(x))  # the kernel's result
     assert not got.isnan().any()
-    _bf16_close(got, SiluAndMul.forward(act, x))
+    _bf16_close(got, REFERENCE_OPS.silu_and_mul(x))
 
 
 def test_rms_norm_of_strided_heads_matches_torch():
@@ -138,14 +153,20 @@ def test_rms_norm_of_strided_heads_matches_torch():
     q, _ = _qkv(9, 6, 2, 64)
     assert not q.is_contiguous()
     with torch.inference_mode():
-        torch.testing.assert_close(norm(q), RMSNorm.forward(norm, q), rtol=2e-6, atol=2e-6)
+        got = norm(q)
+        assert torch.equal(got, norm.ops.kernels.rms_norm(q, norm.weight, 1e-6))
+        torch.testing.assert_close(got, REFERENCE_OPS.rms_norm(q, norm.weight, norm.eps),
+                                   rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 64])
 def test_silu_and_mul_matches_torch(rows):
     (act,) = _fused(SiluAndMul())
+    assert act.ops.silu_dtypes == {torch.float32}
     x = torch.randn(rows, 2 * 1000) * 8          # deep into both tails of the sigmoid
-    torch.testing.assert_close(act(x), SiluAndMul.forward(act, x), rtol=2e-6, atol=2e-6)
+    got = act(x)
+    assert torch.equal(got, act.ops.kernels.silu_and_mul(x))
+    torch.testing.assert_close(got, REFERENCE_OPS.silu_and_mul(x), rtol=2e-6, atol=2e-6)
 
 
 def test_silu_and_mul_of_extreme_gates_is_finite():
@@ -157,7 +178,8 @@ def test_silu_and_mul_of_extreme_gates_is_finite():
     gate[1] = torch.linspace(-3e4, 3e4, d)
     gate[2, ::2] = 100.0
     x = torch.cat([gate, torch.full((3, d), 2.0)], dim=1)
-    got, want = act(x), SiluAndMul.forward(act, x)
+    got, want = act(x), REFERENCE_OPS.silu_and_mul(x)
+    assert torch.equal(got, act.ops.kernels.silu_and_mul(x))
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
@@ -166,16 +188,20 @@ def test_inputs_the_kernels_do_not_take_run_the_torch_code():
     norm, act, rope = _fused(RMSNorm(64, 1e-6), SiluAndMul(), RotaryEmbedding(64, 128, 1e4))
     with torch.inference_mode():
         x = torch.randn(4, 64, dtype=torch.float16)               # no fp16 kernels
-        assert torch.equal(norm.to(torch.float16)(x), RMSNorm.forward(norm, x))
+        assert norm.ops.kernels.rms_norm(x, norm.weight.half(), 1e-6) is None
+        assert torch.equal(norm.to(torch.float16)(x),
+                           REFERENCE_OPS.rms_norm(x, norm.weight, norm.eps))
         xb = x.to(torch.bfloat16)                                 # x and weight dtypes differ
-        assert norm.cpu_ops.rms_norm(xb, norm.weight.float(), 1e-6) is None
-        assert norm.cpu_ops.rms_norm(xb, norm.weight.bfloat16(), 1e-6) is not None
+        assert norm.ops.kernels.rms_norm(xb, norm.weight.float(), 1e-6) is None
+        assert norm.ops.kernels.rms_norm(xb, norm.weight.bfloat16(), 1e-6) is not None
         g = torch.randn(64, 4).t()                                # last dim not contiguous
-        assert torch.equal(act(g), SiluAndMul.forward(act, g))
+        assert act.ops.kernels.silu_and_mul(g) is None
+        assert torch.equal(act(g), REFERENCE_OPS.silu_and_mul(g))
         q, k = _qkv(3, 2, 1, 64)
         q16, k16 = q.to(torch.float16), k.to(torch.float16)
         pos = torch.tensor([0, 5, 9])
-        for got, want in zip(rope(pos, q16, k16), RotaryEmbedding.forward(rope, pos, q16, k16)):
+        assert not rope.ops.kernels.rope_(pos, q16.clone(), k16.clone(), rope.cos, rope.sin, 64)
+        for got, want in zip(rope(pos, q16, k16), _ref_rope(rope, pos, q16, k16)):
             assert torch.equal(got, want)
 
 
@@ -187,50 +213,100 @@ def test_rope_positions_outside_the_table_raise_as_torch_does():
     # torch indexing wraps a negative position: so does this. The kernel checks every position
     # before it rotates any row in place (here the first row's is valid).
     for pos in (torch.tensor([-1, 3]), torch.tensor([3, -1])):
-        want = RotaryEmbedding.forward(rope, pos, q, k)
+        want = _ref_rope(rope, pos, q, k)
         assert all(torch.equal(a, b) for a, b in zip(rope(pos, q.clone(), k.clone()), want))
 
 
 def test_a_silu_kernel_slower_than_torch_is_not_used(monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "_silu_faster", {})
+    """The kernels are built, but SiLU-and-multiply keeps the torch code when its kernel
+    measured slower (the other kernels are used)."""
+    monkeypatch.setattr(kernels, "_silu_faster", {})
     # 20 ms a call: far slower than torch's op (about 0.5 ms) even on a slow or busy machine
-    monkeypatch.setattr(cpu.CpuOps, "silu_and_mul", lambda self, x: (time.sleep(0.02), x)[1])
-    mods = torch.nn.ModuleList([RMSNorm(8), SiluAndMul()])
+    slow = []
+    monkeypatch.setattr(kernels.CpuOps, "silu_and_mul",
+                        lambda self, x: (slow.append(1), time.sleep(0.02), x)[2])
+    norm, act = RMSNorm(8), SiluAndMul()
+    ops = CpuDeviceOps(weight_packing=False, fused_ops=True)
+    mods = torch.nn.ModuleList([norm, act])
+    bind_ops(mods, ops)
     with caplog.at_level(logging.INFO):
-        assert cpu.fuse_elementwise(mods) == 1
-    assert hasattr(mods[0], "cpu_ops") and not hasattr(mods[1], "cpu_ops")
+        ops.prepare(mods)
+    assert ops.kernels is not None and ops.silu_dtypes == frozenset()
     assert "slower than torch's here" in caplog.text
-    monkeypatch.setattr(cpu, "_silu_faster", {})
+    slow.clear()
+    x = torch.randn(3, 16)
+    assert torch.equal(act(x), REFERENCE_OPS.silu_and_mul(x)) and slow == []   # torch's
+    with torch.inference_mode():                                  # the norm's kernel still runs
+        assert torch.equal(norm(x[:, :8]), ops.kernels.rms_norm(x[:, :8], norm.weight, norm.eps))
     monkeypatch.undo()
-    assert isinstance(cpu._silu_kernel_is_faster(cpu.cpu_ops()), bool)
+    assert isinstance(kernels._silu_kernel_is_faster(kernels.cpu_ops()), bool)
 
 
 def test_without_a_compiler_the_torch_ops_run(monkeypatch, tmp_path, caplog):
-    from corellm import native
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(native, "compiler", lambda: None)
-    monkeypatch.setattr(cpu, "_cpu_ops", [])
+    monkeypatch.setattr(kernels, "_cpu_ops", [])
+    norm, act = RMSNorm(8), SiluAndMul()
+    ops = CpuDeviceOps(weight_packing=False, fused_ops=True)
+    mods = torch.nn.ModuleList([norm, act])
+    bind_ops(mods, ops)
     with caplog.at_level(logging.INFO):
-        assert cpu.fuse_elementwise(torch.nn.ModuleList([RMSNorm(8), SiluAndMul()])) == 0
+        ops.prepare(mods)
+    assert ops.kernels is None and norm.ops is ops
     assert "using torch ops" in caplog.text
+    x = torch.randn(3, 8)
+    assert torch.equal(norm(x), REFERENCE_OPS.rms_norm(x, norm.weight, norm.eps))
+    assert torch.equal(act(x), REFERENCE_OPS.silu_and_mul(x))
 
 
-def test_engine_tokens_are_the_same_fused_or_not(llama_path):
+def test_engine_tokens_are_the_same_fused_or_not(llama_path, monkeypatch):
+    """Every linear layer planned on the native GEMM (so the fused paths have every chance to
+    run): with ``platform.fused_ops`` on, the norms and SiLU run inside the GEMMs, RoPE and
+    greedy's argmax in the kernels; off, none of them does; the tokens are the same."""
+    from corellm.layers import ColumnParallelLinear
+    from corellm_plugins.platform_cpu import gemm
+    from corellm_plugins.platform_cpu.gemm import GemmPlan, PackedLinear
+    monkeypatch.setattr(gemm, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
+                        GemmPlan(shape, (1,), ("native",)))
+    native_gemm = gemm.native_gemm()
+    calls = {"silu_mul": 0, "normed": 0, "argmax": 0, "rope": 0}
+
+    def spy(cls, name, key, counts=lambda *a, **k: True):
+        real = getattr(cls, name)
+
+        def wrapped(self, *a, **k):
+            calls[key] += bool(counts(*a, **k))
+            return real(self, *a, **k)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    spy(type(native_gemm), "linear_silu_mul", "silu_mul")
+    spy(type(native_gemm), "linear", "normed", lambda *a, **k: k.get("norm") is not None)
+    spy(kernels.CpuOps, "argmax", "argmax")
+    spy(kernels.CpuOps, "rope_", "rope")
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(4, 4 + n))} for n in (1, 9, 33, 120)]
     runs = {}
     for fused in (True, False):
-        with LLM(engine_config(llama_path, model={"cpu_fused_ops": fused})) as llm:
-            model = llm.engine.executor.worker.runner.model
-            assert any(hasattr(m, "cpu_ops") for m in model.modules()) == fused
-            # the GEMM takes the norm and SiLU only with the fused ops on, where it is planned
-            from corellm.layers import ColumnParallelLinear
-            column = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)
-                      and "native" in getattr(getattr(m, "gemm_plan", None), "paths", ())]
-            assert all(hasattr(m, "linear_normed") == fused for m in column)
-            if not fused:
-                assert not any(hasattr(m, "linear_normed") or hasattr(m, "linear_silu_mul")
-                               for m in model.modules())
+        with LLM(engine_config(llama_path, platform={"name": "cpu", "fused_ops": fused})) as llm:
+            runner = llm.engine.executor.worker.runner
+            ops = runner.platform.ops
+            assert isinstance(ops, CpuDeviceOps) and ops.fused_ops == fused
+            assert (ops.kernels is not None) == fused
+            layers = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
+            assert layers and all(m.ops is ops and isinstance(m.kernel, PackedLinear)
+                                  for m in layers)
+            # the GEMM takes the norm (and the SiLU) only with the fused ops on
+            with torch.inference_mode():
+                for m in layers:
+                    x = torch.randn(3, m.in_features)
+                    normed = ops.linear_normed(m, x, torch.ones(m.in_features), 1e-6)
+                    assert (normed is not None) == fused
+            for key in calls:
+                calls[key] = 0
             runs[fused] = [o.outputs[0].token_ids
                            for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            if fused:
+                assert all(calls.values()), calls
+            else:
+                assert not any(calls.values()), calls
     assert runs[True] == runs[False]

@@ -1,5 +1,7 @@
-"""corellm's own CPU GEMM (corellm/worker/cpu_gemm.c, the "native" GEMM path) for fp32 and bf16
-weights: checked against float64 products, with torch's fp32 error as the yardstick."""
+"""The CPU platform's own GEMM (plugins/platform_cpu/cpu_gemm.c, the "native" GEMM path of
+``corellm_plugins.platform_cpu.gemm``) for fp32 and bf16 weights: checked against float64
+products, with torch's fp32 error as the yardstick; and the platform's ops
+(``corellm_plugins.platform_cpu.ops.CpuDeviceOps``) that run core linear layers on it."""
 
 from __future__ import annotations
 
@@ -8,9 +10,13 @@ import logging
 import pytest
 import torch
 
-from corellm.worker import cpu
+from corellm_plugins.platform_cpu import gemm, native
+from corellm_plugins.platform_cpu import ops as cpu_ops_module
+from corellm_plugins.platform_cpu.gemm import GemmPlan, PackedLinear
+from corellm_plugins.platform_cpu.kernels import cpu_ops
+from corellm_plugins.platform_cpu.ops import CpuDeviceOps
 
-GEMM = cpu.native_gemm()
+GEMM = gemm.native_gemm()
 pytestmark = pytest.mark.skipif(GEMM is None, reason="no C compiler on this machine")
 
 
@@ -71,7 +77,7 @@ def test_bf16_dot_products_where_the_cpu_has_them():
     import subprocess
     from pathlib import Path
 
-    from corellm.native import compiler
+    from corellm_plugins.platform_cpu.native import compiler
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-"], input="",
@@ -95,9 +101,9 @@ def test_bf16_dot_products_where_the_cpu_has_them():
     # k given: an input of k + 1 (same packed size when k is paired) is refused, as torch would
     x10 = torch.randn(7, 10).bfloat16()
     assert GEMM.linear(x10, packed, 40, b, k=9) is None
-    assert cpu._run("native", x10[:, :9], w, packed, b).shape == (7, 40)
+    assert gemm._run("native", x10[:, :9], w, packed, b).shape == (7, 40)
     with pytest.raises(RuntimeError):
-        cpu._run("native", x10, w, packed, b)          # torch's error, not a silent product
+        gemm._run("native", x10, w, packed, b)          # torch's error, not a silent product
 
 
 def test_bf16_outputs_are_rounded_as_torch_rounds():
@@ -202,7 +208,7 @@ def test_silu_mul_in_the_gemm_matches_the_two_layers(m, d, k, dtype):
     value across a bf16 rounding boundary: a few in ten thousand)."""
     x, w, b = (t.to(dtype) for t in _case(m, 2 * d, k))
     packed = GEMM.pack(w)
-    ops = cpu.cpu_ops()
+    ops = cpu_ops()
     for bias in (b, None):
         fused = GEMM.linear_silu_mul(x, packed, 2 * d, bias, k=k)
         assert fused.dtype == dtype and fused.shape == (m, d)
@@ -286,9 +292,8 @@ def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
     from corellm.layers import RMSNorm
     plain = GEMM
     if GEMM.bf16_dot:
-        from corellm.native import load_library
-        plain = cpu.NativeGemm(load_library("corellm_gemm", cpu._GEMM_SOURCE,
-                                            (*cpu._GEMM_FLAGS, "-mno-avx512bf16")))
+        plain = gemm.NativeGemm(native.load_library("corellm_gemm", gemm._GEMM_SOURCE,
+                                                    (*gemm._GEMM_FLAGS, "-mno-avx512bf16")))
     assert not plain.bf16_dot
     d, k = 2 * PANEL, 40
     x, w, b = (t.bfloat16() for t in _case(70, 2 * d, k, seed=3))
@@ -297,7 +302,7 @@ def test_fused_bf16_paths_widened_where_the_cpu_has_dot_products_too():
     for m in (5, 9, 70):
         with torch.inference_mode():
             fused = plain.linear_silu_mul(x[:m], packed, 2 * d, b, k=k, norm=(norm.weight, 1e-5))
-            unfused = cpu.cpu_ops().silu_and_mul(plain.linear(norm(x[:m]), packed, 2 * d, b, k=k))
+            unfused = cpu_ops().silu_and_mul(plain.linear(norm(x[:m]), packed, 2 * d, b, k=k))
         assert int((fused != unfused).sum()) <= max(2, fused.numel() // 200)
         torch.testing.assert_close(fused.float(), unfused.float(), rtol=2 ** -6,
                                    atol=2 ** -7 * unfused.abs().max().item())
@@ -310,54 +315,97 @@ def test_rms_norm_in_the_gemm_refuses_a_weight_it_cannot_take():
         assert GEMM.linear(x, packed, 8, None, k=16, norm=(bad, 1e-6)) is None
 
 
+def _force_plan(monkeypatch, bounds: tuple[int, ...], paths: tuple[str, ...]) -> None:
+    """Every weight shape gets this plan instead of a measured one."""
+    monkeypatch.setattr(gemm, "gemm_plan", lambda shape, paths_=None, dtype=torch.float32:
+                        GemmPlan(shape, bounds, paths))
+
+
+def _platform_ops(model: torch.nn.Module, **options) -> CpuDeviceOps:
+    """The CPU platform's ops bound to every core layer of ``model`` and prepared (weights
+    packed, kernels built), as the platform's ``prepare_model`` does for a loaded model."""
+    from corellm_plugins.platform_cpu import CpuOptions
+    from corellm_plugins.platform_cpu.platform import CpuPlatform
+    platform = CpuPlatform(CpuOptions(**options))
+    platform.prepare_model(model)
+    return platform.ops
+
+
 def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeypatch):
-    """The CPU worker gives a [gate; up] layer of two equal halves ``linear_silu_mul`` (and every
-    layer ``linear_normed``) when its plan uses the native GEMM; rows planned on another path
-    run the layers one by one, with the same values."""
+    """The CPU platform's ops give a [gate; up] layer of two equal halves ``linear_silu_mul``
+    (and every column-parallel layer ``linear_normed``) on the rows its plan runs on the native
+    GEMM, with the fused ops on; rows planned on another path, and every row with the fused ops
+    off, run the layers one by one, with the same values."""
     from corellm.layers import MergedColumnParallelLinear, RMSNorm, SiluAndMul
-    monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths=None, dtype=torch.float32:
-                        cpu.GemmPlan(shape, (4,), ("native", "dense")))
+    _force_plan(monkeypatch, (4,), ("native", "dense"))
     d = 2 * GEMM.panel
     layer = MergedColumnParallelLinear(16, [d, d])
     torch.manual_seed(0)
     layer.weight.data.normal_()
-    cpu.pack_linear_weights(torch.nn.Sequential(layer))
-    assert not hasattr(layer, "linear_silu_mul")          # until the fused ops are asked for
-    assert cpu.fuse_into_gemms(torch.nn.Sequential(layer)) == 1
-    calls = []
-    fused_path = GEMM.linear_silu_mul
+    silu_calls, normed_calls = [], []
+    fused_path, linear_path = GEMM.linear_silu_mul, GEMM.linear
     monkeypatch.setattr(type(GEMM), "linear_silu_mul",
-                        lambda self, *a, **k: (calls.append(1), fused_path(*a, **k))[1])
-    act, norm = SiluAndMul(), RMSNorm(16)
+                        lambda self, *a, **k: (silu_calls.append(1), fused_path(*a, **k))[1])
+    monkeypatch.setattr(type(GEMM), "linear", lambda self, *a, **k: (
+        normed_calls.append(1) if k.get("norm") is not None else None, linear_path(*a, **k))[1])
+    act, norm = SiluAndMul(), RMSNorm(16)            # the reference ops: the unfused layers
     norm.weight.data.uniform_(0.5, 1.5)
-    for m, fused in ((3, True), (9, False)):
-        x = torch.randn(m, 16)
-        with torch.inference_mode():
-            out = act.after(layer, x)
-            normed = act.after(layer, x, norm)
-            qkv = norm.into(layer, x)
-        assert len(calls) == 2 * fused
-        calls.clear()
-        torch.testing.assert_close(out, act(x @ layer.weight.T), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(normed, act(norm(x) @ layer.weight.T), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(qkv, norm(x) @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    for fused_ops in (False, True):
+        ops = _platform_ops(torch.nn.Sequential(layer), fused_ops=fused_ops)
+        assert layer.ops is ops and isinstance(ops, CpuDeviceOps)
+        assert isinstance(layer.kernel, PackedLinear)
+        assert layer.kernel.plan.paths == ("native", "dense")
+        assert layer.kernel.packed["dense"] is None and layer.kernel.packed["native"] is not None
+        assert (ops.kernels is not None) == fused_ops
+        for m, native_rows in ((3, True), (9, False)):
+            x = torch.randn(m, 16)
+            with torch.inference_mode():
+                fused = fused_ops and native_rows
+                assert (ops.linear_silu_mul(layer, x) is not None) == fused
+                assert (ops.linear_normed(layer, x, norm.weight, norm.eps) is not None) == fused
+                silu_calls.clear(), normed_calls.clear()
+                out = act.after(layer, x)
+                normed = act.after(layer, x, norm)
+                qkv = norm.into(layer, x)
+            assert len(silu_calls) == 2 * fused and len(normed_calls) == fused
+            torch.testing.assert_close(out, act(x @ layer.weight.T), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(normed, act(norm(x) @ layer.weight.T), rtol=1e-5,
+                                       atol=1e-5)
+            torch.testing.assert_close(qkv, norm(x) @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    # halves of different sizes: no SiLU inside the GEMM, but the norm still is
     uneven = MergedColumnParallelLinear(16, [d, 2 * d])
-    cpu.pack_linear_weights(torch.nn.Sequential(uneven))
-    cpu.fuse_into_gemms(torch.nn.Sequential(uneven))
-    assert not hasattr(uneven, "linear_silu_mul") and hasattr(uneven, "linear_normed")
-    # a row-parallel layer (its forward all-reduces) and the LM head (it gathers) keep their
-    # forward: neither takes a norm inside its GEMM
+    uneven.weight.data.normal_()
+    ops = _platform_ops(torch.nn.Sequential(uneven))
+    assert isinstance(uneven.kernel, PackedLinear)
+    x = torch.randn(3, 16)
+    silu_calls.clear(), normed_calls.clear()
+    with torch.inference_mode():
+        out, qkv = act.after(uneven, x), norm.into(uneven, x)
+    assert silu_calls == [] and len(normed_calls) == 1
+    torch.testing.assert_close(out, act(x @ uneven.weight.T), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv, norm(x) @ uneven.weight.T, rtol=1e-5, atol=1e-5)
+    # a row-parallel layer (its forward all-reduces) and the LM head (it gathers) are packed
+    # but keep their forward: neither takes a norm inside its GEMM. An nn.Linear is not a core
+    # layer: not packed.
     from corellm.layers import ParallelLMHead, RowParallelLinear
-    row, head = RowParallelLinear(16, 8), ParallelLMHead(40, 16)
-    cpu.pack_linear_weights(torch.nn.Sequential(row, head))
-    assert cpu.fuse_into_gemms(torch.nn.Sequential(row, head)) == 0
-    assert hasattr(row, "gemm_plan") and hasattr(head, "gemm_plan")
+    row, head, plain = RowParallelLinear(16, 8), ParallelLMHead(40, 16), torch.nn.Linear(16, 8)
+    row.weight.data.normal_(), head.weight.data.normal_()
+    ops = _platform_ops(torch.nn.Sequential(row, head, plain))
+    assert isinstance(row.kernel, PackedLinear) and isinstance(head.kernel, PackedLinear)
+    assert row.ops is ops and head.ops is ops and getattr(plain, "kernel", None) is None
+    assert not row.local_output
+    normed_calls.clear()
+    with torch.inference_mode():
+        for linear in (row, head):
+            torch.testing.assert_close(norm.into(linear, x), norm(x) @ linear.weight.T,
+                                       rtol=1e-5, atol=1e-5)
+    assert normed_calls == []
 
 
 def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():
     x, w, b = _case(4, 8, 16)
     packed = GEMM.pack(w)
-    out = cpu._run("native", x.requires_grad_(), w, packed, b)
+    out = gemm._run("native", x.requires_grad_(), w, packed, b)
     assert out.requires_grad                                            # torch's, with a graph
     _check(out.detach(), x.detach(), w, b)
 
@@ -367,26 +415,31 @@ def test_planned_path_falls_back_to_torch_for_what_the_kernel_refuses():
 def test_a_planned_layer_whose_weight_needs_grad_keeps_autograd(monkeypatch, path, bias):
     """Packed copies have no autograd history: a layer being trained (weight or bias that
     requires grad, grad mode on) takes torch's linear, and gets the same gradients."""
-    if path not in cpu.available_gemm_paths():
+    from corellm.layers import ReplicatedLinear
+    if path not in gemm.available_gemm_paths():
         pytest.skip(f"{path} path not in this torch build")
-    monkeypatch.setattr(cpu, "gemm_plan", lambda shape, paths, dtype=torch.float32:
-                        cpu.GemmPlan(shape, (1,), (path,)))
+    _force_plan(monkeypatch, (1,), (path,))
     torch.manual_seed(0)
-    layer, ref = torch.nn.Linear(16, 8, bias=bias), torch.nn.Linear(16, 8, bias=bias)
-    ref.load_state_dict(layer.state_dict())
-    cpu.pack_linear_weights(torch.nn.Sequential(layer))
-    assert layer.gemm_plan.paths == (path,)
+    ref = torch.nn.Linear(16, 8, bias=bias)
+    layer = ReplicatedLinear(16, 8, bias=bias)
+    layer.weight.data.copy_(ref.weight.data)
+    layer.weight.requires_grad_(True)
+    if bias:
+        layer.bias.data.copy_(ref.bias.data)
+        layer.bias.requires_grad_(True)
+    ops = _platform_ops(torch.nn.Sequential(layer), fused_ops=False)
+    assert layer.ops is ops and layer.kernel.plan.paths == (path,)
+    ran = []
+    run = cpu_ops_module._run
+    monkeypatch.setattr(cpu_ops_module, "_run", lambda p, *a: (ran.append(p), run(p, *a))[1])
     x = torch.randn(5, 16)
     out = layer(x)
-    assert out.requires_grad
+    assert out.requires_grad and ran == []         # torch's linear, not the packed copy
     out.square().sum().backward()
     ref(x).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
     if bias:
         torch.testing.assert_close(layer.bias.grad, ref.bias.grad)
-    ran = []
-    run = cpu._run
-    monkeypatch.setattr(cpu, "_run", lambda p, *a: (ran.append(p), run(p, *a))[1])
     with torch.no_grad():                          # inference: the packed path, same values
         torch.testing.assert_close(layer(x), ref(x))
     assert ran == [path]
@@ -394,14 +447,13 @@ def test_a_planned_layer_whose_weight_needs_grad_keeps_autograd(monkeypatch, pat
 
 def test_native_is_a_measured_path_with_a_compiler_and_absent_without(monkeypatch, tmp_path,
                                                                       caplog):
-    from corellm import native
-    assert "native" in cpu.available_gemm_paths()
-    assert "native" in cpu.available_gemm_paths(torch.bfloat16)
-    plan = cpu.measure_gemm_plan((48, 32), ("dense", "native"))
+    assert "native" in gemm.available_gemm_paths()
+    assert "native" in gemm.available_gemm_paths(torch.bfloat16)
+    plan = gemm.measure_gemm_plan((48, 32), ("dense", "native"))
     assert set(plan.gflops["1"]) == {"dense", "native"}
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(native, "compiler", lambda: None)
-    monkeypatch.setattr(cpu, "_native_gemm", [])
+    monkeypatch.setattr(gemm, "_native_gemm", [])
     with caplog.at_level(logging.INFO):
-        assert "native" not in cpu.available_gemm_paths()
+        assert "native" not in gemm.available_gemm_paths()
     assert "native GEMM unavailable" in caplog.text
