@@ -88,10 +88,15 @@ class AttentionMetadataBuilder(ABC):
     """Turns each step's ``CommonAttentionMetadata`` into the backend's own metadata.
 
     One builder per worker, made by ``AttentionBackend.make_metadata_builder`` once the limits
-    are known; it may keep state across steps (persistent buffers). ``cuda_graphs``: the
-    metadata lives in buffers whose addresses never change, so a captured CUDA graph would
-    replay with the next step's values (no runner captures graphs yet; one that does captures
-    only for builders that say True).
+    are known; it may keep state across steps (persistent buffers).
+
+    ``cuda_graphs``: True promises what a CUDA graph captured for a decode batch of ``B`` rows
+    needs to replay any decode-only step of ``n <= B`` rows within the limits: the metadata
+    lives in buffers whose addresses and strides never change, and the rows of a decode-only
+    step past its last, up to ``max_num_seqs``, are padding rows (stored nowhere, attending to
+    no key). A padding row comes in as one query token with slot -1 and sequence length 0;
+    the CUDA platform captures its graphs with metadata built from such rows only, and
+    captures none for a builder that says False.
     """
 
     batch_order: ClassVar[BatchOrder] = BatchOrder.DECODES_FIRST

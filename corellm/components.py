@@ -84,7 +84,7 @@ class FrontendOptions(ComponentOptions):
 class PlatformOptions(ComponentOptions):
     """``auto`` (the default) picks, when the config is loaded, the available platform of the
     highest ``auto_priority`` (CUDA where a GPU is visible, else the CPU); naming a platform
-    selects it and its options."""
+    selects it. Options given with ``auto`` are checked against the platform it picks."""
 
     name: str = "auto"
 

@@ -210,7 +210,10 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if not isinstance(name, str):
             problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
             continue
+        owner_note = ""
         if section == "platform":
+            if name == "auto":    # its options are checked against the platform auto chose
+                owner_note = "platform.name: auto chose it here; "
             name = _resolve_platform(name, raw, registry, problems)
             if name is None:
                 continue
@@ -230,7 +233,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
             problems.append((f"{section}.name", str(exc)))
             continue
         values[section] = _validate_model(entry.spec.options, raw, section, problems,
-                                          owner=entry.plugin.describe())
+                                          owner=owner_note + entry.plugin.describe())
         if section == "executor" and values["parallel"] is not None:
             tp = values["parallel"].tensor_parallel_size
             if tp > 1 and not getattr(entry.spec, "tensor_parallel", False):
@@ -287,11 +290,6 @@ def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
 
     cpu_only = raw.pop("_cpu_only", {})
     if name == "auto":
-        options = [k for k in raw if k != "name"]
-        if options:
-            problems.append((f"platform.{options[0]}", "platform.name: auto takes no options "
-                                                       "(name a platform to set its options)"))
-            return None
         try:
             name, skipped = choose_platform(registry)
         except ConfigError as exc:

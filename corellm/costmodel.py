@@ -859,7 +859,7 @@ class Profile:
             have = str(self.device.get("kind", "?"))
             if have != want:
                 problems.append(f"{where}profile is for {have} ({self.device.get('name', '?')}"
-                                f", {self.kind}) but model.device is {device_kind}")
+                                f", {self.kind}) but the engine runs on {device_kind}")
         if problems:
             raise ConfigError([(_PROFILE_KEY, p) for p in problems])
 

@@ -18,6 +18,7 @@ everything else asks the platform.
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,23 @@ def host_visible(device: torch.device) -> bool:
     return device.type == HOST_DEVICE_TYPE
 
 
+def host_memory_available() -> int | None:
+    """The host's memory available to new allocations, in bytes: MemAvailable of /proc/meminfo
+    (free memory plus what the kernel can reclaim), else the free pages, else None. For
+    platforms whose devices use the host's memory (the CPU's, the reference)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 @dataclass(slots=True)
 class StepInputs:
     """One step's model inputs as host arrays, built by the model runner.
@@ -85,6 +103,11 @@ class ModelStepper:
     device each step and runs the model eagerly. A platform returns its own from
     ``Platform.make_stepper`` (the CUDA platform: persistent pinned buffers, one copy per step
     without a host sync, graphs replayed for decode-only steps)."""
+
+    #: The attention metadata builder whose metadata the steps carry, set by the model runner
+    #: once the stepper is made: a stepper that captures CUDA graphs builds its capture batches
+    #: with it (so that the graphs read its buffers), where its ``cuda_graphs`` allows.
+    attn_builder: Any = None
 
     def __init__(self, model: Any, device: torch.device) -> None:
         self.model = model

@@ -1,11 +1,12 @@
 """The resolved setup: what a config and a checkpoint come to, worked out once.
 
-The process that reads the config (``LLM``, ``AsyncLLM``, ``corellm serve``) calls
-``resolve_setup`` once: it reads the checkpoint's config, picks the model plugin, and fixes the
-platform, dtype, ``max_model_len``, KV block size, batch limits and the attention backends to
-try. The immutable ``EngineSetup`` then travels with the config to the engine core and every
-worker (``BuildContext.setup``), which take these facts from it rather than reading the
-checkpoint, resolving ``auto`` values or guessing defaults again.
+The config is validated once, where it is read (``LLM``, ``AsyncLLM``, ``corellm serve``), and
+travels validated (pickled, when the engine core runs in its own process). The engine core then
+calls ``resolve_setup`` once: it reads the checkpoint's config, picks the model plugin, and fixes
+the platform, dtype, ``max_model_len``, KV block size, batch limits and the attention backends to
+try. The immutable ``EngineSetup`` goes to the executor and every worker
+(``BuildContext.setup``), which take these facts from it rather than reading the checkpoint,
+resolving ``auto`` values or guessing defaults again.
 """
 
 from __future__ import annotations

@@ -88,8 +88,12 @@ def test_platform_section_errors_name_their_key(registry):
         {"platform": {"name": "cpu", "weight_packin": False}}, registry)["platform.weight_packin"]
     assert "unknown platform 'gpu'" in problems({"platform": {"name": "gpu"}},
                                                 registry)["platform.name"]
-    assert "auto takes no options" in problems(
-        {"platform": {"weight_packing": False}}, registry)["platform.weight_packing"]
+    # With auto, options are the chosen platform's: the CPU's here.
+    assert load_config({"platform": {"weight_packing": False}},
+                       registry=registry).platform.weight_packing is False
+    msg = problems({"platform": {"gpu_memory_utilization": 0.8}},
+                   registry)["platform.gpu_memory_utilization"]
+    assert "unknown option" in msg and "platform.name: auto chose it here" in msg
     with_fake = load_registry(plugins=[_TestPlatforms()])
     msg = problems({"platform": {"name": "absent"}}, with_fake)["platform.name"]
     assert "not available here: no such device here" in msg

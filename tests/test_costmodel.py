@@ -385,7 +385,7 @@ def test_profile_check_compatible(steps, tmp_path):
     roof = make_profile(steps, "roofline")
     roof.check_compatible("tiny-llama", fp, "bfloat16", "cuda:0")
     with pytest.raises(ConfigError, match=r"profile is for cuda \(NVIDIA H100 SXM, roofline\) "
-                                          "but model.device is cpu"):
+                                          "but the engine runs on cpu"):
         roof.check_compatible("tiny-llama", fp, "bfloat16", "cpu")
     path = tmp_path / "p.json"
     p.save(path)

@@ -361,7 +361,8 @@ def add_calibrate_subcommand(subparsers: Any) -> Any:
         description=__doc__, epilog=CLI_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE",
                    help="the engine config to measure (the sim executor's config must name the "
-                        "same model, dtype and device)")
+                        "same model and dtype; it simulates the profile's device wherever it "
+                        "runs)")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.json",
                    help="where to write the profile")
     p.add_argument("--quick", action="store_true",

@@ -193,6 +193,7 @@ class ModelRunner:
         self.attn_builder = self.attn_backend.make_metadata_builder(self.limits)
         self.batch_order = BatchOrder(self.attn_builder.batch_order)
         self.stepper = platform.make_stepper(self.model, self.device, self.limits)
+        self.stepper.attn_builder = self.attn_builder
         sampler = registry.get("sampler", config.sampler.name)
         self.sampler = sampler.spec.factory(config.sampler, ctx)
         self.requests: dict[str, CachedRequestState] = {}

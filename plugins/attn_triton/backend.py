@@ -58,23 +58,35 @@ class TritonMetadata:
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """Decodes first (the split-KV path takes the leading rows); the step's arrays go into
-    persistent int32 device buffers through pinned host memory. ``cuda_graphs`` stays False:
-    the grids are sized per step (a runner capturing decode graphs would pad them)."""
+    persistent int32 device buffers through pinned host memory.
+
+    ``cuda_graphs``: a CUDA graph captured for a decode batch of ``B`` rows replays any
+    decode-only step of ``n <= B`` rows within the limits, because (1) every buffer keeps its
+    address for steps within the limits; (2) the block table has a fixed row stride (the
+    widest a request can need), which the kernels take as an argument; (3) the decode tile
+    grid is the same every step (one tile per request), so it is put on the device once; and
+    (4) a decode-only step fills its rows past the last, up to ``max_num_seqs``, with padding
+    rows that store nothing (slot -1, which ``write_kv`` skips) and attend to no key (sequence
+    length 0: the kernels' key loop is empty and the row's output is 0), so the stale values
+    of an earlier, larger step never reach a replayed graph. A graph's decodes take the
+    single-pass kernel: split-KV is chosen per step from the lengths, which a graph cannot."""
 
     batch_order = BatchOrder.DECODES_FIRST
-    cuda_graphs = False
+    cuda_graphs = True
 
     def __init__(self, limits: AttentionBuildLimits, options: TritonAttentionOptions) -> None:
         dev, n, t = limits.device, limits.max_num_seqs, limits.max_num_batched_tokens
         self.options = options
-        self._slots = DeviceArray((t,), torch.int64, dev)
+        # Slots of a step's tokens, or of the max_num_seqs rows a decode-only step is padded to.
+        self._slots = DeviceArray((max(t, n),), torch.int64, dev)
         self._qsl = DeviceArray((n + 1,), torch.int32, dev)
         self._seq = DeviceArray((n,), torch.int32, dev)
         self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int32, dev)
         self._limits = limits
-        # Per grid (decode or prefill part, tile height): its own persistent buffers, so one
-        # grid's copy never overwrites another's view within a step.
+        # Per prefill grid (tile height): its own persistent buffers, so one grid's copy never
+        # overwrites another's view within a step.
         self._grids: dict[tuple[str, int], tuple[DeviceArray, DeviceArray]] = {}
+        self._decode_grid: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def num_splits(self, common: CommonAttentionMetadata) -> int:
         """Split-KV for the decodes when they are few and long: enough ranges that each holds
@@ -89,11 +101,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     def tile_grid(self, key: tuple[str, int], query_lens: np.ndarray, first: int, last: int,
                   block_q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if key[0] == "decode" and first == 0:
+            return self.decode_grid(last)
         buffers = self._grids.get(key)
         if buffers is None:
-            size = (self._limits.max_num_seqs if key[0] == "decode"
-                    else self._limits.max_num_batched_tokens)
-            dev = self._limits.device
+            size, dev = self._limits.max_num_batched_tokens, self._limits.device
             buffers = self._grids[key] = (DeviceArray((size,), torch.int32, dev),
                                           DeviceArray((size,), torch.int32, dev))
         lens = query_lens[first:last]
@@ -105,15 +117,37 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         q = ((np.arange(total) - np.repeat(starts, per_req)) * block_q).astype(np.int32)
         return buffers[0].put(req), buffers[1].put(q), total
 
+    def decode_grid(self, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The tiles of decodes ``0 .. num_decodes - 1``: one each (a single query token fits
+        any tile height), request ``i`` from query index 0, whatever the step."""
+        grid = self._decode_grid
+        if grid is None or grid[0].numel() < num_decodes:
+            size = max(num_decodes, self._limits.max_num_seqs)
+            dev = self._limits.device
+            grid = self._decode_grid = (torch.arange(size, dtype=torch.int32, device=dev),
+                                        torch.zeros(size, dtype=torch.int32, device=dev))
+        return grid[0][:num_decodes], grid[1][:num_decodes], num_decodes
+
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        qsl = common.query_start_loc
+        n, t = common.num_reqs, common.num_actual_tokens
+        qsl, seq_lens, slots = common.query_start_loc, common.seq_lens, common.slot_mapping
+        rows = self._limits.max_num_seqs
+        if common.num_decodes == n and n < rows:    # decode-only: padded to max_num_seqs rows
+            qsl = np.arange(rows + 1, dtype=np.int32)
+            seq_lens = np.concatenate([seq_lens, np.zeros(rows - n, dtype=seq_lens.dtype)])
+            slots = np.concatenate([slots, np.full(rows - n, -1, dtype=slots.dtype)])
+        table = common.block_table
+        width = max(self._limits.max_blocks_per_seq, table.shape[1])
+        if table.shape[1] != width:
+            wide = np.zeros((n, width), dtype=np.int32)
+            wide[:, :table.shape[1]] = table
+            table = wide
         return TritonMetadata(
-            builder=self, num_reqs=common.num_reqs, num_decodes=common.num_decodes,
+            builder=self, num_reqs=n, num_decodes=common.num_decodes,
             num_splits=self.num_splits(common),
-            slot_mapping=self._slots.put(common.slot_mapping),
-            query_start_loc=self._qsl.put(qsl), seq_lens=self._seq.put(common.seq_lens),
-            block_table=self._table.put(common.block_table),
-            query_lens=np.diff(qsl))
+            slot_mapping=self._slots.put(slots)[:t],
+            query_start_loc=self._qsl.put(qsl)[:n + 1], seq_lens=self._seq.put(seq_lens)[:n],
+            block_table=self._table.put(table), query_lens=np.diff(common.query_start_loc))
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -89,15 +89,3 @@ def zeroed_cpu_tensor(shape: tuple[int, ...] | int, dtype: torch.dtype,
         except OSError:                 # THP off in this kernel: 4 KiB pages, still zeroed
             pass
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
-
-
-def mem_available() -> int | None:
-    """Linux's estimate of the memory available to new allocations (bytes), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from corellm.platforms import Platform
-from corellm_plugins.platform_cpu.memory import mem_available, tune_malloc, zeroed_cpu_tensor
+from corellm.platforms import Platform, host_memory_available
+from corellm_plugins.platform_cpu.memory import tune_malloc, zeroed_cpu_tensor
 from corellm_plugins.platform_cpu.ops import CpuDeviceOps
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class CpuPlatform(Platform):
 
     def free_memory(self, device: torch.device, local_world_size: int = 1) -> int | None:
         """This worker's share of the host's available memory."""
-        available = mem_available()
+        available = host_memory_available()
         return None if available is None else available // max(1, local_world_size)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
