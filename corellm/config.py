@@ -219,9 +219,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
                 continue
         raw["name"] = name
         if section == "kv_cache" and "block_size" not in raw:
-            platform = values.get("platform")
-            raw["block_size"] = (registry.get("platform", platform.name).spec.factory(platform)
-                                 .default_block_size if platform is not None else 16)
+            raw["block_size"] = _platform_block_size(values.get("platform"), registry, problems)
         if section == "attention" and name == "auto":     # resolved by each worker, per device
             values[section] = _validate_model(base, raw, section, problems,
                                               owner="attention.name: auto (name a backend to set "
@@ -246,6 +244,25 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
 
 
+def _platform_block_size(platform: PlatformOptions | None, registry: Registry,
+                         problems: list[tuple[str, str]]) -> int:
+    """The default ``kv_cache.block_size``: the platform's (16 when the platform section itself
+    is invalid). A platform whose factory fails is a problem on ``platform.name`` naming its
+    plugin."""
+    if platform is None:
+        return 16
+    from corellm.platforms import build_platform
+    try:
+        return build_platform(platform, registry).default_block_size
+    except (ConfigError, PluginError):
+        raise
+    except Exception as exc:
+        owner = registry.get("platform", platform.name, usable=False).plugin.describe()
+        problems.append(("platform.name", f"{platform.name!r} ({owner}) could not be built: "
+                                          f"{exc!r}"))
+        return 16
+
+
 def _move_deprecated_model_keys(data: dict[str, Any],
                                 problems: list[tuple[str, str]]) -> dict[str, Any]:
     """``model.device``, ``model.cpu_weight_packing`` and ``model.cpu_fused_ops`` (before the
@@ -268,6 +285,8 @@ def _move_deprecated_model_keys(data: dict[str, Any],
                       f"use platform.{target}", ConfigDeprecationWarning, stacklevel=4)
         if new is None and value == "auto":
             continue
+        if target == "name" and platform.get("name") == "auto":
+            platform.pop("name")                 # auto is the default the old key overrides
         if target in platform and platform[target] != value:
             problems.append((f"model.{old}", f"{value!r} contradicts platform.{target}="
                                              f"{platform[target]!r} (the same setting; give "

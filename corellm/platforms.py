@@ -181,11 +181,12 @@ class Platform(ABC):
         ``local_world_size`` workers share the device's memory), or None where unknown."""
 
     def kv_cache_budget(self, device: torch.device, local_world_size: int,
-                        profile: Callable[[], None]) -> int:
+                        profile: Callable[[], int]) -> int:
         """Bytes of KV cache a worker allocates when the config sets neither
         ``kv_cache.num_blocks`` nor ``kv_cache.memory_gib``. ``profile`` runs one forward of the
-        largest step the scheduler can plan (``max_num_batched_tokens`` tokens), for a platform
-        that sizes the cache from the memory that forward leaves (the CUDA platform's
+        largest step the scheduler can plan (``max_num_batched_tokens`` tokens) and returns the
+        bytes of the scratch KV cache it ran over (part of a peak measured around it), for a
+        platform that sizes the cache from the memory that forward leaves (the CUDA platform's
         ``gpu_memory_utilization``, vLLM's rule). The reference: 1 GiB, no profiling."""
         return 1 << 30
 

@@ -105,6 +105,10 @@ def test_deprecated_model_keys_move_to_the_platform_with_a_warning(registry):
                                                       "platform.name"):
         cfg = load_config({"model": {"device": "cpu"}}, registry=registry)
     assert cfg.platform.name == "cpu"
+    with pytest.warns(ConfigDeprecationWarning):     # an explicit auto is the default it overrides
+        cfg = load_config({"model": {"device": "cpu"}, "platform": {"name": "auto"}},
+                          registry=registry)
+    assert cfg.platform.name == "cpu"
     with pytest.warns(ConfigDeprecationWarning, match="use platform.weight_packing"):
         cfg = load_config({"model": {"cpu_weight_packing": False}}, registry=registry)
     assert cfg.platform.weight_packing is False and cfg.platform.fused_ops is True

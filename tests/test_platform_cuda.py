@@ -200,11 +200,13 @@ def test_allocatable_memory_counts_torch_reserved_but_unused():
 
 class _FakeCuda:
     """Stands for torch.cuda's memory calls: a device of 80 GiB with 0.5 GiB used at the start,
-    8 GiB of weights, and a profile that peaks at 10 GiB and leaves 1 GiB more outside torch."""
+    8 GiB of weights, and a profile that peaks at 12 GiB, 2 GiB of it its scratch KV cache, and
+    leaves 1 GiB more outside torch."""
 
     def __init__(self, monkeypatch):
         self.log: list[str] = []
         self.profiled = False
+        self.scratch = 2 * GIB
         for name in ("synchronize", "empty_cache", "set_device"):
             monkeypatch.setattr(torch.cuda, name,
                                 lambda *a, _n=name: self.log.append(_n))
@@ -212,7 +214,7 @@ class _FakeCuda:
                             lambda *a: self.log.append("reset_peak"))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated",
-                            lambda *a: (self.log.append("peak"), 10 * GIB)[1])
+                            lambda *a: (self.log.append("peak"), 12 * GIB)[1])
         monkeypatch.setattr(torch.cuda, "memory_reserved",
                             lambda *a: 8 * GIB if self.profiled else 0)
         monkeypatch.setattr(torch.cuda, "memory_allocated",
@@ -226,6 +228,7 @@ class _FakeCuda:
     def profile(self):
         self.log.append("profile")
         self.profiled = True
+        return self.scratch
 
 
 def test_the_budget_is_measured_around_the_profiling_forward(monkeypatch):
@@ -236,7 +239,8 @@ def test_the_budget_is_measured_around_the_profiling_forward(monkeypatch):
     assert platform.device(1) == dev                   # the start is measured once per device
     cuda.log.clear()
     budget = platform.kv_cache_budget(dev, 1, cuda.profile)
-    assert budget == 40 * GIB - 10 * GIB - 1 * GIB      # the 0.5 GiB of the start not counted
+    # the 0.5 GiB of the start and the profile's 2 GiB scratch cache not counted
+    assert budget == 40 * GIB - 10 * GIB - 1 * GIB
     # The peak restarts before the profile and is read after it has finished on the device.
     assert cuda.log == ["synchronize", "empty_cache", "reset_peak", "profile", "synchronize",
                         "peak", "empty_cache"]

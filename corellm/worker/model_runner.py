@@ -256,11 +256,12 @@ class ModelRunner:
         self.platform.warm_up(self.stepper)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """One forward of the largest step the scheduler can plan (``max_num_batched_tokens``
         prompt tokens, in sequences of at most ``max_model_len``), over a scratch KV cache of
         just the blocks it needs, which is freed after: what a platform that sizes the KV cache
-        from the memory left (``Platform.kv_cache_budget``) measures."""
+        from the memory left (``Platform.kv_cache_budget``) measures. Returns the scratch
+        cache's bytes, which are part of any peak measured around it but not of the steps'."""
         total = max(1, min(self.setup.max_num_batched_tokens,
                            self.setup.max_num_seqs * self.setup.max_model_len))
         lens = []
@@ -269,6 +270,7 @@ class ModelRunner:
         bs = self.block_size
         nblocks = [-(-n // bs) for n in lens]
         self.initialize_kv_cache(sum(nblocks))
+        scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         try:
             starts = np.cumsum([0] + nblocks[:-1])
             block_table = np.zeros((len(lens), max(nblocks)), dtype=np.int64)
@@ -294,6 +296,7 @@ class ModelRunner:
             self.kv_caches = []
             self.model.bind_kv_caches([torch.empty(0, dtype=self.dtype, device=self.device)
                                        for _ in self.attn_layers])
+        return scratch
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -136,16 +136,17 @@ class CudaPlatform(Platform):
         return snapshot(device).allocatable
 
     def kv_cache_budget(self, device: torch.device, local_world_size: int,
-                        profile: Callable[[], None]) -> int:
+                        profile: Callable[[], int]) -> int:
         """``gpu_memory_utilization`` of the device's memory, less the peak of a forward of the
-        largest step (weights included) and the non-torch memory this process added
+        largest step (weights included; the profile's scratch KV cache, which ``profile``
+        returns the size of, left out) and the non-torch memory this process added
         (``memory.kv_budget_bytes``)."""
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)     # the peak restarts at the weights
-        profile()
+        scratch = profile() or 0
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = max(0, torch.cuda.max_memory_allocated(device) - scratch)
         torch.cuda.empty_cache()                       # the profile's scratch is free again
         after = snapshot(device)
         budget = kv_budget_bytes(self.options.gpu_memory_utilization, after, peak,
