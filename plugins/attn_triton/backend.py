@@ -62,8 +62,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     ``cuda_graphs``: a CUDA graph captured for a decode batch of ``B`` rows replays any
     decode-only step of ``n <= B`` rows within the limits, because (1) every buffer keeps its
-    address for steps within the limits; (2) the block table has a fixed row stride (the
-    widest a request can need), which the kernels take as an argument; (3) the decode tile
+    address for steps within the limits; (2) a decode-only step's block table has a fixed row
+    stride (the widest a request can need), which the kernels take as an argument; (3) the decode tile
     grid is the same every step (one tile per request), so it is put on the device once; and
     (4) a decode-only step fills its rows past the last, up to ``max_num_seqs``, with padding
     rows that store nothing (slot -1, which ``write_kv`` skips) and attend to no key (sequence
@@ -138,7 +138,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             slots = np.concatenate([slots, np.full(rows - n, -1, dtype=slots.dtype)])
         table = common.block_table
         width = max(self._limits.max_blocks_per_seq, table.shape[1])
-        if table.shape[1] != width:
+        # Only a decode-only step can replay a graph: the others keep their narrower table
+        # (fewer bytes to copy at long max_model_len), as the kernels take the stride.
+        if common.num_decodes == n and table.shape[1] != width:
             wide = np.zeros((n, width), dtype=np.int32)
             wide[:, :table.shape[1]] = table
             table = wide
