@@ -501,11 +501,16 @@ class _LauncherBackend(_Backend):
                                 f"the engine runs on rank 0, but this process is RANK={rank} "
                                 "(its command should run the worker: corellm serve/generate "
                                 "do that by themselves)")])
+        import torch.distributed as dist
+
         from corellm.worker.worker import Worker
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.tp)))
         device = self.platform.device(local_rank)
         self.parallel = init_parallel(self.config.parallel, 0, "env://", device, self.platform)
+        # The other ranks build their workers from this setup, not from their own reading of
+        # the checkpoint (launcher_worker receives it).
+        dist.broadcast_object_list([self.setup], src=0, group=self.parallel.cpu_group)
         self.worker = Worker(self.config, self.registry, self.parallel, local_rank=local_rank,
                              local_world_size=local_world, setup=self.setup,
                              platform=self.platform)
@@ -601,8 +606,10 @@ def launcher_worker(config: EngineConfig, registry: Registry) -> int:
     parallel = None
     try:
         parallel = init_parallel(config.parallel, rank, "env://", device, platform)
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=parallel.cpu_group)    # rank 0's setup
         worker = Worker(config, registry, parallel, local_rank=local_rank,
-                        local_world_size=local_world, platform=platform)
+                        local_world_size=local_world, setup=box[0], platform=platform)
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=parallel.cpu_group)
