@@ -4,7 +4,11 @@ exactly as it does for a pip-installed package."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -17,3 +21,44 @@ def install_fake_dist(root: Path, dist: str, version: str, modules: dict[str, st
     (info / "entry_points.txt").write_text(f"[corellm]\n{eps}\n")
     for module, source in modules.items():
         (root / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+def fresh_venv(tmp_path: Path, timeout: float = 120
+               ) -> tuple[Path, Callable[..., subprocess.CompletedProcess]]:
+    """A throwaway virtual environment in ``tmp_path`` that sees this one's packages (torch,
+    pydantic, ...), and ``run(*args, timeout=...)``: its python run on ``args`` from
+    ``tmp_path`` with the hub offline and a private corellm cache, asserting exit status 0.
+    Returns (its site-packages, run)."""
+    venv = tmp_path / "venv"
+    # --without-pip: pip and setuptools then come from the system site-packages. The copies that
+    # ensurepip would put in the venv take seconds to install, and the bundled setuptools may be
+    # too old to build a wheel without the `wheel` package.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=60)
+    python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
+    site_packages = Path(subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip())
+    assert site_packages.resolve().is_relative_to(venv.resolve())
+    if sys.prefix != sys.base_prefix:
+        # pytest runs inside a venv. --system-site-packages then exposes the base interpreter's
+        # packages, not this venv's, so also expose this venv's site-packages. They go after
+        # the new venv's own site-packages.
+        import site
+        (site_packages / "_outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV",
+                        "CORELLM_PLUGINS")}
+    env.update(CORELLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIP_USER="0")
+
+    def run(*args: str, timeout: float = timeout) -> subprocess.CompletedProcess:
+        # cwd=tmp_path: `python -m` puts the cwd first on sys.path, and no source tree of the
+        # checkout may be there.
+        proc = subprocess.run([str(python), *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        assert proc.returncode == 0, (f"{' '.join(args)} exited {proc.returncode}\n"
+                                      f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        return proc
+
+    return site_packages, run

@@ -341,32 +341,9 @@ def test_installed_platform_in_fresh_venv(tmp_path, llama_path):
     environment that sees this environment's corellm, and uses it from the command line and
     from Python, discovered through its entry point."""
     from tests.test_example_plugin import _copy_tree
+    from tests.plugin_fixtures import fresh_venv
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True, timeout=60)
-    python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
-    site_packages = Path(subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip())
-    if sys.prefix != sys.base_prefix:   # as in test_example_plugin: expose this venv's packages
-        import site
-        (site_packages / "_outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV",
-                        "CORELLM_PLUGINS")}
-    env.update(CORELLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIP_USER="0")
-
-    def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        # cwd=tmp_path: `python -m` puts the cwd first on sys.path; the example's source tree
-        # must not be there.
-        proc = subprocess.run([str(python), *args], check=False, cwd=tmp_path, env=env,
-                              capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, (f"{' '.join(args)} exited {proc.returncode}\n"
-                                      f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-        return proc
+    site_packages, run = fresh_venv(tmp_path, timeout=180)
 
     copy = _copy_tree(EXAMPLE, tmp_path / "src" / EXAMPLE.name)
     run("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",

@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -20,6 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import assert_pool_whole, engine_config
+from tests.plugin_fixtures import fresh_venv
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "corellm-spf-scheduler"
@@ -173,38 +172,7 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 
 @pytest.mark.slow
 def test_installed_plugin_in_fresh_venv(tmp_path, llama_path):
-    venv = tmp_path / "venv"
-    # --without-pip: pip and setuptools then come from the system site-packages. The copies that
-    # ensurepip would put in the venv take seconds to install, and the bundled setuptools may be too
-    # old to build a wheel without the `wheel` package.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True, timeout=60)
-    python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
-    site_packages = Path(subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip())
-    assert site_packages.resolve().is_relative_to(venv.resolve())
-    if sys.prefix != sys.base_prefix:
-        # pytest runs inside a venv. --system-site-packages then exposes the base interpreter's
-        # packages, not this venv's, so also expose this venv's site-packages (torch, pydantic,
-        # ...). They go after the new venv's own site-packages.
-        import site
-        (site_packages / "_outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV",
-                        "CORELLM_PLUGINS")}
-    env.update(CORELLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIP_USER="0")
-
-    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        # cwd=tmp_path: `python -m` puts the cwd first on sys.path, and the checkout must not be
-        # there.
-        proc = subprocess.run([str(python), *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, (f"{' '.join(args)} exited {proc.returncode}\n"
-                                      f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-        return proc
+    site_packages, run = fresh_venv(tmp_path)
 
     for src in (REPO, EXAMPLE):
         copy = _copy_tree(src, tmp_path / "src" / src.name)
