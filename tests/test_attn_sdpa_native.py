@@ -29,6 +29,7 @@ from corellm_plugins.platform_cpu import CpuOptions
 from corellm_plugins.platform_cpu.platform import CpuPlatform
 from tests.attn_reference import common_metadata, paged_cache, reference_attention
 from tests.conftest import assert_pool_whole, engine_config
+from tests.cpu_threads import cpu_threads
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
 
 CPU = torch.device("cpu")
@@ -114,15 +115,11 @@ def test_native_decode_matches_float64_reference(heads, kv_heads, head_size, blo
 def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
     """Fewer decodes than threads split by KV head (one work item per request and KV head);
     as many or more take whole requests: the same results either way."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(threads):
         layer = AttentionLayerSpec(0, 6, 3, 64, scale=0.125, sliding_window=40)
         for reqs in ([(70, 1)], [(70, 1), (33, 1), (0, 19)]):
             out, ref = _step(_backend("native", dtype), layer, reqs, 16, dtype, seed=threads)
             torch.testing.assert_close(out.double(), ref, atol=_TOL[dtype], rtol=_TOL[dtype])
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
@@ -130,15 +127,11 @@ def test_native_decode_with_fewer_requests_than_threads(threads, dtype):
 def test_decode_only_steps(threads, reqs):
     """Steps of decodes only (the kernel writes every new row itself; a lone one-token prompt;
     one sequence split by KV head across threads), a head size without an unrolled loop."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(threads):
         layer = AttentionLayerSpec(0, 6, 3, 80, scale=0.1)
         out, ref = _step(_backend("native"), layer, reqs, 16, torch.float32, seed=threads)
         assert not out.isnan().any()
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("reqs,kind,prefill", [
@@ -245,14 +238,10 @@ def test_native_prefill_thread_counts(threads):
     """Work items (prefill, row chunk, KV head) go to threads dynamically, in smaller chunks
     while there are fewer items than threads (one KV head, one prompt, 16 threads): the result
     does not depend on how many."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(threads):
         layer = AttentionLayerSpec(0, 6, 1, 64, scale=0.125)
         out, ref = _step(_backend("native"), layer, [(0, 131), (17, 3)], 16, torch.float32)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("window", [1, 8, 16, 100])

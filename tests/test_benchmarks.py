@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,44 @@ def test_throughput_benchmark(llama_path, tmp_path):
     assert "the median of 2 timed runs" in table
     assert bench.write_plot(results, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_throughput_benchmark_under_load(llama_path, tmp_path):
+    """--noise-procs: each engine times the main workload again beside busy neighbours, which
+    are gone afterwards; the table gives the slowdown against what the neighbours explain."""
+    bench = load("throughput")
+
+    def neighbours() -> set[int]:
+        found = set()
+        for proc in Path("/proc").iterdir():
+            try:
+                stat = (proc / "stat").read_text()
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"while True" in cmd:
+                found.add(int(proc.name))
+        return found
+
+    results = bench.run_benchmark(["--model", str(llama_path), "--num-requests", "3",
+                                   "--input-len", "8:16", "--output-len", "4:8", "--skip-hf",
+                                   "--warmup-requests", "1", "--no-phases",
+                                   "--no-compute-limit", "--noise-procs", "1", "--no-tqdm"])
+    assert not neighbours()                      # stopped after the loaded runs
+    load_facts = results["workload"]["under_load"]
+    assert load_facts["neighbours"] == 1 and load_facts["cpus"] >= 1
+    core = results["engines"][0]
+    ul = core["under_load"]
+    assert ul["output_tokens"] == results["workload"]["requested_output_tokens"]
+    assert ul["output_tok_s"] == ul["output_tokens"] / ul["wall_s"] and ul["cores_used"] > 0
+    table = bench.format_tables(results)
+    cpus = load_facts["cpus"]
+    assert f"explains a slowdown of {bench.explained_slowdown(cpus, 1):.2f}x" in table
+    assert bench.explained_slowdown(2, 1) == 1.5 and bench.explained_slowdown(4, 0) == 1.0
+    assert bench.write_plot(results, str(tmp_path / "load.png"))
+    with pytest.raises(SystemExit, match="not with --cpu-quota"):
+        bench.run_benchmark(["--model", str(llama_path), "--num-requests", "1", "--skip-hf",
+                             "--noise-procs", "1", "--cpu-quota", "1"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

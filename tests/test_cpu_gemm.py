@@ -15,6 +15,7 @@ from corellm_plugins.platform_cpu import ops as cpu_ops_module
 from corellm_plugins.platform_cpu.gemm import GemmPlan, PackedLinear
 from corellm_plugins.platform_cpu.kernels import cpu_ops
 from corellm_plugins.platform_cpu.ops import CpuDeviceOps
+from tests.cpu_threads import cpu_threads
 
 GEMM = gemm.native_gemm()
 pytestmark = pytest.mark.skipif(GEMM is None, reason="no C compiler on this machine")
@@ -131,13 +132,9 @@ def test_rows_are_batch_invariant_and_threads_do_not_change_bits():
     for i in (0, 5, 6, 191, 192, 199):
         assert torch.equal(GEMM.linear(x[i:i + 1], packed, 70, b), full[i:i + 1])
     assert torch.equal(GEMM.linear(x[7:50], packed, 70, b), full[7:50])
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 3):
-            torch.set_num_threads(t)
+    for t in (1, 3, 7):
+        with cpu_threads(t):
             assert torch.equal(GEMM.linear(x, packed, 70, b), full)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_strided_inputs_and_weights():

@@ -197,7 +197,9 @@ def test_greedy_matches_transformers_in_bfloat16(make_checkpoint, arch, gemm, mo
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
     results = hf_greedy(model, prompts, gen_cfg)
-    cfg = engine_config(path, model={"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN})
+    # The CPU platform's bf16 kernels by name (platform auto picks cuda where a GPU is visible).
+    cfg = engine_config(path, platform={"name": "cpu"},
+                        model={"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN})
     with LLM(cfg) as llm:
         model = llm.engine.executor.worker.runner.model
         assert next(model.parameters()).dtype == torch.bfloat16

@@ -471,8 +471,10 @@ def test_the_stepper_serves_an_engine_as_the_reference_does(llama_path, monkeypa
     from tests.test_hf_equivalence import make_prompts
     prompts = [{"prompt_token_ids": p} for p in make_prompts(1024)[:5]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    cfg = engine_config(llama_path, scheduler={"max_num_batched_tokens": 24},
-                        attention={"name": "torch_sdpa"})
+    # The CPU platform by name: platform auto would pick cuda (and its own stepper, twice)
+    # where a GPU is visible.
+    cfg = engine_config(llama_path, platform={"name": "cpu"},
+                        scheduler={"max_num_batched_tokens": 24}, attention={"name": "torch_sdpa"})
     tokens = []
     for stepper in ("reference", "cuda"):
         if stepper == "cuda":
@@ -669,6 +671,18 @@ def test_graph_replay_gives_the_tokens_of_eager_steps(llama_path):
     assert tokens[True] == tokens[False]
 
 
+def _release_device_memory(llm) -> None:
+    """Drop an engine's KV cache and captured graphs: ``LLM.shutdown()`` leaves the uniproc
+    executor's worker, and the device memory it holds, alive as long as the engine is
+    referenced, and the conftest keeps every engine of a test until the test's end."""
+    runner = llm.engine.executor.worker.runner
+    runner.kv_caches = []
+    runner.model.bind_kv_caches([torch.empty(0, dtype=runner.dtype, device=runner.device)
+                                 for _ in runner.attn_layers])
+    runner.stepper.captured.clear()
+    runner.stepper.graphs.enable([])
+
+
 @pytest.mark.gpu
 @no_cuda
 def test_kv_cache_sized_from_gpu_memory_utilization(llama_path):
@@ -682,6 +696,9 @@ def test_kv_cache_sized_from_gpu_memory_utilization(llama_path):
         assert torch.cuda.memory_allocated() < GIB, "an earlier engine's memory is still held"
         cfg = engine_config(llama_path, platform={"name": "cuda", "gpu_memory_utilization": util})
         del cfg["kv_cache"]["num_blocks"]
+        # Large blocks: a tiny model's 0.6 of a GPU is millions of 16-token blocks, which the
+        # pool's bookkeeping (and the conftest's invariant checks) would walk in Python.
+        cfg["kv_cache"]["block_size"] = 256
         with LLM(cfg) as llm:
             runner = llm.engine.executor.worker.runner
             sizes[util] = llm.engine.kv_cache_manager.num_blocks
@@ -690,6 +707,8 @@ def test_kv_cache_sized_from_gpu_memory_utilization(llama_path):
             # the weights and a profiling step of a tiny model are well under 0.3 of a GPU
             assert sizes[util] * per_block > (util - 0.1) * total
             assert sizes[util] * per_block <= util * total
+            _release_device_memory(llm)
+        del llm, runner
     assert sizes[0.6] > 1.9 * sizes[0.3]
 
 

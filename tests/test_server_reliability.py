@@ -134,15 +134,18 @@ def test_worst_allowed_request_does_not_stall_others(server):
     done = threading.Event()
     counts = {"events": 0, "finished": 0}
 
+    rounds = 3          # back to back: a fast machine serves one before three probes end
+
     def run_worst():
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=worst,
-                              timeout=120) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        counts["events"] += 1
-                        counts["finished"] += line.count('"finish_reason": "length"')
+            for _ in range(rounds):
+                with httpx.stream("POST", server.url + "/v1/completions", json=worst,
+                                  timeout=120) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            counts["events"] += 1
+                            counts["finished"] += line.count('"finish_reason": "length"')
         finally:
             done.set()
 
@@ -158,14 +161,14 @@ def test_worst_allowed_request_does_not_stall_others(server):
         r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
         assert r.status_code == 200, r.text
         one_token.append(time.perf_counter() - t0)
-    t.join(120)
+    t.join(3 * 120)
     assert not t.is_alive()
     print(f"\nwhile the worst allowed request ran: /health max {max(health) * 1e3:.0f} ms "
           f"(median {statistics.median(health) * 1e3:.0f}), 1-token completion max "
           f"{max(one_token) * 1e3:.0f} ms (median {statistics.median(one_token) * 1e3:.0f}); "
           f"{len(health)} probes")
     assert len(health) >= 3, "the worst request ended before it could be measured against"
-    assert counts["finished"] == 128          # and it was served in full
+    assert counts["finished"] == 128 * rounds          # and it was served in full
     assert max(health) < 3.0 and max(one_token) < 3.0, (health, one_token)
 
 

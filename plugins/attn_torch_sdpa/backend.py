@@ -269,15 +269,14 @@ class _NativeKernels:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = getattr(lib, f"corellm_paged_decode_{_NATIVE_DTYPES[dtype]}")
         self._decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+                                 ctypes.c_float, i64, ptr, i64, ptr, i64, ptr, i64]
         self._decode.restype = ctypes.c_int
         self._prefill = getattr(lib, f"corellm_paged_prefill_{_NATIVE_DTYPES[dtype]}")
         self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
-                                  i64, ctypes.c_float, i64, ctypes.c_int]
+                                  i64, ctypes.c_float, i64]
         self._prefill.restype = ctypes.c_int
         self._write = lib.corellm_write_kv
-        self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                                ctypes.c_int]
+        self._write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._write.restype = ctypes.c_int
         self.dtype = dtype
 
@@ -304,7 +303,7 @@ class _NativeKernels:
         row = hkv * d * kv_cache.element_size()
         if self._write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                        *_kv_ptrs(kv_cache), slots.data_ptr(), _num_slots(kv_cache), t, row,
-                       kv_cache.element_size(), torch.get_num_threads()):
+                       kv_cache.element_size()):
             raise _slot_error(slots, kv_cache)
         return True
 
@@ -336,7 +335,7 @@ class _NativeKernels:
                           seq.data_ptr(), out.data_ptr(), nd, layer.num_heads,
                           layer.num_kv_heads, layer.head_size, md.block_size, layer.scale,
                           layer.sliding_window or 0, kn, kn_stride, kv, kv_stride, slots,
-                          _num_slots(kv_cache), torch.get_num_threads())
+                          _num_slots(kv_cache))
         if rc == -2:
             raise _slot_error(new_kv[2][:nd], kv_cache)
         if rc != 0:
@@ -355,7 +354,7 @@ class _NativeKernels:
                            table.data_ptr(), table.stride(0),
                            md.prefill_meta.data_ptr(), md.prefill_meta.shape[0], out.data_ptr(),
                            layer.num_heads, layer.num_kv_heads, layer.head_size, md.block_size,
-                           layer.scale, layer.sliding_window or 0, torch.get_num_threads())
+                           layer.scale, layer.sliding_window or 0)
         if rc != 0:
             raise MemoryError("paged prefill attention: out of memory for its scratch buffers")
 

@@ -1,7 +1,8 @@
 /* Paged decode attention and KV writes for CPUs, reading the cache in place.
  *
- * Built on first use by corellm.native (cc -O3 -march=native -ffast-math -fopenmp) and called
- * through ctypes with raw pointers: no torch headers, so the build takes about a second.
+ * Built on first use by the CPU platform (Platform.native_library: cc -O3 -march=native
+ * -ffast-math) and called through ctypes with raw pointers: no torch headers, so the build
+ * takes about a second. Its loops run on the platform's thread pool (corellm_pool.h).
  *
  * Cache layout (the torch_sdpa backend's KVCacheSpec): K and V each [num_blocks, block_size,
  * num_kv_heads, head_size], contiguous. Element types: float32, or bfloat16 stored as uint16
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "corellm_pool.h"     /* the CPU platform's thread pool */
 #include "corellm_tile.h"     /* the CPU platform's GEMM micro-kernel and bf16 conversions
                                * (its csrc/, on the include path of Platform.native_library) */
 
@@ -42,8 +44,8 @@ static inline void st_bf16(bf16_t *p, int64_t i, float x) { p[i] = to_bf16(x); }
  * 1024, the same at 64-300; fp32 rows gained nothing from it (docs/attention.md). */
 #define DECODE_PF_BF16 4
 
-/* Scores buffer: G * span floats per work item, grown as needed, one per thread; 64-byte
- * aligned, so that the vectors of the queries and outputs after the scores (each at a multiple
+/* Scores buffer: G * span floats per work item, grown as needed, one per thread of the pool
+ * (which lives as long as the process, so it is allocated once, not per call); 64-byte aligned, so that the vectors of the queries and outputs after the scores (each at a multiple
  * of 16 floats) never straddle two cache lines: on an AMD EPYC (Zen 4) the fp32 decode kernel
  * was 1.035-1.08x as fast at 128-512 tokens of context as with malloc's 16-byte alignment. */
 static float *scratch(float **buf, int64_t *cap, int64_t n) {
@@ -55,6 +57,7 @@ static float *scratch(float **buf, int64_t *cap, int64_t n) {
     return *buf;
 }
 #define ALIGN16(n) (((n) + 15) / 16 * 16)      /* floats to the next multiple of 64 bytes */
+static __thread struct { float *buf; int64_t cap; } decode_scratch;
 
 /* Whether any of n slots lies past the cache's num_slots (a KV manager's bug): both writers
  * check this before they write anything. */
@@ -143,6 +146,43 @@ static int decode_seq_##SUFFIX##_##HD(                                          
 DECODE_SEQ(SUFFIX, T, LD, ST, 0)                                                              \
 DECODE_SEQ(SUFFIX, T, LD, ST, 64)                                                             \
 DECODE_SEQ(SUFFIX, T, LD, ST, 128)                                                            \
+typedef struct {                                                                              \
+    const T *q; int64_t q_stride; T *k_cache, *v_cache; const int64_t *block_table;           \
+    int64_t table_stride; const int64_t *seq_lens; T *out;                                    \
+    int64_t num_heads, num_kv_heads, head_size, block_size; float scale; int64_t window;       \
+    const T *k_new; int64_t k_new_stride; const T *v_new; int64_t v_new_stride;               \
+    const int64_t *slots; int64_t per, parts; int failed;                                     \
+} decode_args_##SUFFIX;                                                                       \
+/* work items [w0, w1): item w is sequence w / parts, KV heads [g0, g0 + per) */              \
+static void decode_items_##SUFFIX(void *ctx, int64_t w0, int64_t w1, int tid) {               \
+    decode_args_##SUFFIX *a = ctx;                                                            \
+    (void)tid;                                                                                \
+    for (int64_t w = w0; w < w1; ++w) {                                                       \
+        const int64_t i = w / a->parts, g0 = (w % a->parts) * a->per, g1 = g0 + a->per;       \
+        const T *qi = a->q + i * a->q_stride;                                                 \
+        const int64_t *ti = a->block_table + i * a->table_stride;                             \
+        T *oi = a->out + i * a->num_heads * a->head_size;                                     \
+        const T *kn = a->k_new ? a->k_new + i * a->k_new_stride : NULL;                       \
+        const T *vn = a->k_new ? a->v_new + i * a->v_new_stride : NULL;                       \
+        const int64_t slot = a->k_new ? a->slots[i] : -1;                                     \
+        int rc;                                                                               \
+        if (a->head_size == 64)                                                               \
+            rc = decode_seq_##SUFFIX##_64(qi, a->k_cache, a->v_cache, ti, a->seq_lens[i], oi, \
+                    a->num_heads, a->num_kv_heads, 64, a->block_size, a->scale, a->window,    \
+                    g0, g1, kn, vn, slot, &decode_scratch.buf, &decode_scratch.cap);          \
+        else if (a->head_size == 128)                                                         \
+            rc = decode_seq_##SUFFIX##_128(qi, a->k_cache, a->v_cache, ti, a->seq_lens[i],    \
+                    oi, a->num_heads, a->num_kv_heads, 128, a->block_size, a->scale,          \
+                    a->window, g0, g1, kn, vn, slot, &decode_scratch.buf,                     \
+                    &decode_scratch.cap);                                                     \
+        else                                                                                  \
+            rc = decode_seq_##SUFFIX##_0(qi, a->k_cache, a->v_cache, ti, a->seq_lens[i], oi,  \
+                    a->num_heads, a->num_kv_heads, a->head_size, a->block_size, a->scale,     \
+                    a->window, g0, g1, kn, vn, slot, &decode_scratch.buf,                     \
+                    &decode_scratch.cap);                                                     \
+        if (rc) __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);                            \
+    }                                                                                         \
+}                                                                                             \
 int corellm_paged_decode_##SUFFIX(                                                            \
         const T *q, int64_t q_stride, /* [n, H, D]: token stride, heads contiguous */         \
         T *k_cache, T *v_cache, const int64_t *block_table,                                   \
@@ -155,46 +195,17 @@ int corellm_paged_decode_##SUFFIX(                                              
          * may lie in a block another sequence of the call reads (the KV managers never      \
          * share a block that is still being written). */                                     \
         const T *k_new, int64_t k_new_stride, const T *v_new, int64_t v_new_stride,           \
-        const int64_t *slots, int64_t num_slots, int num_threads) {                           \
-    int failed = 0;                                                                           \
+        const int64_t *slots, int64_t num_slots) {                                            \
     if (k_new && slot_outside(slots, n, num_slots))                                           \
         return -2;                                /* nothing done: a slot outside the cache */ \
     /* whole sequences while there is one per thread, else one KV head each */                \
-    const int64_t per = n >= (int64_t)num_threads ? num_kv_heads : 1;                         \
-    const int64_t parts = num_kv_heads / per;                                                 \
-    _Pragma("omp parallel num_threads(num_threads)")                                          \
-    {                                                                                         \
-        float *buf = NULL; int64_t cap = 0;                                                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                               \
-        for (int64_t w = 0; w < n * parts; ++w) {                                             \
-            const int64_t i = w / parts, g0 = (w % parts) * per, g1 = g0 + per;               \
-            const T *qi = q + i * q_stride;                                                   \
-            const int64_t *ti = block_table + i * table_stride;                               \
-            T *oi = out + i * num_heads * head_size;                                          \
-            const T *kn = k_new ? k_new + i * k_new_stride : NULL;                            \
-            const T *vn = k_new ? v_new + i * v_new_stride : NULL;                            \
-            const int64_t slot = k_new ? slots[i] : -1;                                       \
-            int rc;                                                                           \
-            if (head_size == 64)                                                              \
-                rc = decode_seq_##SUFFIX##_64(qi, k_cache, v_cache, ti, seq_lens[i], oi,      \
-                        num_heads, num_kv_heads, 64, block_size, scale, window, g0, g1,       \
-                        kn, vn, slot, &buf, &cap);                                            \
-            else if (head_size == 128)                                                        \
-                rc = decode_seq_##SUFFIX##_128(qi, k_cache, v_cache, ti, seq_lens[i], oi,     \
-                        num_heads, num_kv_heads, 128, block_size, scale, window, g0, g1,      \
-                        kn, vn, slot, &buf, &cap);                                            \
-            else                                                                              \
-                rc = decode_seq_##SUFFIX##_0(qi, k_cache, v_cache, ti, seq_lens[i], oi,       \
-                        num_heads, num_kv_heads, head_size, block_size, scale, window, g0,    \
-                        g1, kn, vn, slot, &buf, &cap);                                        \
-            if (rc) {                                                                         \
-                _Pragma("omp atomic write")                                                   \
-                failed = 1;                                                                   \
-            }                                                                                 \
-        }                                                                                     \
-        free(buf);                                                                            \
-    }                                                                                         \
-    return failed ? -1 : 0;                                                                   \
+    const int64_t per = n >= (int64_t)corellm_pool_threads() ? num_kv_heads : 1;              \
+    decode_args_##SUFFIX a = {q, q_stride, k_cache, v_cache, block_table, table_stride,       \
+                              seq_lens, out, num_heads, num_kv_heads, head_size, block_size,  \
+                              scale, window, k_new, k_new_stride, v_new, v_new_stride, slots, \
+                              per, num_kv_heads / per, 0};                                     \
+    corellm_parallel_for(n * a.parts, 1, decode_items_##SUFFIX, &a);                          \
+    return a.failed ? -1 : 0;                                                                 \
 }
 
 DEFINE_DECODE(f32, float, ld_f32, st_f32)
@@ -204,20 +215,32 @@ DEFINE_DECODE(bf16, bf16_t, ld_bf16, st_bf16)
  * key + j * key_stride) go to cache slot slots[j] (of num_slots); negative slots are skipped.
  * For the rows the decode kernel does not write itself (prefills; decodes when the caller
  * writes them first). -2, nothing written: a slot outside the cache. */
+typedef struct {
+    const char *key; int64_t key_stride; const char *value; int64_t value_stride;
+    char *k_cache, *v_cache; const int64_t *slots; int64_t row_bytes, elem_bytes;
+} write_kv_args;
+
+static void write_kv_rows(void *ctx, int64_t j0, int64_t j1, int tid) {
+    const write_kv_args *a = ctx;
+    (void)tid;
+    for (int64_t j = j0; j < j1; ++j) {
+        const int64_t slot = a->slots[j];
+        if (slot < 0) continue;
+        memcpy(a->k_cache + slot * a->row_bytes, a->key + j * a->key_stride * a->elem_bytes,
+               (size_t)a->row_bytes);
+        memcpy(a->v_cache + slot * a->row_bytes, a->value + j * a->value_stride * a->elem_bytes,
+               (size_t)a->row_bytes);
+    }
+}
+
 int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
                      int64_t value_stride, char *k_cache, char *v_cache, const int64_t *slots,
-                     int64_t num_slots, int64_t n, int64_t row_bytes, int64_t elem_bytes,
-                     int num_threads) {
+                     int64_t num_slots, int64_t n, int64_t row_bytes, int64_t elem_bytes) {
     if (slot_outside(slots, n, num_slots))
         return -2;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(n >= 64)")
-    for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = slots[j];
-        if (slot < 0) continue;
-        memcpy(k_cache + slot * row_bytes, key + j * key_stride * elem_bytes, (size_t)row_bytes);
-        memcpy(v_cache + slot * row_bytes, value + j * value_stride * elem_bytes,
-               (size_t)row_bytes);
-    }
+    write_kv_args a = {key, key_stride, value, value_stride, k_cache, v_cache, slots, row_bytes,
+                       elem_bytes};
+    corellm_parallel_for(n, 64, write_kv_rows, &a);
     return 0;
 }
 
@@ -238,8 +261,8 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
  * as fast for prompts of 64-512 tokens, 1.36-2.05x at 1024-2048 (docs/attention.md). */
 #define PREFILL_ROWS 192    /* a multiple of MR; 60 and 96 re-packed K/V too often (slower) */
 
-/* Each thread's scratch (packed K/V, scores) lives as long as the thread (OpenMP's pool
- * threads are long-lived) and only grows: allocating it per call gave every layer's call fresh
+/* Each thread's scratch (packed K/V, scores) lives as long as the thread (the pool's threads
+ * are long-lived) and only grows: allocating it per call gave every layer's call fresh
  * pages to fault in once it passed malloc's mmap threshold (long contexts). */
 typedef struct { float *buf; int64_t cap; } pscratch_t;
 static __thread pscratch_t prefill_scratch;
@@ -333,6 +356,35 @@ static int prefill_item_##SUFFIX(                                               
     }                                                                                         \
     return 0;                                                                                 \
 }                                                                                             \
+typedef struct {                                                                              \
+    const T *q; int64_t q_stride; const T *k_cache, *v_cache; const int64_t *block_table;     \
+    int64_t table_stride; const int64_t *meta; int64_t n; T *out;                             \
+    int64_t num_heads, num_kv_heads, head_size, block_size; float scale; int64_t window;       \
+    int64_t rows_per; int failed;                                                             \
+} prefill_args_##SUFFIX;                                                                      \
+/* Items [w0, w1): item w is the prefill and chunk it falls in (later chunks first: they see  \
+ * more keys, so the longest items start first), then the KV head. */                        \
+static void prefill_items_##SUFFIX(void *ctx, int64_t w0, int64_t w1, int tid) {              \
+    prefill_args_##SUFFIX *a = ctx;                                                           \
+    const int64_t *meta = a->meta, Hkv = a->num_kv_heads, rows_per = a->rows_per;            \
+    (void)tid;                                                                                \
+    for (int64_t w = w0; w < w1; ++w) {                                                       \
+        int64_t left = w / Hkv, i = 0, chunks = 0;                                            \
+        for (; i < a->n; ++i, left -= chunks) {                                               \
+            chunks = (meta[3 * i + 2] - meta[3 * i + 1] + rows_per - 1) / rows_per;           \
+            if (left < chunks) break;                                                         \
+        }                                                                                     \
+        const int64_t ctx_len = meta[3 * i + 1], seq = meta[3 * i + 2];                       \
+        const int64_t r0 = (chunks - 1 - left) * rows_per;                                    \
+        const int64_t r1 = r0 + rows_per < seq - ctx_len ? r0 + rows_per : seq - ctx_len;     \
+        if (prefill_item_##SUFFIX(a->q, a->q_stride, a->k_cache, a->v_cache,                  \
+                                  a->block_table + i * a->table_stride, meta[3 * i], ctx_len, \
+                                  seq, r0, r1, w % Hkv, a->out, a->num_heads, Hkv,            \
+                                  a->head_size, a->block_size, a->scale, a->window,           \
+                                  &prefill_scratch))                                          \
+            __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);                                \
+    }                                                                                         \
+}                                                                                             \
 /* meta [n][3]: a prefill's first row in q/out, its context length (tokens already cached     \
  * before this step's), its sequence length; table: its block-table row (row stride           \
  * table_stride). q [T, H, D] (token stride q_stride, heads contiguous); out [T, H, D]         \
@@ -341,7 +393,8 @@ int corellm_paged_prefill_##SUFFIX(                                             
         const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
         const int64_t *block_table, int64_t table_stride, const int64_t *meta, int64_t n,     \
         T *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,                   \
-        int64_t block_size, float scale, int64_t window, int num_threads) {                   \
+        int64_t block_size, float scale, int64_t window) {                                    \
+    const int threads = corellm_pool_threads();                                               \
     /* rows per chunk: PREFILL_ROWS, or fewer (halved, in whole tiles) until every thread     \
      * has an item, as long as chunks hold more than one tile */                              \
     int64_t rows_per = PREFILL_ROWS, items = 0;                                               \
@@ -350,35 +403,14 @@ int corellm_paged_prefill_##SUFFIX(                                             
         for (int64_t i = 0; i < n; ++i)                                                       \
             items += (meta[3 * i + 2] - meta[3 * i + 1] + rows_per - 1) / rows_per;           \
         items *= num_kv_heads;                                                                \
-        if (items >= num_threads || rows_per <= MR) break;                                    \
+        if (items >= threads || rows_per <= MR) break;                                        \
         rows_per = (rows_per / 2 + MR - 1) / MR * MR;                                         \
     }                                                                                         \
-    int failed = 0;                                                                           \
-    _Pragma("omp parallel num_threads(num_threads)")                                          \
-    {                                                                                         \
-        pscratch_t *scr = &prefill_scratch;                                                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                               \
-        for (int64_t w = 0; w < items; ++w) {                                                 \
-            /* item w: the prefill and chunk it falls in (later chunks first: they see more   \
-             * keys, so the longest items start first), then the KV head */                   \
-            int64_t left = w / num_kv_heads, i = 0, chunks = 0;                               \
-            for (; i < n; ++i, left -= chunks) {                                              \
-                chunks = (meta[3 * i + 2] - meta[3 * i + 1] + rows_per - 1) / rows_per;       \
-                if (left < chunks) break;                                                     \
-            }                                                                                 \
-            const int64_t ctx = meta[3 * i + 1], seq = meta[3 * i + 2];                       \
-            const int64_t r0 = (chunks - 1 - left) * rows_per;                                \
-            const int64_t r1 = r0 + rows_per < seq - ctx ? r0 + rows_per : seq - ctx;         \
-            if (prefill_item_##SUFFIX(q, q_stride, k_cache, v_cache,                          \
-                                      block_table + i * table_stride, meta[3 * i], ctx, seq,  \
-                                      r0, r1, w % num_kv_heads, out, num_heads, num_kv_heads, \
-                                      head_size, block_size, scale, window, scr)) {           \
-                _Pragma("omp atomic write")                                                   \
-                failed = 1;                                                                   \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    return failed ? -1 : 0;                                                                   \
+    prefill_args_##SUFFIX a = {q, q_stride, k_cache, v_cache, block_table, table_stride, meta,  \
+                               n, out, num_heads, num_kv_heads, head_size, block_size, scale, \
+                               window, rows_per, 0};                                          \
+    corellm_parallel_for(items, 1, prefill_items_##SUFFIX, &a);                               \
+    return a.failed ? -1 : 0;                                                                 \
 }
 
 TILES(f32, load_f32)

@@ -2,8 +2,8 @@
  * linear layer, in fp32 on a copy of W packed once at load time (fp32, or bf16 weights widened
  * to fp32 as they are read).
  *
- * Built on first use by corellm.native (cc -O3 -march=native -fopenmp -ffp-contract=fast) and
- * called through ctypes. It is one of the GEMM paths that corellm.worker.cpu measures per
+ * Built on first use by the CPU platform's native.py (cc -O3 -march=native -ffp-contract=fast)
+ * and called through ctypes (gemm.py). It is one of the GEMM paths that gemm.py measures per
  * weight shape and row bucket at start-up ("native"): it is used only where it measured faster
  * than the libraries' paths on the machine at hand.
  *
@@ -12,8 +12,9 @@
  * one contiguous stream.
  * Micro-kernel: the MR x NR tiles of csrc/corellm_tile.h (shared with other native
  * libraries), each accumulated over the whole of K in registers and stored once.
- * Threads split the panels (each streams its own share of W once per block of MC rows), and a
- * block of MC rows of x stays in cache while all the panels pass over it.
+ * The platform's thread pool (corellm_pool.h) shares out the panels of each block of MC rows
+ * (a thread streams the panels it claims), and a block of MC rows of x stays in cache while all
+ * the panels pass over it.
  * bf16 weights: half the bytes to stream, each widened to fp32 in registers (a shift), exactly.
  * For a block of more than one tile's rows a panel is widened once into a per-thread scratch and
  * the fp32 tiles run on it, so the widening is not repeated per tile.
@@ -33,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "corellm_pool.h"
 #include "corellm_tile.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -41,8 +43,6 @@
 #else
 #define BF16_DOT 0
 #endif
-
-int omp_get_thread_num(void);      /* libgomp's, without needing omp.h at build time */
 
 #define MC 192          /* rows of x per block: 192 x K floats stay in L2 while panels pass */
 
@@ -68,13 +68,15 @@ int64_t corellm_gemm_packed_size_bf16(int64_t n, int64_t k) {
 
 /* W [n, k], row stride ldw -> out [ceil(n / NR)][k][NR], zero-padded (elements of 4 or 2
  * bytes: fp32 or bf16, copied as they are). */
+typedef struct { const void *w; int64_t ldw, n, k; void *out; } pack_args;
 #define PACK(W)                                                                               \
-void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W##_t *out,    \
-                           int num_threads) {                                                 \
-    const int64_t panels = (n + NR - 1) / NR;                                                 \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                     \
-    for (int64_t p = 0; p < panels; ++p) {                                                    \
-        W##_t *o = out + p * k * NR;                                                          \
+static void pack_panels_##W(void *ctx, int64_t p0, int64_t p1, int tid) {                     \
+    const pack_args *a = ctx;                                                                 \
+    const W##_t *w = a->w;                                                                    \
+    const int64_t ldw = a->ldw, n = a->n, k = a->k;                                           \
+    (void)tid;                                                                                \
+    for (int64_t p = p0; p < p1; ++p) {                                                       \
+        W##_t *o = (W##_t *)a->out + p * k * NR;                                              \
         for (int64_t j = 0; j < NR; ++j) {                                                    \
             const int64_t col = p * NR + j;                                                   \
             if (col < n) {                                                                    \
@@ -85,6 +87,10 @@ void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W#
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
+}                                                                                             \
+void corellm_gemm_pack_##W(const W##_t *w, int64_t ldw, int64_t n, int64_t k, W##_t *out) {  \
+    pack_args a = {w, ldw, n, k, out};                                                        \
+    corellm_parallel_for((n + NR - 1) / NR, 1, pack_panels_##W, &a);                          \
 }
 PACK(f32)
 #if !BF16_DOT
@@ -92,12 +98,13 @@ PACK(bf16)
 #else
 /* W [n, k] bf16 -> out [ceil(n / NR)][ceil(k / 2)][NR][2]: each column's pair (k even, k odd)
  * is one 32-bit lane; zero-padded in n and, for odd k, in the last pair. */
-void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, bf16_t *out,
-                            int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR, k2 = (k + 1) / 2 * 2;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        bf16_t *o = out + p * k2 * NR;
+static void pack_panels_pairs(void *ctx, int64_t p0, int64_t p1, int tid) {
+    const pack_args *a = ctx;
+    const bf16_t *w = a->w;
+    const int64_t ldw = a->ldw, n = a->n, k = a->k, k2 = (k + 1) / 2 * 2;
+    (void)tid;
+    for (int64_t p = p0; p < p1; ++p) {
+        bf16_t *o = (bf16_t *)a->out + p * k2 * NR;
         for (int64_t j = 0; j < NR; ++j) {
             const int64_t col = p * NR + j;
             const bf16_t *src = col < n ? w + col * ldw : NULL;
@@ -105,6 +112,11 @@ void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, 
                 o[(kk / 2 * NR + j) * 2 + (kk & 1)] = src && kk < k ? src[kk] : 0;
         }
     }
+}
+
+void corellm_gemm_pack_bf16(const bf16_t *w, int64_t ldw, int64_t n, int64_t k, bf16_t *out) {
+    pack_args a = {w, ldw, n, k, out};
+    corellm_parallel_for((n + NR - 1) / NR, 1, pack_panels_pairs, &a);
 }
 #endif
 
@@ -268,142 +280,165 @@ static void rms_rows(const void *x, int x_bf16, int64_t lda, int64_t rows, int64
  * norm_w, epsilon eps) whose output is the GEMM's input; the threads normalize the rows into a
  * scratch first (rows split between them, once per call) and the tiles read it.
  * Returns -1, having written nothing, when a scratch cannot be allocated. */
-static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
-                void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                int silu_mul, const void *norm_w, float eps, int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR;
-    const int64_t half = silu_mul ? panels / 2 : 0;        /* the up panel of p is p + half */
-    const int64_t panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
-    const int64_t ways = silu_mul ? 2 : 1;                   /* panels widened at once */
-    const int x_bf16 = bf16 && BF16_DOT;                     /* else x is fp32 */
-    const int64_t mr = m <= MR_SMALL_M ? MR : MR_LARGE_M;     /* rows per tile */
-    float *wide = NULL;                 /* per thread: the panel(s) widened to fp32 */
-    void *normed = NULL;                /* the normalized rows of x, [m][k] (norm_w) */
-    if (m == 0) return 0;
-    if (bf16 && !BF16_DOT && m > mr) {
-        wide = malloc((size_t)num_threads * (size_t)(ways * k * NR) * sizeof(float));
-        if (!wide) return -1;
-    }
-    if (norm_w && k > 0) {               /* (k == 0: no rows to read) */
-        normed = malloc((size_t)m * (size_t)k * (x_bf16 ? sizeof(bf16_t) : sizeof(float)));
-        if (!normed) { free(wide); return -1; }
-    }
-    /* what the tiles read: x, or its normalized copy */
-    const void *xb = normed ? normed : x;
-    const int64_t ldx = normed ? k : lda;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        float edge[MR * NR], edge_bias[NR], up[MR * NR];
-        float *mine = wide ? wide + (int64_t)omp_get_thread_num() * ways * k * NR : NULL;
-        if (normed) {
-            #pragma omp for schedule(static)         /* (its barrier: all rows before tiles) */
-            for (int64_t r = 0; r < m; ++r)
-                rms_rows(x_bf16 ? (const void *)((const bf16_t *)x + r * lda)
-                                : (const void *)((const float *)x + r * lda),
-                         x_bf16, lda, 1, k, norm_w, bf16, eps,
-                         x_bf16 ? (void *)((bf16_t *)normed + r * k)
-                                : (void *)((float *)normed + r * k), x_bf16);
-        }
-        for (int64_t m0 = 0; m0 < m; m0 += MC) {
-            const int64_t m1 = m - m0 < MC ? m : m0 + MC;
-            /* no barrier between row blocks: every (block, panel) tile is written once */
-            #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < (silu_mul ? half : panels); ++p) {
-                const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
-                const float *b32 = bf16 ? NULL : (const float *)packed + p * panel;
-                const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * panel : NULL;
-                /* silu_mul: the up panel (always full: n / 2 is a multiple of NR) */
-                const float *u32 = silu_mul && !bf16 ? b32 + half * panel : NULL;
-                const bf16_t *u16 = silu_mul && bf16 ? b16 + half * panel : NULL;
-                if (b16 && !BF16_DOT && m1 - m0 > mr) {   /* several tiles: widen it once */
-                    widen(b16, k, mine);
-                    b32 = mine;
-                    b16 = NULL;
-                    if (u16) {
-                        widen(u16, k, mine + k * NR);
-                        u32 = mine + k * NR;
-                        u16 = NULL;
-                    }
-                }
-                const float *pb = bias ? bias + col : NULL;
-                const float *ub = bias && silu_mul ? bias + col + half * NR : NULL;
-                if (pb && width < NR) {
-                    memset(edge_bias, 0, sizeof edge_bias);
-                    memcpy(edge_bias, pb, (size_t)width * sizeof(float));
-                    pb = edge_bias;
-                }
-                for (int64_t r0 = m0; r0 < m1; r0 += mr) {
-                    const int64_t rows = m1 - r0 < mr ? m1 - r0 : mr;
-                    const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
-                    const int64_t ar = r0 * ldx;                    /* row r0 of x in xb */
-                    float *c = direct ? (float *)y + r0 * ldy + col : edge;
-                    const int64_t ldc = direct ? ldy : NR;
-#if BF16_DOT
-                    if (b16) {
-                        dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, b16, pb, c, ldc);
-                        if (u16) dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, u16, ub,
-                                                 up, NR);
-                    }
-#else
-                    if (b16) {
-                        tiles_bf16[rows](k, (const float *)xb + ar, ldx, b16, pb, c, ldc);
-                        if (u16) tiles_bf16[rows](k, (const float *)xb + ar, ldx, u16, ub,
-                                                  up, NR);
-                    }
-#endif
-                    else {
-                        tiles_f32[rows](k, (const float *)xb + ar, ldx, b32, pb, c, ldc);
-                        if (u32) tiles_f32[rows](k, (const float *)xb + ar, ldx, u32, ub,
-                                                 up, NR);
-                    }
-                    if (silu_mul)
-                        for (int64_t r = 0; r < rows; ++r)
-                            silu_mul_row(edge + r * NR, up + r * NR,
-                                         y_bf16 ? (void *)((bf16_t *)y + (r0 + r) * ldy + col)
-                                                : (void *)((float *)y + (r0 + r) * ldy + col),
-                                         y_bf16);
-                    else if (y_bf16)
-                        for (int64_t r = 0; r < rows; ++r)
-                            round_bf16((bf16_t *)y + (r0 + r) * ldy + col, edge + r * NR, width);
-                    else if (width < NR)        /* the last, partial panel: through a tile */
-                        for (int64_t r = 0; r < rows; ++r)
-                            memcpy((float *)y + (r0 + r) * ldy + col, edge + r * NR,
-                                   (size_t)width * sizeof(float));
-                }
+typedef struct {
+    const void *x, *packed, *norm_w, *xb;
+    const float *bias;
+    void *y, *normed;
+    float *wide;
+    int nwide;                          /* threads with a scratch in wide */
+    int64_t lda, ldy, ldx, m, n, k, panels, half, panel, ways, mr, cols;
+    int bf16, y_bf16, x_bf16, silu_mul;
+    float eps;
+} gemm_args;
+
+/* Rows [r0, r1) of x normalized into the scratch the tiles read. */
+static void norm_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
+    const gemm_args *a = ctx;
+    (void)tid;
+    for (int64_t r = r0; r < r1; ++r)
+        rms_rows(a->x_bf16 ? (const void *)((const bf16_t *)a->x + r * a->lda)
+                           : (const void *)((const float *)a->x + r * a->lda),
+                 a->x_bf16, a->lda, 1, a->k, a->norm_w, a->bf16, a->eps,
+                 a->x_bf16 ? (void *)((bf16_t *)a->normed + r * a->k)
+                           : (void *)((float *)a->normed + r * a->k), a->x_bf16);
+}
+
+/* Items [i0, i1) of the call: item i is panel i % cols of the block of MC rows i / cols (every
+ * (block, panel) tile is written once, so items need no order). */
+static void gemm_items(void *ctx, int64_t i0, int64_t i1, int tid) {
+    const gemm_args *a = ctx;
+    const int64_t m = a->m, n = a->n, k = a->k, half = a->half, panel = a->panel;
+    const int64_t mr = a->mr, ldx = a->ldx, ldy = a->ldy;
+    const int bf16 = a->bf16, y_bf16 = a->y_bf16, silu_mul = a->silu_mul;
+    const float *bias = a->bias;
+    const void *xb = a->xb, *packed = a->packed;
+    void *y = a->y;
+    float edge[MR * NR], edge_bias[NR], up[MR * NR];
+    float *mine = a->wide && tid < a->nwide ? a->wide + (int64_t)tid * a->ways * k * NR : NULL;
+    for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m0 = i / a->cols * MC, p = i % a->cols;
+        const int64_t m1 = m - m0 < MC ? m : m0 + MC;
+        const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
+        const float *b32 = bf16 ? NULL : (const float *)packed + p * panel;
+        const bf16_t *b16 = bf16 ? (const bf16_t *)packed + p * panel : NULL;
+        /* silu_mul: the up panel (always full: n / 2 is a multiple of NR) */
+        const float *u32 = silu_mul && !bf16 ? b32 + half * panel : NULL;
+        const bf16_t *u16 = silu_mul && bf16 ? b16 + half * panel : NULL;
+        if (b16 && !BF16_DOT && m1 - m0 > mr && mine) {   /* several tiles: widen it once */
+            widen(b16, k, mine);
+            b32 = mine;
+            b16 = NULL;
+            if (u16) {
+                widen(u16, k, mine + k * NR);
+                u32 = mine + k * NR;
+                u16 = NULL;
             }
         }
+        const float *pb = bias ? bias + col : NULL;
+        const float *ub = bias && silu_mul ? bias + col + half * NR : NULL;
+        if (pb && width < NR) {
+            memset(edge_bias, 0, sizeof edge_bias);
+            memcpy(edge_bias, pb, (size_t)width * sizeof(float));
+            pb = edge_bias;
+        }
+        for (int64_t r0 = m0; r0 < m1; r0 += mr) {
+            const int64_t rows = m1 - r0 < mr ? m1 - r0 : mr;
+            const int direct = width == NR && !y_bf16 && !silu_mul;   /* else via edge */
+            const int64_t ar = r0 * ldx;                    /* row r0 of x in xb */
+            float *c = direct ? (float *)y + r0 * ldy + col : edge;
+            const int64_t ldc = direct ? ldy : NR;
+#if BF16_DOT
+            if (b16) {
+                dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, b16, pb, c, ldc);
+                if (u16) dot_tiles[rows](k, (const bf16_t *)xb + ar, ldx, u16, ub, up, NR);
+            }
+#else
+            if (b16) {
+                tiles_bf16[rows](k, (const float *)xb + ar, ldx, b16, pb, c, ldc);
+                if (u16) tiles_bf16[rows](k, (const float *)xb + ar, ldx, u16, ub, up, NR);
+            }
+#endif
+            else {
+                tiles_f32[rows](k, (const float *)xb + ar, ldx, b32, pb, c, ldc);
+                if (u32) tiles_f32[rows](k, (const float *)xb + ar, ldx, u32, ub, up, NR);
+            }
+            if (silu_mul)
+                for (int64_t r = 0; r < rows; ++r)
+                    silu_mul_row(edge + r * NR, up + r * NR,
+                                 y_bf16 ? (void *)((bf16_t *)y + (r0 + r) * ldy + col)
+                                        : (void *)((float *)y + (r0 + r) * ldy + col),
+                                 y_bf16);
+            else if (y_bf16)
+                for (int64_t r = 0; r < rows; ++r)
+                    round_bf16((bf16_t *)y + (r0 + r) * ldy + col, edge + r * NR, width);
+            else if (width < NR)        /* the last, partial panel: through a tile */
+                for (int64_t r = 0; r < rows; ++r)
+                    memcpy((float *)y + (r0 + r) * ldy + col, edge + r * NR,
+                           (size_t)width * sizeof(float));
+        }
     }
-    free(wide);
-    free(normed);
+}
+
+static int gemm(const void *x, int64_t lda, const void *packed, int bf16, const float *bias,
+                void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                int silu_mul, const void *norm_w, float eps) {
+    gemm_args a = {0};
+    a.x = x; a.lda = lda; a.packed = packed; a.bf16 = bf16; a.bias = bias; a.y = y;
+    a.y_bf16 = y_bf16; a.ldy = ldy; a.m = m; a.n = n; a.k = k; a.silu_mul = silu_mul;
+    a.norm_w = norm_w; a.eps = eps;
+    a.panels = (n + NR - 1) / NR;
+    a.half = silu_mul ? a.panels / 2 : 0;                   /* the up panel of p is p + half */
+    a.panel = bf16 && BF16_DOT ? (k + 1) / 2 * 2 * NR : k * NR;   /* elements */
+    a.ways = silu_mul ? 2 : 1;                                /* panels widened at once */
+    a.x_bf16 = bf16 && BF16_DOT;                              /* else x is fp32 */
+    a.mr = m <= MR_SMALL_M ? MR : MR_LARGE_M;                 /* rows per tile */
+    a.cols = silu_mul ? a.half : a.panels;
+    if (m == 0) return 0;
+    if (bf16 && !BF16_DOT && m > a.mr) {    /* per thread: the panel(s) widened to fp32 */
+        a.nwide = corellm_pool_threads();
+        a.wide = malloc((size_t)a.nwide * (size_t)(a.ways * k * NR) * sizeof(float));
+        if (!a.wide) return -1;
+    }
+    if (norm_w && k > 0) {               /* (k == 0: no rows to read) */
+        a.normed = malloc((size_t)m * (size_t)k * (a.x_bf16 ? sizeof(bf16_t) : sizeof(float)));
+        if (!a.normed) { free(a.wide); return -1; }
+        corellm_parallel_for(m, 1, norm_rows, &a);     /* all rows before any tile reads them */
+    }
+    /* what the tiles read: x, or its normalized copy */
+    a.xb = a.normed ? a.normed : x;
+    a.ldx = a.normed ? k : lda;
+    corellm_parallel_for((m + MC - 1) / MC * a.cols, 1, gemm_items, &a);
+    free(a.wide);
+    free(a.normed);
     return 0;
 }
 
 /* The exported GEMMs: norm_w/eps as gemm() takes them (NULL: no RMSNorm). */
 int corellm_gemm_f32(const float *x, int64_t lda, const float *packed, const float *bias,
                      float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                     const float *norm_w, float eps, int num_threads) {
-    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 0, norm_w, eps, num_threads);
+                     const float *norm_w, float eps) {
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 0, norm_w, eps);
 }
 
 /* y is bf16 [m, n] (row stride ldy), rounded once from the fp32 sums. */
 int corellm_gemm_bf16(const void *x, int64_t lda, const bf16_t *packed, const float *bias,
                       bf16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                      const bf16_t *norm_w, float eps, int num_threads) {
-    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 0, norm_w, eps, num_threads);
+                      const bf16_t *norm_w, float eps) {
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 0, norm_w, eps);
 }
 
 /* y [m, n / 2] = silu(x @ gate^T + bias_gate) * (x @ up^T + bias_up) for W = [gate; up] [n, k]
  * packed as above; -2 (nothing written) unless n / 2 is a multiple of NR. */
 int corellm_gemm_silu_mul_f32(const float *x, int64_t lda, const float *packed,
                               const float *bias, float *y, int64_t ldy, int64_t m, int64_t n,
-                              int64_t k, const float *norm_w, float eps, int num_threads) {
+                              int64_t k, const float *norm_w, float eps) {
     if (n % (2 * NR)) return -2;
-    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 1, norm_w, eps, num_threads);
+    return gemm(x, lda, packed, 0, bias, y, 0, ldy, m, n, k, 1, norm_w, eps);
 }
 
 int corellm_gemm_silu_mul_bf16(const void *x, int64_t lda, const bf16_t *packed,
                                const float *bias, bf16_t *y, int64_t ldy, int64_t m, int64_t n,
-                               int64_t k, const bf16_t *norm_w, float eps, int num_threads) {
+                               int64_t k, const bf16_t *norm_w, float eps) {
     if (n % (2 * NR)) return -2;
-    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 1, norm_w, eps, num_threads);
+    return gemm(x, lda, packed, 1, bias, y, 1, ldy, m, n, k, 1, norm_w, eps);
 }

@@ -2,7 +2,7 @@
  * RMSNorm, SiLU-and-multiply and rotary embeddings (rotate-half form); and greedy sampling's
  * argmax over the logits.
  *
- * Built on first use by corellm.native and called through ctypes (corellm/worker/cpu.py).
+ * Built on first use by corellm.native and called through ctypes (kernels.py).
  * Each replaces a chain of torch ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; RoPE: two
  * index lookups, eight multiplies, two subtractions, two additions and two concatenations) that
  * each read and write the whole tensor and pay a dispatch. Rows are independent and each is
@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "corellm_pool.h"     /* the platform's thread pool */
 #include "corellm_tile.h"     /* the platform's vector types (vf: one register of floats) and
                                  * bf16 conversions (corellm_bf16.h) */
 
@@ -43,17 +44,31 @@ static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 #define FIN_bf16(v) to_bf16(v)
 #define RND_bf16(v) round_bf16(v)
 
+/* Loops run on the platform's thread pool (corellm_pool.h), a chunk of rows per call of a loop
+ * body; a call of fewer than GRAIN_ELEMS elements runs on the calling thread. */
+#define GRAIN_ELEMS 32768
+static inline int64_t grain_rows(int64_t row_elems) {
+    return row_elems > 0 ? (GRAIN_ELEMS + row_elems - 1) / row_elems : 1;
+}
+
 /* out[r, :] = w * (x[r, :] * rsqrt(mean(x[r, :]^2) + eps)), the normalized row rounded as
  * torch stores it before the weight multiplies it. Row r of x is at
  * (r / inner) * outer_stride + (r % inner) * inner_stride; out is contiguous [rows, n]. */
 #define RMS_NORM(T)                                                                          \
-void corellm_rms_norm_##T(const T##_t *x, int64_t outer_stride, int64_t inner_stride,       \
-                          int64_t inner, const T##_t *w, T##_t *out, int64_t rows, int64_t n, \
-                          float eps, int num_threads) {                                      \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)") \
-    for (int64_t r = 0; r < rows; ++r) {                                                     \
-        const T##_t *xr = x + (r / inner) * outer_stride + (r % inner) * inner_stride;       \
-        T##_t *o = out + r * n;                                                              \
+typedef struct {                                                                             \
+    const T##_t *x, *w;                                                                      \
+    T##_t *out;                                                                              \
+    int64_t outer_stride, inner_stride, inner, n;                                            \
+    float eps;                                                                               \
+} rms_norm_args_##T;                                                                         \
+static void rms_norm_rows_##T(void *ctx, int64_t r0, int64_t r1, int tid) {                  \
+    const rms_norm_args_##T *a = ctx;                                                        \
+    const int64_t n = a->n;                                                                  \
+    (void)tid;                                                                               \
+    for (int64_t r = r0; r < r1; ++r) {                                                      \
+        const T##_t *xr = a->x + (r / a->inner) * a->outer_stride                            \
+                          + (r % a->inner) * a->inner_stride;                                \
+        T##_t *o = a->out + r * n;                                                           \
         float acc[16] = {0};                                                                 \
         int64_t i = 0;                                                                       \
         for (; i + 16 <= n; i += 16)                                                         \
@@ -64,27 +79,39 @@ void corellm_rms_norm_##T(const T##_t *x, int64_t outer_stride, int64_t inner_st
         float sum = 0.f;                                                                     \
         for (int j = 0; j < 16; ++j) sum += acc[j];                                          \
         for (; i < n; ++i) sum += LD_##T(xr[i]) * LD_##T(xr[i]);                             \
-        const float inv = 1.f / sqrtf(sum / (float)n + eps);                                 \
+        const float inv = 1.f / sqrtf(sum / (float)n + a->eps);                              \
         for (int64_t k = 0; k < n; ++k)                                                      \
-            o[k] = FIN_##T(LD_##T(w[k]) * RND_##T(LD_##T(xr[k]) * inv));                     \
+            o[k] = FIN_##T(LD_##T(a->w[k]) * RND_##T(LD_##T(xr[k]) * inv));                  \
     }                                                                                        \
+}                                                                                            \
+void corellm_rms_norm_##T(const T##_t *x, int64_t outer_stride, int64_t inner_stride,       \
+                          int64_t inner, const T##_t *w, T##_t *out, int64_t rows, int64_t n, \
+                          float eps) {                                                       \
+    rms_norm_args_##T a = {x, w, out, outer_stride, inner_stride, inner, n, eps};            \
+    corellm_parallel_for(rows, grain_rows(n), rms_norm_rows_##T, &a);                        \
 }
 
 /* out[t, :] = silu(x[t, :d]) * x[t, d:] for x [rows, 2d] contiguous, out [rows, d]; the SiLU
  * rounded as torch stores it before the product. */
 #define SILU_AND_MUL(T)                                                                      \
-void corellm_silu_and_mul_##T(const T##_t *x, T##_t *out, int64_t rows, int64_t d,           \
-                              int num_threads) {                                             \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * d >= 65536)") \
-    for (int64_t t = 0; t < rows; ++t) {                                                     \
-        const T##_t *g = x + t * 2 * d, *u = g + d;                                          \
-        T##_t *o = out + t * d;                                                              \
+typedef struct { const T##_t *x; T##_t *out; int64_t d; } silu_args_##T;                     \
+static void silu_and_mul_rows_##T(void *ctx, int64_t t0, int64_t t1, int tid) {              \
+    const silu_args_##T *a = ctx;                                                            \
+    const int64_t d = a->d;                                                                  \
+    (void)tid;                                                                               \
+    for (int64_t t = t0; t < t1; ++t) {                                                      \
+        const T##_t *g = a->x + t * 2 * d, *u = g + d;                                       \
+        T##_t *o = a->out + t * d;                                                           \
         _Pragma("omp simd")                                                                  \
         for (int64_t i = 0; i < d; ++i) {                                                    \
             const float gi = LD_##T(g[i]);                                                   \
             o[i] = FIN_##T(RND_##T(gi / (1.f + expf(fminf(-gi, 88.f)))) * LD_##T(u[i]));     \
         }                                                                                    \
     }                                                                                        \
+}                                                                                            \
+void corellm_silu_and_mul_##T(const T##_t *x, T##_t *out, int64_t rows, int64_t d) {         \
+    silu_args_##T a = {x, out, d};                                                           \
+    corellm_parallel_for(rows, grain_rows(2 * d), silu_and_mul_rows_##T, &a);                \
 }
 
 /* Rotate, in place, the first rot dims of each of the heads of token t of x (head h of token
@@ -105,22 +132,33 @@ static void rope_one_##T(T##_t *x, int64_t token_stride, int64_t head_stride, in
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
-                                                                                             \
+typedef struct {                                                                             \
+    T##_t *q, *k;                                                                            \
+    int64_t q_token_stride, q_head_stride, q_heads, k_token_stride, k_head_stride, k_heads;  \
+    const int64_t *positions;                                                                \
+    const float *cos_table, *sin_table;                                                      \
+    int64_t half;                                                                            \
+} rope_args_##T;                                                                             \
+static void rope_tokens_##T(void *ctx, int64_t t0, int64_t t1, int tid) {                    \
+    const rope_args_##T *a = ctx;                                                            \
+    (void)tid;                                                                               \
+    for (int64_t t = t0; t < t1; ++t) {                                                      \
+        const float *c = a->cos_table + a->positions[t] * a->half;                           \
+        const float *s = a->sin_table + a->positions[t] * a->half;                           \
+        rope_one_##T(a->q, a->q_token_stride, a->q_head_stride, a->q_heads, t, c, s, a->half); \
+        rope_one_##T(a->k, a->k_token_stride, a->k_head_stride, a->k_heads, t, c, s, a->half); \
+    }                                                                                        \
+}                                                                                            \
 int corellm_rope_##T(T##_t *q, int64_t q_token_stride, int64_t q_head_stride,                \
                      int64_t q_heads, T##_t *k, int64_t k_token_stride,                      \
                      int64_t k_head_stride, int64_t k_heads, const int64_t *positions,       \
                      int64_t tokens, const float *cos_table, const float *sin_table,         \
-                     int64_t table_rows, int64_t rot, int num_threads) {                     \
-    const int64_t half = rot / 2, work = tokens * (q_heads + k_heads) * rot;                 \
+                     int64_t table_rows, int64_t rot) {                                      \
     for (int64_t t = 0; t < tokens; ++t)       /* outside the tables: nothing is rotated */  \
         if (positions[t] < 0 || positions[t] >= table_rows) return -1;                       \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(work >= 65536)")  \
-    for (int64_t t = 0; t < tokens; ++t) {                                                   \
-        const float *c = cos_table + positions[t] * half;                                    \
-        const float *s = sin_table + positions[t] * half;                                    \
-        rope_one_##T(q, q_token_stride, q_head_stride, q_heads, t, c, s, half);              \
-        rope_one_##T(k, k_token_stride, k_head_stride, k_heads, t, c, s, half);              \
-    }                                                                                        \
+    rope_args_##T a = {q, k, q_token_stride, q_head_stride, q_heads, k_token_stride,         \
+                       k_head_stride, k_heads, positions, cos_table, sin_table, rot / 2};    \
+    corellm_parallel_for(tokens, grain_rows((q_heads + k_heads) * rot), rope_tokens_##T, &a); \
     return 0;                                                                                \
 }
 
@@ -136,11 +174,14 @@ ROPE(bf16)
  * sampling's pass over the logits, one row per thread at a time, a vector register of running
  * maxima and their indices per row. (NaN is found from the bits: this file is built with
  * -ffast-math, under which a float comparison may not see it.) */
-void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out,
-                        int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows * n >= 65536)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * ld;
+typedef struct { const float *x; int64_t ld, n; int64_t *out; } argmax_args;
+
+static void argmax_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
+    const argmax_args *a = ctx;
+    const int64_t n = a->n;
+    (void)tid;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *xr = a->x + r * a->ld;
         const uint32_t *bits = (const uint32_t *)xr;
         int64_t best_i = 0, i = 0;
         float best = xr[0];
@@ -172,6 +213,11 @@ void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int
         }
         if (nan)                                      /* the first NaN (the rare case) */
             for (best_i = 0; (bits[best_i] & 0x7fffffffu) <= 0x7f800000u; ++best_i) {}
-        out[r] = best_i;
+        a->out[r] = best_i;
     }
+}
+
+void corellm_argmax_f32(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
+    argmax_args a = {x, ld, n, out};
+    corellm_parallel_for(rows, grain_rows(n), argmax_rows, &a);
 }

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # in one can rank paths wrongly: each cached plan records the machine's speed when it was
 # measured (a small calibration matmul), and is measured again when the machine is now clearly
 # faster than it was then.
-_PLAN_VERSION = 5
+_PLAN_VERSION = 6
 _CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (~2-5 ms)
 _STALE_SPEEDUP = 1.3                    # re-measure a plan made when the machine was this slower
 _PROBE_ROWS = (1, 4, 16, 64, 256)      # a bucket is (previous probe, probe]; larger -> last
@@ -149,10 +149,10 @@ class NativeGemm:
         for dtype, suffix in zip(self._DTYPES, ("f32", "bf16")):
             for table, name in ((self._gemm, "gemm"), (self._silu_mul, "gemm_silu_mul")):
                 gemm = table[dtype] = getattr(lib, f"corellm_{name}_{suffix}")
-                gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, f32, i32]
+                gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, f32]
                 gemm.restype = i32
             pack = self._pack[dtype] = getattr(lib, f"corellm_gemm_pack_{suffix}")
-            pack.argtypes = [ptr, i64, i64, i64, ptr, i32]
+            pack.argtypes = [ptr, i64, i64, i64, ptr]
             pack.restype = None
         self._sizes = {torch.float32: lib.corellm_gemm_packed_size,
                        torch.bfloat16: lib.corellm_gemm_packed_size_bf16}
@@ -184,8 +184,7 @@ class NativeGemm:
         n, k = weight.shape
         out = zeroed_cpu_tensor(self._packed_size(weight.dtype, n, k), weight.dtype,
                                 huge_pages=True)
-        self._pack[weight.dtype](weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(),
-                                 torch.get_num_threads())
+        self._pack[weight.dtype](weight.data_ptr(), weight.stride(0), n, k, out.data_ptr())
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -249,8 +248,7 @@ class NativeGemm:
                 out.copy_(y if width == n else F.silu(y[:, :width]) * y[:, width:])
             elif fns[dtype](x.data_ptr(), x.stride(0), packed.data_ptr(),
                             None if bias is None else bias.data_ptr(), out.data_ptr(), width,
-                            m, n, k, None if norm_w is None else norm_w.data_ptr(), eps,
-                            torch.get_num_threads()):
+                            m, n, k, None if norm_w is None else norm_w.data_ptr(), eps):
                 raise MemoryError(f"native GEMM: no scratch for a {dtype} weight of {n}x{k}")
         return out
 
@@ -302,7 +300,11 @@ class GemmPlan:
 
 
 def _cache_key(shape: tuple[int, int], paths: tuple[str, ...], dtype: torch.dtype) -> str:
-    return (f"{machine_key()}|threads={torch.get_num_threads()}|{shape[0]}x{shape[1]}|"
+    from corellm_plugins.platform_cpu.native import thread_pool
+    # torch's threads run the libraries' paths, the pool's corellm's kernel
+    threads = f"{torch.get_num_threads()}+{thread_pool().threads}" if "native" in paths else \
+        str(torch.get_num_threads())
+    return (f"{machine_key()}|threads={threads}|{shape[0]}x{shape[1]}|"
             f"{str(dtype).removeprefix('torch.')}|{','.join(paths)}|v{_PLAN_VERSION}")
 
 

@@ -31,17 +31,17 @@ class CpuOps:
         self._rms, self._silu, self._rope = {}, {}, {}
         for dtype, suffix in self.DTYPES.items():
             rms = self._rms[dtype] = getattr(lib, f"corellm_rms_norm_{suffix}")
-            rms.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, f32, i32]
+            rms.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, f32]
             silu = self._silu[dtype] = getattr(lib, f"corellm_silu_and_mul_{suffix}")
-            silu.argtypes = [ptr, ptr, i64, i64, i32]
+            silu.argtypes = [ptr, ptr, i64, i64]
             rope = self._rope[dtype] = getattr(lib, f"corellm_rope_{suffix}")
             rope.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                             i64, i32]
+                             i64]
             rope.restype = i32                  # -1: a position outside the tables
             for fn in (rms, silu):
                 fn.restype = None
         self._argmax = lib.corellm_argmax_f32
-        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
         self._argmax.restype = None
 
     @classmethod
@@ -63,8 +63,7 @@ class CpuOps:
         rows = out.numel() // n if n else 0
         if rows:
             self._rms[x.dtype](x.data_ptr(), x.stride(0), inner_stride, inner,
-                               weight.data_ptr(), out.data_ptr(), rows, n, eps,
-                               torch.get_num_threads())
+                               weight.data_ptr(), out.data_ptr(), rows, n, eps)
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -73,8 +72,7 @@ class CpuOps:
         d = x.shape[1] // 2
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         if out.numel():
-            self._silu[x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], d,
-                                torch.get_num_threads())
+            self._silu[x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], d)
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -88,8 +86,7 @@ class CpuOps:
             return None
         out = torch.empty(x.shape[0], dtype=torch.int64)
         if x.shape[0]:
-            self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
-                         torch.get_num_threads())
+            self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
         return out
 
     def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -110,7 +107,7 @@ class CpuOps:
         return not q.shape[0] or self._rope[q.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
             k.stride(1), k.shape[1], positions.data_ptr(), q.shape[0], cos.data_ptr(),
-            sin.data_ptr(), cos.shape[0], rotary_dim, torch.get_num_threads()) == 0
+            sin.data_ptr(), cos.shape[0], rotary_dim) == 0
 
 
 _cpu_ops: list[CpuOps | None] = []

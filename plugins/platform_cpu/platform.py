@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import os
+import logging
 import platform as _platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from corellm.platforms import Platform, host_memory_available
+from corellm.platforms import NativeUnavailable, Platform, host_memory_available
 from corellm_plugins.platform_cpu.memory import tune_malloc, zeroed_cpu_tensor
 from corellm_plugins.platform_cpu.ops import CpuDeviceOps
 
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import ctypes
 
     from corellm_plugins.platform_cpu import CpuOptions
+
+logger = logging.getLogger(__name__)
 
 
 class CpuPlatform(Platform):
@@ -47,10 +49,36 @@ class CpuPlatform(Platform):
                     break
         except OSError:
             pass
-        return [f"{model} ({len(os.sched_getaffinity(0))} cores)"]
+        from corellm_plugins.platform_cpu.native import cpu_budget
+        return [f"{model} ({cpu_budget()[0]} cores)"]
 
     def prepare_process(self, local_world_size: int = 1) -> None:
+        """Tune the allocator, and give this process its share of the CPUs it may use (its
+        affinity mask and cgroup quota, split between the tensor-parallel ranks on this host)
+        as the thread pool's size. With weight packing on, every matmul planned onto corellm's
+        kernel and every fused op run on the pool, and torch's own ops (residual adds, an
+        embedding lookup, a library GEMM path where it measured faster single-threaded) run on
+        one thread: torch's OpenMP threads would otherwise spin between its parallel regions on
+        the cores the pool's threads need. Without weight packing (or a C compiler) the
+        matmuls are torch's, and torch gets the threads."""
         tune_malloc()
+        from corellm_plugins.platform_cpu.native import cpu_budget, thread_pool
+        cpus, how = cpu_budget()
+        threads = max(1, cpus // max(1, local_world_size))
+        try:
+            pool = thread_pool()
+        except NativeUnavailable as exc:
+            torch.set_num_threads(threads)
+            logger.info("CPU: %d torch threads per worker (%s, %d worker(s) on this host); no "
+                        "thread pool: %s", threads, how, local_world_size, exc)
+            return
+        pool.configure(threads)
+        torch_threads = 1 if self.options.weight_packing else threads
+        torch.set_num_threads(torch_threads)
+        logger.info("CPU: a pool of %d threads per worker (%s, %d worker(s) on this host), "
+                    "whose waiting threads spin %.1f-200 us and then sleep; torch's ops on %d "
+                    "thread(s)", threads, how, local_world_size, pool.spin_ns / 1e3,
+                    torch_threads)
 
     def free_memory(self, device: torch.device, local_world_size: int = 1) -> int | None:
         """This worker's share of the host's available memory."""
