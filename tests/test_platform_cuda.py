@@ -612,7 +612,8 @@ def test_greedy_matches_transformers_on_cuda(make_checkpoint, dtype):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from corellm import LLM, SamplingParams
-    from tests.test_hf_equivalence import _bf16_near_tie, compare, hf_greedy, make_prompts
+    from tests.test_hf_equivalence import (assert_bf16_greedy_matches, compare, hf_greedy,
+                                          make_prompts)
     path = make_checkpoint("llama")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     prompts = make_prompts(model.config.vocab_size)[:6]
@@ -635,17 +636,7 @@ def test_greedy_matches_transformers_on_cuda(make_checkpoint, dtype):
                  if (n := compare(o.outputs[0].token_ids, theirs, logits))]
         assert len(notes) <= 1, notes
         return
-    identical = 0
-    for i, (out, (theirs, logits)) in enumerate(zip(outputs, results)):
-        ours = out.outputs[0].token_ids
-        first = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if first is None:
-            identical += 1
-            continue
-        ok, gap, ulp = _bf16_near_tie(logits[first], ours[first], theirs[first])
-        assert ok, (f"prompt {i}, position {first}: corellm chose {ours[first]}, transformers "
-                    f"{theirs[first]}; reference logit gap {gap:.3g} ({ulp:.3g} a bf16 step)")
-    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} identical"
+    assert_bf16_greedy_matches(outputs, results)
 
 
 @pytest.mark.gpu
