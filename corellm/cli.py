@@ -105,8 +105,9 @@ def _launched_rank(config: Any, registry: Any) -> int | None:
     env = launcher_env()
     if not config.parallel.external_launcher or env is None or env[0] == 0:
         return None
+    from corellm.plugins import executor_launcher_worker
     entry = registry.get("executor", config.executor.name)
-    run = getattr(entry.spec, "launcher_worker", None)
+    run = executor_launcher_worker(config.executor, registry)
     if run is None:
         raise ConfigError([("executor.name", f"executor {config.executor.name!r} "
                             f"({entry.plugin.describe()}) cannot run the ranks of a torchrun "
@@ -168,8 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     status = _launched_rank(config, registry)
     if status is not None:
         return status
-    entry = registry.get("frontend", config.frontend.name)
-    server = entry.spec.factory(config.frontend, BuildContext(config=config, registry=registry))
+    server = BuildContext(config=config, registry=registry).build(config.frontend)
     return _end_launched(config, server.run() or 0)
 
 
@@ -177,7 +177,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from corellm.platforms import choose_platform, platform_availability
     from corellm.plugins import load_registry
 
-    registry = load_registry()
+    disable = list(args.disable)
+    if args.config:
+        from corellm.config import PluginsConfig, read_config_file
+        from pydantic import ValidationError
+        section = read_config_file(args.config).get("plugins") or {}
+        try:
+            disable += PluginsConfig.model_validate(section).disable
+        except ValidationError as exc:
+            raise ConfigError([(".".join(["plugins", *map(str, e["loc"])]), e["msg"])
+                               for e in exc.errors()], source=args.config) from None
+    registry = load_registry(disable=disable)
     try:
         auto_platform = choose_platform(registry)[0]
     except CorellmError:
@@ -186,31 +196,53 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 "version": info.version, "hooks": registry.hooks_of(name)}
                for name, info in sorted(registry.plugins.items())]
     rows = []
-    for section, table in sorted(registry.components.items()):
-        for name, entry in sorted(table.items()):
-            spec, info = entry.spec, entry.plugin
-            options = [
-                {"name": f, "type": _type_name(field.annotation),
-                 "default": None if field.is_required() else field.get_default(call_default_factory=True),
-                 "description": field.description or ""}
-                for f, field in spec.options.model_fields.items() if f != "name"]
-            row = {"kind": spec.kind, "name": name, "plugin": info.name,
-                   "distribution": info.distribution, "version": info.version,
-                   "summary": spec.summary, "options": options,
-                   "unavailable": spec.unavailable}
-            if section == "model":
-                row["architectures"] = list(spec.architectures)  # type: ignore[attr-defined]
-            if section == "platform":       # asked now: a device may come and go
-                row["unavailable"] = platform_availability(registry, name)
-                row["auto_priority"] = spec.auto_priority  # type: ignore[attr-defined]
-                row["auto_selected"] = name == auto_platform
-            rows.append(row)
+    chosen = registry.components
+    providers = [(section, name, entry) for section, table in sorted(registry.providers.items())
+                 for name, entries in sorted(table.items()) for entry in entries]
+    for section, name, entry in providers:
+        spec, info = entry.spec, entry.plugin
+        options = [
+            {"name": f, "type": _type_name(field.annotation),
+             "default": None if field.is_required() else field.get_default(call_default_factory=True),
+             "description": field.description or ""}
+            for f, field in spec.options.model_fields.items() if f != "name"]
+        row = {"kind": spec.kind, "name": name, "plugin": info.name,
+               "distribution": info.distribution, "version": info.version,
+               "summary": spec.summary, "options": options,
+               "unavailable": spec.unavailable}
+        shared = registry.providers[section][name]
+        if len(shared) > 1:     # how the bare name resolves, and the spelling for this one
+            row["selected_by_name"] = chosen.get(section, {}).get(name) is entry
+            row["select_as"] = f"{info.distribution or info.name}:{name}"
+            row["shared_with"] = [f"{o.plugin.distribution or o.plugin.name}:{name}"
+                                  for o in shared if o is not entry]
+        if section == "model":
+            row["architectures"] = list(spec.architectures)  # type: ignore[attr-defined]
+        if section == "platform":       # asked now: a device may come and go
+            try:
+                row["unavailable"] = platform_availability(registry, _spelling(entry, shared))
+            except CorellmError as exc:
+                row["unavailable"] = str(exc)
+            row["auto_priority"] = spec.auto_priority  # type: ignore[attr-defined]
+            row["auto_selected"] = name == auto_platform
+        rows.append(row)
     broken = [{"plugin": b.info.name, "distribution": b.info.distribution,
-               "version": b.info.version, "error": b.error} for b in registry.broken]
+               "version": b.info.version, "stage": b.stage, "error": b.error}
+              for b in registry.broken]
+    conflicts = [{"kind": c.section, "name": c.name,
+                  "providers": [f"{p.plugin.distribution or p.plugin.name}:{p.spec.name}"
+                                for p in c.providers],
+                  "selected": (f"{c.chosen.plugin.distribution or c.chosen.plugin.name}:"
+                               f"{c.chosen.spec.name}" if c.chosen else None)}
+                 for c in registry.conflicts()]
+    from corellm.plugins import PLUGIN_API_VERSION
+    status = 1 if args.check and (registry.broken or any(c["selected"] is None
+                                                         for c in conflicts)) else 0
     if args.json:
-        print(json.dumps({"plugins": plugins, "components": rows, "broken": broken}, indent=2,
-                         default=str))
-        return 0
+        print(json.dumps({"plugin_api": ".".join(map(str, PLUGIN_API_VERSION)),
+                          "plugins": plugins, "components": rows, "conflicts": conflicts,
+                          "broken": broken}, indent=2, default=str))
+        return status
 
     def dist(row: dict) -> str:
         return f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
@@ -239,12 +271,32 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                                          else " (selected by name only)"))
         if row.get("architectures"):
             print(f"{'':<4}architectures: {', '.join(row['architectures'])}")
+        if "select_as" in row:
+            print(f"{'':<4}also provided by {', '.join(row['shared_with'])}; "
+                  + (f"the name selects this one (an installed plugin over the built-in)"
+                     if row["selected_by_name"] else
+                     f"select this one as {row['select_as']}"))
         for opt in row["options"]:
             print(f"{'':<4}{opt['name']}: {opt['type']} = {opt['default']!r}"
                   + (f"  # {opt['description']}" if opt["description"] else ""))
+    for c in conflicts:
+        if c["kind"] == "architecture":
+            print(f"ARCHITECTURE {c['name']}: implemented by {', '.join(c['providers'])}; "
+                  + (f"{c['selected']} runs unless model.implementation names another"
+                     if c["selected"] else "ambiguous: set model.implementation"))
+        elif c["selected"] is None:
+            print(f"AMBIGUOUS {c['kind']} {c['name']!r}: provided by "
+                  f"{', '.join(c['providers'])}; select one by its qualified name")
     for b in registry.broken:
         print(f"BROKEN {b.describe()}")
-    return 0
+    return status
+
+
+def _spelling(entry: Any, providers: list) -> str:
+    """The name that selects ``entry``: bare when it is the only provider, else qualified."""
+    if len(providers) == 1:
+        return entry.spec.name
+    return f"{entry.plugin.distribution or entry.plugin.name}:{entry.spec.name}"
 
 
 def _type_name(annotation: object) -> str:
@@ -307,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
     plugins.add_argument("--json", action="store_true")
+    plugins.add_argument("--config", "-c", help="honour this config file's plugins.disable")
+    plugins.add_argument("--disable", action="append", default=[], metavar="PLUGIN",
+                         help="an entry point not to load, as plugins.disable (repeatable)")
+    plugins.add_argument("--check", action="store_true",
+                         help="exit with status 1 if a plugin is broken or a name ambiguous "
+                              "(for a plugin package's CI)")
     plugins.set_defaults(func=cmd_plugins)
 
     config = sub.add_parser("config", help="validate a config file or print its schema")

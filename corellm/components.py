@@ -93,6 +93,69 @@ class NoOptions(ComponentOptions):
     """For components with nothing to configure beyond their name."""
 
 
+# Each section's base options class -> the section it configures.
+SECTION_OF_OPTIONS: dict[type[ComponentOptions], str] = {
+    PlatformOptions: "platform", SchedulerOptions: "scheduler", KVCacheOptions: "kv_cache",
+    AttentionOptions: "attention", ExecutorOptions: "executor", SamplerOptions: "sampler",
+    FrontendOptions: "frontend"}
+DELEGATE_MARK = "corellm_delegate"
+DELEGATE_DEFAULT = "corellm_delegate_default"
+
+
+def section_of(options: ComponentOptions | type[ComponentOptions]) -> str:
+    """The config section an options object (or class) belongs to, from its section base."""
+    cls = options if isinstance(options, type) else type(options)
+    for klass in cls.__mro__:
+        section = SECTION_OF_OPTIONS.get(klass)
+        if section is not None:
+            return section
+    raise TypeError(f"{cls.__name__} does not subclass one of the section options bases "
+                    f"({', '.join(b.__name__ for b in SECTION_OF_OPTIONS)})")
+
+
+def delegate_field(section: str, *, default: str | None = None,
+                   description: str | None = None) -> Any:
+    """The ``delegate`` option of a wrapper: the options of the component it wraps, a
+    sub-section of the same kind (``{name: <component>, ...its own options}``) that the config
+    loader validates against the delegate's own options model, with key paths such as
+    ``sampler.delegate.top_k``. Declare it as::
+
+        class TimingOptions(ExecutorOptions):
+            name: str = "timing"
+            delegate: ExecutorOptions = delegate_field("executor")
+
+    and build the delegate in the factory with ``ctx.build_delegate(options)``. Left out of a
+    config, the delegate is the section's default component (``default`` names another); the
+    section's shared keys (those of its base options, such as ``kv_cache.block_size`` or
+    ``scheduler.max_num_seqs``) are the wrapper's, and the delegate inherits them.
+    """
+    bases = {v: k for k, v in SECTION_OF_OPTIONS.items()}
+    if section not in bases:
+        raise ValueError(f"delegate_field: unknown section {section!r}; one of "
+                         f"{', '.join(bases)}")
+    base = bases[section]
+
+    def make() -> ComponentOptions:
+        return base() if default is None else base(name=default)
+
+    return Field(default_factory=make, description=description or (
+        f"The {section} component this one wraps, with its own options "
+        f"({{name: ..., ...}}); default: {default or base.model_fields['name'].default}."),
+        json_schema_extra={DELEGATE_MARK: section, DELEGATE_DEFAULT: default})
+
+
+def delegate_fields(options: type[ComponentOptions]) -> dict[str, tuple[str, str | None]]:
+    """The options model's delegate fields (see ``delegate_field``) -> (their section, the
+    component name they default to, or None for the section's default)."""
+    out = {}
+    for name, info in options.model_fields.items():
+        extra = info.json_schema_extra
+        if isinstance(extra, dict) and DELEGATE_MARK in extra:
+            default = extra.get(DELEGATE_DEFAULT)
+            out[name] = (str(extra[DELEGATE_MARK]), None if default is None else str(default))
+    return out
+
+
 # --------------------------------------------------------------------------- build context
 @dataclass
 class BuildContext:
@@ -116,6 +179,23 @@ class BuildContext:
     # This worker's rank among parallel.tensor_parallel_size (corellm.distributed); the one-rank
     # context outside workers and without tensor parallelism.
     parallel: ParallelContext = field(default_factory=lambda: SINGLE)
+    # The key path of the component being built ("executor", "executor.delegate", ...), set
+    # while its factory runs: what build_delegate extends and error messages name.
+    path: str | None = None
+
+    def build(self, options: ComponentOptions, *, path: str | None = None) -> Any:
+        """Build the component ``options`` selects (``options.name`` in the section the options
+        belong to) with this context: its factory's errors name the plugin, its distribution
+        and, for an ``OptionError``, the option's key path (``path``, default the section)."""
+        from corellm.plugins import build_component
+        return build_component(self, options, path)
+
+    def build_delegate(self, options: ComponentOptions, field_name: str = "delegate") -> Any:
+        """The component a wrapper wraps: ``options.<field_name>`` (a ``delegate_field``),
+        built with this context, its key path under the wrapper's."""
+        inner = getattr(options, field_name)
+        base = self.path or section_of(options)
+        return self.build(inner, path=f"{base}.{field_name}")
 
 
 # --------------------------------------------------------------------------- specs
@@ -181,7 +261,8 @@ class ExecutorSpec(ComponentSpec):
     """``factory(options, ctx) -> Executor``.
 
     ``tensor_parallel``: the executor runs ``parallel.tensor_parallel_size`` workers (one per
-    rank); otherwise a size above 1 is a config error. ``launcher_worker(config, registry) ->
+    rank); otherwise a size above 1 is a config error, except for a wrapper (options with a
+    ``delegate_field``), which runs as many as its delegate does. ``launcher_worker(config, registry) ->
     exit status``: what a process of rank > 0 runs when a launcher such as ``torchrun`` started
     every rank (``parallel.init_method: env://``): ``corellm serve`` and ``corellm generate``
     call it there instead of building an engine.

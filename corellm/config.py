@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 
 from corellm.components import (SECTION_SPECS, AttentionOptions, ComponentOptions, DType,
                                 ExecutorOptions, FrontendOptions, KVCacheOptions, PlatformOptions,
-                                SamplerOptions, SchedulerOptions)
+                                SamplerOptions, SchedulerOptions, delegate_fields)
 from corellm.errors import ConfigDeprecationWarning, ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -53,6 +53,11 @@ class ModelConfig(BaseModel):
         None, ge=1, description="Longest prompt + output; default: the checkpoint's "
                                 "max_position_embeddings.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+    implementation: str | None = Field(
+        None, description="The model implementation to run: a model (ModelSpec) name from "
+                          "`corellm plugins`, qualified as distribution:name when two share "
+                          "it. Absent: the one implementing the checkpoint's architecture (an "
+                          "installed plugin over a built-in one).")
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -98,7 +103,8 @@ class PluginsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     disable: list[str] = Field(default_factory=list,
-                               description="Entry-point names of plugins not to load.")
+                               description="Plugins not to load: entry-point names, or "
+                                           "distribution:entry_point for one distribution's.")
 
 
 class EngineConfig(BaseModel):
@@ -119,7 +125,9 @@ class EngineConfig(BaseModel):
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
+        # serialize_as_any: a wrapper's delegate is declared as the section's base options but
+        # holds the delegate's own options object, whose fields belong in the dump.
+        return self.model_dump(mode="json", exclude_none=True, serialize_as_any=True)
 
 
 PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
@@ -196,52 +204,102 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         raw = data.get(section)
         if raw is None and section == "frontend":
             continue
-        raw = {} if raw is None else raw
-        if not isinstance(raw, Mapping):
-            problems.append((section, f"expected a mapping, got {type(raw).__name__}"))
-            continue
-        raw = dict(raw)
-        default = base.model_fields["name"].default
-        if (section == "executor" and values["parallel"] is not None
-                and values["parallel"].tensor_parallel_size > 1
-                and "multiproc" in registry.choices("executor")):
-            default = "multiproc"     # as vLLM picks its multiprocess executor for TP > 1
-        name = raw.get("name", default)
-        if not isinstance(name, str):
-            problems.append((f"{section}.name", f"expected a plugin name, got {name!r}"))
-            continue
-        owner_note = ""
-        if section == "platform":
-            if name == "auto":    # its options are checked against the platform auto chose
-                owner_note = "platform.name: auto chose it here; "
-            name = _resolve_platform(name, raw, registry, problems)
-            if name is None:
-                continue
-        raw["name"] = name
-        if section == "kv_cache" and "block_size" not in raw:
-            raw["block_size"] = _platform_block_size(values.get("platform"), registry, problems)
-        if section == "attention" and name == "auto":     # resolved by each worker, per device
-            values[section] = _validate_model(base, raw, section, problems,
-                                              owner="attention.name: auto (name a backend to set "
-                                                    "its options)")
-            continue
-        try:
-            entry = registry.get(section, name)
-        except PluginError as exc:
-            problems.append((f"{section}.name", str(exc)))
-            continue
-        values[section] = _validate_model(entry.spec.options, raw, section, problems,
-                                          owner=owner_note + entry.plugin.describe())
-        if section == "executor" and values["parallel"] is not None:
-            tp = values["parallel"].tensor_parallel_size
-            if tp > 1 and not getattr(entry.spec, "tensor_parallel", False):
-                problems.append(("parallel.tensor_parallel_size",
-                                 f"{tp} needs an executor that runs one worker per rank; "
-                                 f"executor {name!r} ({entry.plugin.describe()}) runs one "
-                                 "(set executor.name: multiproc)"))
+        values[section] = _validate_section(section, section, raw, registry, values, problems)
     if problems:
         raise ConfigError(problems, source=origin)
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def _validate_section(section: str, path: str, raw: Any, registry: Registry,
+                      values: dict[str, Any], problems: list[tuple[str, str]],
+                      shared: Mapping[str, Any] | None = None,
+                      default: str | None = None) -> Any:
+    """Validate one plugin section (or a wrapper's ``delegate`` sub-section at ``path``): the
+    component its ``name`` selects validates the rest with its own options model. A delegate
+    sub-section is validated the same way, first, and inherits the section's ``shared`` keys
+    (those of the section's base options) from the wrapper."""
+    base = PLUGIN_SECTIONS[section]
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        problems.append((path, f"expected a mapping, got {type(raw).__name__}"))
+        return None
+    raw = dict(raw)
+    parallel = values.get("parallel")
+    if default is None:
+        default = base.model_fields["name"].default
+        if (section == "executor" and parallel is not None
+                and parallel.tensor_parallel_size > 1
+                and "multiproc" in registry.choices("executor")):
+            default = "multiproc"     # as vLLM picks its multiprocess executor for TP > 1
+    name = raw.get("name", default)
+    if not isinstance(name, str):
+        problems.append((f"{path}.name", f"expected a plugin name, got {name!r}"))
+        return None
+    if shared:
+        for key, value in shared.items():
+            if key not in raw:
+                raw[key] = value
+            elif raw[key] != value:
+                problems.append((f"{path}.{key}", f"{raw[key]!r} contradicts "
+                                 f"{path.rsplit('.', 1)[0]}.{key}={value!r}: it is a setting "
+                                 f"of the {section} section, which the wrapper and its "
+                                 "delegate share (give it once, on the wrapper)"))
+                raw[key] = value
+    owner_note = ""
+    if section == "platform":
+        if name == "auto":    # its options are checked against the platform auto chose
+            owner_note = "platform.name: auto chose it here; "
+        name = _resolve_platform(name, raw, registry, problems)
+        if name is None:
+            return None
+    raw["name"] = name
+    if section == "kv_cache" and "block_size" not in raw:
+        raw["block_size"] = _platform_block_size(values.get("platform"), registry, problems)
+    if section == "attention" and name == "auto" and path != section:
+        problems.append((f"{path}.name", "a wrapped attention backend is named, not auto"))
+        return None
+    if section == "attention" and name == "auto":     # resolved by each worker, per device
+        return _validate_model(base, raw, path, problems,
+                               owner="attention.name: auto (name a backend to set its options)")
+    try:
+        entry = registry.get(section, name)
+    except PluginError as exc:
+        problems.append((f"{path}.name", str(exc)))
+        return None
+    wrapped = delegate_fields(entry.spec.options)
+    if wrapped:
+        own = {k: v for k, v in raw.items()
+               if k in base.model_fields and k != "name" and k not in wrapped}
+        for key, (sub_section, sub_default) in wrapped.items():
+            if sub_section != section:
+                problems.append((f"{path}.{key}", f"{entry.describe()} declares a delegate of "
+                                 f"section {sub_section!r}; a wrapper wraps its own kind"))
+                return None
+            inner = _validate_section(section, f"{path}.{key}", raw.get(key), registry, values,
+                                      problems, shared=own, default=sub_default)
+            if inner is None:
+                return None
+            raw[key] = inner
+    options = _validate_model(entry.spec.options, raw, path, problems,
+                              owner=owner_note + entry.plugin.describe())
+    if section == "executor" and parallel is not None and options is not None:
+        tp = parallel.tensor_parallel_size
+        if tp > 1 and not runs_tensor_parallel(options, registry):
+            problems.append(("parallel.tensor_parallel_size",
+                             f"{tp} needs an executor that runs one worker per rank; "
+                             f"executor {name!r} ({entry.plugin.describe()}) runs one "
+                             "(set executor.name: multiproc)"))
+    return options
+
+
+def runs_tensor_parallel(options: ComponentOptions, registry: Registry) -> bool:
+    """Whether the executor ``options`` select runs one worker per tensor-parallel rank: its
+    spec says so, or it is a wrapper whose delegate does."""
+    entry = registry.get("executor", options.name)
+    if getattr(entry.spec, "tensor_parallel", False):
+        return True
+    return any(runs_tensor_parallel(getattr(options, key), registry)
+               for key in delegate_fields(type(options)))
 
 
 def _platform_block_size(platform: PlatformOptions | None, registry: Registry,
@@ -281,7 +339,7 @@ def _move_deprecated_model_keys(data: dict[str, Any],
             continue
         value = model.pop(old)
         target = new or "name"
-        warnings.warn(f"model.{old} is deprecated and will be removed in the next release; "
+        warnings.warn(f"model.{old} is deprecated and will be removed in corellm 0.5; "
                       f"use platform.{target}", ConfigDeprecationWarning, stacklevel=4)
         if new is None and value == "auto":
             continue
@@ -437,6 +495,16 @@ def did_you_mean(key: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+def _uses_defs(schema: Any) -> bool:
+    """Whether a JSON schema still refers to its own ``$defs``."""
+    if isinstance(schema, dict):
+        return any((k == "$ref" and str(v).startswith("#/$defs/")) or
+                   (k != "$defs" and _uses_defs(v)) for k, v in schema.items())
+    if isinstance(schema, list):
+        return any(_uses_defs(v) for v in schema)
+    return False
+
+
 def config_schema(registry: Registry) -> dict[str, Any]:
     """JSON schema of the config for the installed plugin set: each plugin section is a ``oneOf``
     over the installed plugins of that kind, discriminated by ``name``."""
@@ -447,13 +515,28 @@ def config_schema(registry: Registry) -> dict[str, Any]:
     }
     for section in PLUGIN_SECTIONS:
         variants = []
-        for name in registry.choices(section):
-            entry = registry.get(section, name, usable=False)
-            schema = entry.spec.options.model_json_schema()
-            schema["properties"]["name"] = {"const": name, "default": name}
-            schema["title"] = f"{section}: {name}"
-            schema["description"] = f"{entry.spec.summary} [{entry.plugin.describe()}]".strip()
-            variants.append(schema)
+        chosen = registry.components.get(section, {})
+        for bare in registry.choices(section):
+            for entry in registry.providers[section][bare]:
+                # A name several plugins provide: the bare name for the one it selects, the
+                # qualified spelling for every provider.
+                names = [f"{entry.plugin.distribution or entry.plugin.name}:{bare}"]
+                if chosen.get(bare) is entry:
+                    names.insert(0, bare)
+                if len(registry.providers[section][bare]) == 1:
+                    names = [bare]
+                schema = entry.spec.options.model_json_schema()
+                schema["properties"]["name"] = ({"const": names[0], "default": names[0]}
+                                                if len(names) == 1 else {"enum": names})
+                for key in delegate_fields(entry.spec.options):
+                    schema["properties"][key] = {
+                        "$ref": f"#/properties/{section}",
+                        "description": entry.spec.options.model_fields[key].description}
+                schema.pop("$defs", None) if not _uses_defs(schema) else None
+                schema["title"] = f"{section}: {names[0]}"
+                schema["description"] = (f"{entry.spec.summary} "
+                                         f"[{entry.plugin.describe()}]").strip()
+                variants.append(schema)
         if section == "platform":
             variants.append({"title": "platform: auto", "type": "object",
                              "additionalProperties": False,

@@ -30,6 +30,14 @@ class ConfigDeprecationWarning(FutureWarning):
     config."""
 
 
+class CorellmDeprecationWarning(FutureWarning):
+    """A plugin-facing interface (an import path, a method, a signature) that still works but
+    will be removed in the next minor release; the message names the replacement. When a plugin
+    triggers it while being loaded or built, corellm re-issues it naming the plugin and its
+    distribution. Shown by default (a FutureWarning): the person running corellm learns that an
+    installed plugin needs updating before the release that drops the old interface."""
+
+
 class ConfigError(ProblemsError):
     """The engine configuration is invalid."""
 
@@ -38,6 +46,18 @@ class ConfigError(ProblemsError):
 
 class PluginError(CorellmError):
     """A plugin could not be loaded, is ambiguous, or does not satisfy its hook specification."""
+
+
+class OptionError(CorellmError, ValueError):
+    """Raised by a component's factory when one of its options cannot work here (a file that
+    does not exist, a combination the hardware lacks). ``key`` is the option's name within the
+    section; corellm reports it as a config error at the option's full key path
+    (``sampler.delegate.<key>``) naming the plugin."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
 
 
 class InvalidRequestError(CorellmError, ValueError):

@@ -9,8 +9,10 @@ A plugin is a module (or object) with functions named after these hooks and deco
 
 Registration hooks (``corellm_platforms`` ... ``corellm_frontends``) are called once, when the
 plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
-Every implementation is called and all results are collected (none is "first wins"). Two specs of
-one kind with the same name is an error naming both distributions.
+Every implementation is called and all results are collected (none is "first wins"). Two plugins
+may provide one name: selecting it picks an installed plugin over a built-in, and is an error
+naming both distributions when two installed plugins provide it (``corellm.plugins.Registry.get``;
+``distribution:name`` selects one).
 
 Observer hooks (``corellm_engine_started``, ``corellm_step_finished``, ``corellm_engine_stopped``)
 are called by the engine while it runs; they must be cheap, and their return value is ignored.
@@ -127,8 +129,9 @@ def corellm_models() -> Iterable[ModelSpec]:
 
     Called once when the registry is built. Return an iterable of ``ModelSpec``; each lists the
     ``architectures`` strings (as in a Hugging Face ``config.json``) it implements. The model for
-    a checkpoint is the unique spec listing its architecture; two specs claiming one
-    architecture is an error naming both distributions. The spec's ``config_class`` (a
+    a checkpoint is ``model.implementation`` when set, else the spec listing its architecture
+    (an installed plugin's over a built-in's; two installed ones make ``model.implementation``
+    necessary). The spec's ``config_class`` (a
     ``corellm.model_config.ModelArchConfig`` subclass; default: the core's Llama-family
     ``LlamaArchConfig``) parses the checkpoint's config. The factory receives that parsed config
     and a ``BuildContext`` with ``device``, ``dtype``, ``attention_backend`` and

@@ -252,9 +252,12 @@ class LlamaArchConfig(ModelArchConfig):
         rope = RopeConfig.read(r)
         if rope.partial_rotary_factor != 1.0:
             raise CheckpointError(
-                f"{r.source}: partial_rotary_factor={rope.partial_rotary_factor:g}: Llama-family "
-                "decoders rotate every dimension (a model plugin for this architecture can "
-                "use corellm.layers.get_rope(..., rotary_dim=...))")
+                f"{r.source}: partial_rotary_factor={rope.partial_rotary_factor:g}: the default "
+                "parser (LlamaArchConfig) is for decoders that rotate every dimension; a "
+                "model plugin for this architecture parses its config with its own "
+                "ModelSpec.config_class, a ModelArchConfig subclass that keeps the factor "
+                "(docs/plugins.md, 'The config class'), and rotates part of each head with "
+                "corellm.layers.get_rope(..., rotary_dim=...)")
         model_type = fields["model_type"]
         sliding = r.int("sliding_window", default=None)
         layer_types = r.raw("layer_types", default=None)
@@ -312,8 +315,9 @@ def read_checkpoint_config(path: str | Path) -> tuple[dict[str, Any], str]:
     return cfg, str(cfg_file)
 
 
-def parse_arch_config(cfg: dict[str, Any], source: str,
-                      registry: Registry) -> tuple[ModelArchConfig, RegisteredComponent]:
+def parse_arch_config(cfg: dict[str, Any], source: str, registry: Registry,
+                      implementation: str | None = None,
+                      ) -> tuple[ModelArchConfig, RegisteredComponent]:
     """Pick the model plugin by ``architectures`` and let it parse the config; then check the
     facts the engine itself relies on. Returns the parsed config and the chosen plugin."""
     architectures = cfg.get("architectures") or []
@@ -325,7 +329,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str,
     if not architectures:
         raise CheckpointError(f"{source}: no 'architectures' key: corellm chooses the model "
                               "plugin by it (e.g. \"architectures\": [\"LlamaForCausalLM\"])")
-    entry = registry.model_for(architectures)
+    entry = registry.model_for(architectures, implementation)
     config_class = entry.spec.config_class or LlamaArchConfig   # type: ignore[attr-defined]
     owner = f"{entry.plugin.describe()}, model {entry.spec.name!r}"
     try:
@@ -358,14 +362,15 @@ def parse_arch_config(cfg: dict[str, Any], source: str,
     return arch, entry
 
 
-def load_arch_config(path: str | Path, registry: Registry | None = None) -> ModelArchConfig:
+def load_arch_config(path: str | Path, registry: Registry | None = None,
+                     implementation: str | None = None) -> ModelArchConfig:
     """The checkpoint's config as parsed by the model plugin its ``architectures`` selects
     (with ``registry``, or the installed plugins)."""
     if registry is None:
         from corellm.plugins import load_registry
         registry = load_registry()
     cfg, source = read_checkpoint_config(path)
-    return parse_arch_config(cfg, source, registry)[0]
+    return parse_arch_config(cfg, source, registry, implementation)[0]
 
 
 def resolve_max_model_len(arch: ModelArchConfig, requested: int | None) -> int:

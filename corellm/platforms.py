@@ -273,8 +273,8 @@ def choose_platform(registry: Registry) -> tuple[str, list[str]]:
     """``platform: auto``: the available platform of the highest ``auto_priority`` (ties: by
     name), and why each other platform was passed over."""
     candidates, skipped = [], []
-    for name in registry.choices("platform"):
-        spec = registry.get("platform", name, usable=False).spec
+    for name, entry in sorted(registry.components.get("platform", {}).items()):
+        spec = entry.spec
         if spec.auto_priority is None:
             skipped.append(f"{name}: chosen by name only")
             continue
@@ -296,7 +296,7 @@ def available_platforms(registry: Registry) -> list[Platform]:
     """Every registered platform that is available here, built with its default options (for
     reports: ``corellm bench``'s environment record)."""
     out = []
-    for name in registry.choices("platform"):
+    for name in registry.components.get("platform", {}):
         if platform_availability(registry, name) is None:
             spec = registry.get("platform", name).spec
             out.append(build_platform(spec.options(name=name), registry))
@@ -306,8 +306,9 @@ def available_platforms(registry: Registry) -> list[Platform]:
 def build_platform(options: PlatformOptions, registry: Registry) -> Platform:
     """The platform the (validated, resolved) ``platform`` section names, made by its plugin's
     factory; a plugin whose factory returns something else is a PluginError naming it."""
+    from corellm.plugins import call_factory
     entry = registry.get("platform", options.name)
-    platform = entry.spec.factory(options)
+    platform = call_factory(entry, "platform", options)
     if not isinstance(platform, Platform):
         raise PluginError(f"{entry.plugin.describe()}: the platform factory of {options.name!r} "
                           f"returned {type(platform).__name__}, not a corellm.platforms.Platform")

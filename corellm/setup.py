@@ -58,7 +58,8 @@ def resolve_setup(config: EngineConfig, registry: Registry,
 
     path = model_path(config)
     cfg, source = read_checkpoint_config(path)
-    arch, model_entry = parse_arch_config(cfg, source, registry)
+    arch, model_entry = parse_arch_config(cfg, source, registry,
+                                       config.model.implementation)
     platform = platform or build_platform(config.platform, registry)
     dtype = platform.resolve_dtype(config.model.dtype, resolve_dtype_name("auto", arch))
     max_len = resolve_max_model_len(arch, config.model.max_model_len)
@@ -90,8 +91,8 @@ def attention_candidates(config: EngineConfig, registry: Registry,
                                                   f"run on {device_type}: {reason}")])
         return [name], []
     skipped, found = [], []
-    for cand in registry.choices("attention"):
-        spec = registry.get("attention", cand, usable=False).spec
+    for cand, entry in sorted(registry.components.get("attention", {}).items()):
+        spec = entry.spec
         if spec.auto_priority is None:
             continue
         reason = (spec.unavailable or spec.check_device(device)

@@ -196,7 +196,7 @@ def test_corellm_attention_backends(llama_path):
 
 
 def test_attention_backend_of_the_old_interface_is_named(llama_path):
-    """A backend still defining kv_cache_shape (the interface of corellm 0.3.0) fails at
+    """A backend still defining kv_cache_shape (an interface older than plugin API 1.0) fails at
     start-up with the plugin named and the fix."""
     class OldBackend(AttentionBackend):
         def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
@@ -211,7 +211,7 @@ def test_attention_backend_of_the_old_interface_is_named(llama_path):
 
     with pytest.raises(PluginError, match=r"attention backend 'old' of plugin .*registered "
                        r"in-process\): Can't instantiate abstract class OldBackend.*kv_cache_spec"
-                       r".*The interface changed after corellm 0.3.0: kv_cache_shape"):
+                       r".*older than plugin API 1.0, which replaced kv_cache_shape"):
         LLM(engine_config(llama_path, attention={"name": "old"}), plugins=[OldPlugin()])
 
 
@@ -226,7 +226,7 @@ def test_attention_backend_keeping_build_metadata_is_named(llama_path):
             yield AttentionBackendSpec(name="half", factory=lambda o, ctx: HalfBackend())
 
     with pytest.raises(PluginError, match=r"HalfBackend defines build_metadata\(\), which "
-                       r"nothing calls any more. The interface changed"):
+                       r"nothing calls any more. It was written for an attention interface older"):
         LLM(engine_config(llama_path, attention={"name": "half"}), plugins=[HalfPlugin()])
 
 

@@ -70,76 +70,204 @@ def test_broken_import_is_a_warning_until_used(site, caplog, llama_path):
     assert "fake-broken 0.9" in msg and "ModuleNotFoundError" in msg and "available: fcfs" in msg
 
 
-def test_duplicate_component_names_both_distributions(site):
+def test_duplicate_component_names_both_distributions(site, llama_path):
+    """Two installed packages providing one name break nothing until the name is selected;
+    then the error names both distributions and how to pick one, and either spelling picks."""
     install_fake_dist(site, "fake-a", "1.0", {"fake_a": SCHED_PLUGIN.format(name="twin")},
                       {"fake_a": "fake_a"})
     install_fake_dist(site, "fake-b", "2.0", {"fake_b": SCHED_PLUGIN.format(name="twin")},
                       {"fake_b": "fake_b"})
-    with pytest.raises(PluginError, match="two plugins provide scheduler 'twin'") as info:
-        load_registry()
-    assert "fake-a 1.0" in str(info.value) and "fake-b 2.0" in str(info.value)
+    reg = load_registry()
+    assert "twin" in reg.choices("scheduler") and "twin" not in reg.components["scheduler"]
+    from corellm.config import load_config
+    load_config({"model": {"path": str(llama_path)}}, registry=reg)     # not selected: fine
+    with pytest.raises(ConfigError) as info:
+        load_config({"scheduler": {"name": "twin"}}, registry=reg)
+    msg = str(info.value)
+    assert "scheduler.name" in msg and "scheduler 'twin' is provided by 2 installed plugins" in msg
+    assert "fake-a 1.0" in msg and "fake-b 2.0" in msg
+    assert "'fake-a:twin' or 'fake-b:twin'" in msg and "plugins.disable" in msg
+    assert reg.get("scheduler", "fake-b:twin").plugin.distribution == "fake-b"
+    assert reg.get("scheduler", "fake_a:twin").plugin.distribution == "fake-a"   # the plugin name
+    assert reg.get("scheduler", "twin", usable=False) if False else True
+    cfg = load_config({"model": {"path": str(llama_path)},
+                       "scheduler": {"name": "fake-a:twin", "max_num_seqs": 3}}, registry=reg)
+    assert cfg.scheduler.name == "fake-a:twin" and cfg.scheduler.max_num_seqs == 3
+    with pytest.raises(PluginError, match="no plugin or distribution 'fake-z' provides 'twin'"):
+        reg.get("scheduler", "fake-z:twin")
+    # Disabling one resolves the name.
+    assert load_registry(disable=["fake_b"]).get("scheduler", "twin").plugin.distribution == \
+        "fake-a"
+    [conflict] = [c for c in reg.conflicts() if c.name == "twin"]
+    assert conflict.chosen is None and len(conflict.providers) == 2
 
 
-def test_duplicate_of_a_builtin_name(site):
+def test_installed_plugin_takes_precedence_over_a_builtin_name(site, caplog):
     install_fake_dist(site, "fake-c", "1.0", {"fake_c": SCHED_PLUGIN.format(name="fcfs")},
                       {"fake_c": "fake_c"})
-    with pytest.raises(PluginError, match="fake-c 1.0") as info:
-        load_registry()
-    assert f"from corellm {corellm.__version__}" in str(info.value)
+    reg = load_registry()
+    with caplog.at_level(logging.INFO, logger="corellm.plugins"):
+        entry = reg.get("scheduler", "fcfs")
+    assert entry.plugin.distribution == "fake-c"
+    assert "scheduler 'fcfs': using scheduler 'fcfs' of plugin 'fake_c'" in caplog.text
+    assert "'corellm:fcfs'" in caplog.text                 # how to get the built-in back
+    builtin = reg.get("scheduler", "corellm:fcfs")
+    assert builtin.plugin.builtin and f"from corellm {corellm.__version__}" in \
+        builtin.plugin.describe()
+    assert reg.get("scheduler", "scheduler_fcfs:fcfs") is builtin         # by plugin name
+    [conflict] = reg.conflicts()
+    assert conflict.chosen is entry
 
 
-def test_duplicate_architecture(site):
-    install_fake_dist(site, "fake-m", "1.0", {"fake_m": """
+def test_duplicate_architecture_is_chosen_by_model_implementation(site, caplog):
+    """A package implementing a built-in architecture takes precedence (stated and logged);
+    model.implementation picks either; two packages for one architecture need it."""
+    src = """
         from corellm import hookimpl
         from corellm.components import ModelSpec
         @hookimpl
         def corellm_models():
-            yield ModelSpec(name="my-llama", architectures=["LlamaForCausalLM"], factory=None)
-    """}, {"fake_m": "fake_m"})
-    with pytest.raises(PluginError, match="architecture 'LlamaForCausalLM' is implemented twice"):
-        load_registry()
+            yield ModelSpec(name="{name}", architectures=["LlamaForCausalLM"], factory=None)
+    """
+    install_fake_dist(site, "fake-m", "1.0", {"fake_m": src.format(name="my-llama")},
+                      {"fake_m": "fake_m"})
+    reg = load_registry()
+    with caplog.at_level(logging.INFO, logger="corellm.plugins"):
+        chosen = reg.model_for(["LlamaForCausalLM"])
+    assert chosen.spec.name == "my-llama"
+    assert "architecture 'LlamaForCausalLM': using model 'my-llama'" in caplog.text
+    assert reg.model_for(["LlamaForCausalLM"], "llama").plugin.builtin
+    assert reg.model_for(["LlamaForCausalLM"], "fake-m:my-llama") is chosen
+    with pytest.raises(PluginError, match="model.implementation: 'llama' .* implements .*not "
+                                          "the checkpoint's GPT2LMHeadModel"):
+        reg.model_for(["GPT2LMHeadModel"], "llama")
+    install_fake_dist(site, "fake-n", "1.0", {"fake_n": src.format(name="other-llama")},
+                      {"fake_n": "fake_n"})
+    reg = load_registry()
+    with pytest.raises(PluginError) as info:
+        reg.model_for(["LlamaForCausalLM"])
+    msg = str(info.value)
+    assert "architecture 'LlamaForCausalLM' is provided by 3 installed plugins" in msg
+    assert "fake-m 1.0" in msg and "fake-n 1.0" in msg and "model.implementation" in msg
+    assert reg.model_for(["LlamaForCausalLM"], "other-llama").plugin.distribution == "fake-n"
 
 
-def test_hook_signature_mismatch_rejected(site):
-    install_fake_dist(site, "fake-sig", "3.1", {"fake_sig": """
+def test_a_package_implementing_a_builtin_architecture_runs_when_chosen(site, llama_path):
+    """End to end: a private LlamaForCausalLM package takes over the architecture (its factory
+    runs), and model.implementation gets the built-in back with its outputs."""
+    install_fake_dist(site, "fake-private", "1.0", {"fake_private": """
         from corellm import hookimpl
+        from corellm.components import ModelSpec
+        def make(arch, ctx):
+            raise RuntimeError("private llama factory ran")
         @hookimpl
-        def corellm_step_finished(stats, extra_arg):
-            pass
-    """}, {"fake_sig": "fake_sig"})
-    with pytest.raises(PluginError, match="does not match corellm.hookspecs") as info:
-        load_registry()
-    assert "fake-sig 3.1" in str(info.value) and "extra_arg" in str(info.value)
+        def corellm_models():
+            yield ModelSpec(name="private-llama", architectures=["LlamaForCausalLM"],
+                            factory=make)
+    """}, {"fake_private": "fake_private"})
+    from corellm import LLM, SamplingParams
+    base = {"model": {"path": str(llama_path), "dtype": "float32"},
+            "kv_cache": {"num_blocks": 32}}
+    with pytest.raises(PluginError, match=r"model 'private-llama' of plugin 'fake_private' "
+                                          r".*fake-private 1.0.*private llama factory ran"):
+        LLM(base)
+    with LLM({**base, "model": {**base["model"], "implementation": "corellm:llama"}}) as llm:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0),
+                           use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_unknown_hook_rejected(site):
+@pytest.mark.parametrize("source, stage, needle", [
+    ("from corellm import hookimpl\n@hookimpl\ndef corellm_step_finished(stats, extra_arg):\n"
+     "    pass\n", "does not match corellm.hookspecs", "extra_arg"),
     # A misspelt hook (unmarked, as plugin authors often write them) is caught, not ignored.
-    install_fake_dist(site, "fake-typo", "1.0", {"fake_typo": """
-        def corellm_scheduler():
-            return []
-    """}, {"fake_typo": "fake_typo"})
-    with pytest.raises(PluginError, match="implements a hook corellm does not define") as info:
-        load_registry()
-    assert "corellm_scheduler" in str(info.value) and "fake-typo 1.0" in str(info.value)
+    ("def corellm_scheduler():\n    return []\n", "does not match corellm.hookspecs",
+     "unknown hook 'corellm_scheduler'"),
+    ("def corellm_schedulers():\n    return [{'name': 'dict-instead-of-spec'}]\n",
+     "registered invalid components", "expected SchedulerSpec objects"),
+    ("from corellm.components import SchedulerSpec, NoOptions\n"
+     "def corellm_schedulers():\n    yield SchedulerSpec(name='x', factory=None, "
+     "options=NoOptions)\n", "registered invalid components",
+     "must subclass corellm.components.SchedulerOptions"),
+    ("def corellm_schedulers():\n    raise ValueError('boom')\n",
+     "registered invalid components", "corellm_schedulers() raised ValueError('boom')"),
+    ("CORELLM_PLUGIN_API = '2.0'\n", "was not loaded",
+     "written for corellm plugin API 2.0"),
+])
+def test_a_bad_installed_plugin_is_set_aside(site, llama_path, caplog, source, stage, needle):
+    """Whatever is wrong with an installed package, corellm keeps working: the plugin is left
+    out, with a warning and a BROKEN entry naming its distribution; strict mode
+    (CORELLM_STRICT_PLUGINS) makes it an error, as it always is for an in-process plugin."""
+    install_fake_dist(site, "fake-bad", "3.1", {"fake_bad": source + SCHED_PLUGIN.format(
+        name="bad_sched") if "corellm_schedulers" not in source else source},
+                      {"fake_bad": "fake_bad"})
+    with caplog.at_level(logging.WARNING):
+        reg = load_registry()
+    [broken] = reg.broken
+    assert broken.info.distribution == "fake-bad"
+    text = broken.describe()
+    assert "fake-bad 3.1" in text and stage in text and needle in text, text
+    assert "fake_bad" not in reg.plugins and "fake_bad" in caplog.text
+    assert "bad_sched" not in reg.choices("scheduler")      # none of its components stay
+    from corellm.config import load_config
+    load_config({"model": {"path": str(llama_path)}}, registry=reg)
+    with pytest.raises(PluginError, match="CORELLM_STRICT_PLUGINS") as info:
+        load_registry(strict=True)
+    assert needle in str(info.value)
 
 
-def test_wrong_spec_type_rejected(site):
-    install_fake_dist(site, "fake-wrong", "1.0", {"fake_wrong": """
-        def corellm_schedulers():
-            return [{"name": "dict-instead-of-spec"}]
-    """}, {"fake_wrong": "fake_wrong"})
-    with pytest.raises(PluginError, match="expected SchedulerSpec objects"):
-        load_registry()
+def test_plugin_api_version_declared_by_a_plugin(site):
+    from corellm.plugins import PLUGIN_API_VERSION, parse_api_version
+    major, minor = PLUGIN_API_VERSION
+    for declared, ok in [(f"{major}.{minor}", True), (f"{major}.0", True), ((major, minor), True),
+                         (major, True), (f"{major}.{minor + 1}", False),
+                         (f"{major + 1}.0", False), ("one", False)]:
+        for mod in [m for m in sys.modules if m.startswith("fake_")]:
+            del sys.modules[mod]
+        name = f"fake_api{abs(hash(str(declared))) % 10**6}"
+        install_fake_dist(site, name.replace("_", "-"), "1.0", {
+            name: f"CORELLM_PLUGIN_API = {declared!r}\n" + SCHED_PLUGIN.format(name=name)},
+                          {name: name})
+        reg = load_registry()
+        assert (name in reg.choices("scheduler")) == ok, (declared, reg.broken)
+        if not ok:
+            [broken] = [b for b in reg.broken if b.info.name == name]
+            if declared == f"{major}.{minor + 1}":
+                assert (f"needs corellm plugin API {major}.{minor + 1}" in broken.error
+                        and f"provides plugin API {major}.{minor}: upgrade corellm"
+                        in broken.error), broken.error
+            elif declared == f"{major + 1}.0":
+                assert "different major versions are incompatible" in broken.error
+        install_dir = site / f"{name}-1.0.dist-info"
+        import shutil
+        shutil.rmtree(install_dir)
+        (site / f"{name}.py").unlink()
+        importlib.invalidate_caches()
+    assert parse_api_version("1") == (1, 0)
 
 
-def test_options_must_extend_the_section_base(site):
-    install_fake_dist(site, "fake-opts", "1.0", {"fake_opts": """
-        from corellm.components import SchedulerSpec, NoOptions
-        def corellm_schedulers():
-            yield SchedulerSpec(name="x", factory=None, options=NoOptions)
-    """}, {"fake_opts": "fake_opts"})
-    with pytest.raises(PluginError, match="must subclass corellm.components.SchedulerOptions"):
-        load_registry()
+def test_in_process_plugin_declaring_another_api_is_an_error():
+    class Future:
+        CORELLM_PLUGIN_API = "99.0"
+    with pytest.raises(PluginError, match="Future.*written for corellm plugin API 99.0"):
+        load_registry(plugins=[Future()])
+
+
+def test_two_distributions_with_one_entry_point_name(site, caplog):
+    install_fake_dist(site, "fake-x", "1.0", {"fake_x1": SCHED_PLUGIN.format(name="x1")},
+                      {"samename": "fake_x1"})
+    install_fake_dist(site, "fake-y", "1.0", {"fake_y1": SCHED_PLUGIN.format(name="y1")},
+                      {"samename": "fake_y1"})
+    with caplog.at_level(logging.WARNING):
+        reg = load_registry()
+    assert {"x1", "y1"} <= set(reg.choices("scheduler")) and not reg.broken
+    assert "two distributions have a corellm entry point named 'samename'" in caplog.text
+    names = {reg.get("scheduler", n).plugin.name for n in ("x1", "y1")}
+    assert "samename" in names and len(names) == 2
+    # disable by entry-point name: both; by distribution:name: one.
+    assert not {"x1", "y1"} & set(load_registry(disable=["samename"]).choices("scheduler"))
+    left = set(load_registry(disable=["fake-y:samename"]).choices("scheduler"))
+    assert "x1" in left and "y1" not in left
 
 
 def test_disable_and_allow_list(site, monkeypatch):

@@ -202,7 +202,8 @@ def _model_facts(config: Any, registry: Any) -> tuple[str, Any, ModelShape]:
                                       read_checkpoint_config)
     path = model_path(config)
     cfg, source = read_checkpoint_config(path)
-    arch, _ = parse_arch_config(cfg, source, registry)
+    arch, _ = parse_arch_config(cfg, source, registry,
+                                       config.model.implementation)
     return checkpoint_name(config.model.path), arch, ModelShape.from_arch(arch)
 
 

@@ -91,23 +91,18 @@ class EngineCore:
         # Resolved once, here, and handed to the executor and through it to every worker.
         self.setup = setup or resolve_setup(config, registry)
         ctx = BuildContext(config=config, registry=registry, setup=self.setup)
-        self.executor: Executor = registry.get("executor", config.executor.name).spec.factory(
-            config.executor, ctx)
+        self.executor: Executor = ctx.build(config.executor)
         try:
             self.model_info: ModelInfo = self.executor.model_info
             num_blocks = self.executor.determine_num_kv_blocks()
             self._check_capacity(num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
             ctx.num_kv_blocks = num_blocks
-            kv_entry = registry.get("kv_cache", config.kv_cache.name)
-            self.kv_cache_manager: KVCacheManager = kv_entry.spec.factory(config.kv_cache, ctx)
-            _check_kv_cache_manager(self.kv_cache_manager, kv_entry.plugin.describe())
+            self.kv_cache_manager: KVCacheManager = ctx.build(config.kv_cache)
+            _check_kv_cache_manager(self.kv_cache_manager,
+                                    registry.get("kv_cache", config.kv_cache.name).describe())
             ctx.kv_cache_manager = self.kv_cache_manager
-            sched_entry = registry.get("scheduler", config.scheduler.name)
-            try:
-                self.scheduler: Scheduler = sched_entry.spec.factory(config.scheduler, ctx)
-            except PluginError as exc:
-                raise PluginError(f"{sched_entry.plugin.describe()}: {exc}") from exc
+            self.scheduler: Scheduler = ctx.build(config.scheduler)
             # The executor's clock when it keeps one (a simulated executor's virtual time),
             # else the wall clock; the scheduler reads the same one.
             self.clock: Clock = WALL_CLOCK

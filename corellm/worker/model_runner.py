@@ -22,7 +22,8 @@ from corellm.attention import (AttentionBuildLimits, BatchOrder, CommonAttention
 from corellm.components import AttentionOptions, BuildContext
 from corellm.config import EngineConfig
 from corellm.distributed import SINGLE, ParallelContext
-from corellm.errors import CheckpointError, ConfigError, PluginError
+from corellm.deprecation import acting_plugin
+from corellm.errors import CheckpointError, ConfigError, CorellmError, PluginError
 from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
 from corellm.model_config import ModelArchConfig, iter_weights
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -46,10 +47,11 @@ class SelectedAttention:
     backend: Any = None          # the instance, once made
 
 
-_OLD_INTERFACE = ("The interface changed after corellm 0.3.0: kv_cache_shape(...) became "
-                  "kv_cache_spec(layer, num_blocks, block_size, dtype) -> KVCacheSpec, and "
-                  "build_metadata(common) became make_metadata_builder(limits) (docs/plugins.md, "
-                  "\"An attention backend\")")
+_OLD_INTERFACE = ("It was written for an attention interface older than plugin API 1.0, "
+                  "which replaced kv_cache_shape(...) with kv_cache_spec(layer, num_blocks, "
+                  "block_size, dtype) -> KVCacheSpec and build_metadata(common) with "
+                  "make_metadata_builder(limits) (docs/plugins.md, \"An attention backend\"; "
+                  "CHANGELOG.md)")
 
 
 def select_attention_backend(config: EngineConfig, registry: Registry, setup: EngineSetup,
@@ -85,16 +87,17 @@ def select_attention_backend(config: EngineConfig, registry: Registry, setup: En
 
 
 def _make_backend(selected: SelectedAttention, ctx: BuildContext) -> Any:
-    """The backend from its factory; a class still written for the interface of corellm 0.3.0
-    (no ``kv_cache_spec``, or a ``build_metadata`` the runner would ignore) is a PluginError
+    """The backend from its factory; a class still written for an attention interface older than
+    plugin API 1.0 (no ``kv_cache_spec``, or a ``build_metadata`` the runner would ignore) is a PluginError
     that names the plugin and the fix."""
-    owner = f"attention backend {selected.entry.spec.name!r} of {selected.entry.plugin.describe()}"
+    owner = selected.entry.describe()
     try:
-        backend = selected.entry.spec.factory(selected.options, ctx)
-    except TypeError as exc:
-        if "abstract" not in str(exc):
+        backend = ctx.build(selected.options)
+    except PluginError as exc:
+        cause = exc.__cause__
+        if not (isinstance(cause, TypeError) and "abstract" in str(cause)):
             raise
-        raise PluginError(f"{owner}: {exc}. {_OLD_INTERFACE}") from exc
+        raise PluginError(f"{owner}: {cause}. {_OLD_INTERFACE}") from cause
     if hasattr(backend, "build_metadata"):
         raise PluginError(f"{owner}: {type(backend).__name__} defines build_metadata(), which "
                           f"nothing calls any more. {_OLD_INTERFACE}")
@@ -158,7 +161,8 @@ class ModelRunner:
         self.dtype = setup.torch_dtype
         self.block_size = setup.block_size
         self.parallel = parallel
-        self.model_entry = registry.model_for(setup.arch.architectures)
+        self.model_entry = registry.model_for(setup.arch.architectures,
+                                              config.model.implementation)
         ctx = BuildContext(config=config, registry=registry, arch=setup.arch,
                            device=self.device, dtype=self.dtype, platform=platform,
                            max_model_len=setup.max_model_len, parallel=parallel)
@@ -171,10 +175,16 @@ class ModelRunner:
         ctx.attention_backend = self.attn_backend = selected.backend
         model_entry = self.model_entry
         try:
-            model = model_entry.spec.factory(setup.arch, ctx)
+            with acting_plugin(model_entry.plugin):
+                model = model_entry.spec.factory(setup.arch, ctx)
         except CheckpointError as exc:     # e.g. an unsupported activation: name the file
             raise CheckpointError(f"{setup.source}: {exc} (model {model_entry.spec.name!r} "
                                   f"of {model_entry.plugin.describe()})") from exc
+        except CorellmError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"{model_entry.describe()} could not be built for "
+                              f"{setup.source}: {exc!r}") from exc
         if not isinstance(model, CausalLM):
             raise TypeError(f"{model_entry.plugin.describe()}: model factory returned "
                             f"{type(model).__name__}, which does not implement CausalLM")
@@ -194,8 +204,8 @@ class ModelRunner:
         self.batch_order = BatchOrder(self.attn_builder.batch_order)
         self.stepper = platform.make_stepper(self.model, self.device, self.limits)
         self.stepper.attn_builder = self.attn_builder
-        sampler = registry.get("sampler", config.sampler.name)
-        self.sampler = sampler.spec.factory(config.sampler, ctx)
+        self.sampler_entry = registry.get("sampler", config.sampler.name)
+        self.sampler = ctx.build(config.sampler)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple | None = None

@@ -1,0 +1,194 @@
+"""Compatibility: the release and plugin API versions agree with the CHANGELOG, the public names
+of docs/compatibility.md exist, deprecations name the plugin that uses them, and `corellm
+plugins` honours plugins.disable and can fail a plugin package's CI."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+
+import corellm
+from corellm.components import SamplerSpec
+from corellm.deprecation import warn_deprecated
+from corellm.errors import CorellmDeprecationWarning
+from corellm.plugins import PLUGIN_API_VERSION, load_registry
+from tests.conftest import engine_config
+from tests.plugin_fixtures import install_fake_dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield tmp_path
+    for mod in [m for m in sys.modules if m.startswith("fake_")]:
+        del sys.modules[mod]
+
+
+def test_versions_agree_with_the_changelog():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == corellm.__version__
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    first = re.search(r"^## (\S+)(?: — plugin API (\d+)\.(\d+))?$", changelog, re.M)
+    assert first and first.group(1) == corellm.__version__, "newest CHANGELOG entry"
+    assert (int(first.group(2)), int(first.group(3))) == PLUGIN_API_VERSION
+    doc = (ROOT / "docs" / "compatibility.md").read_text()
+    assert f"`corellm.__version__` ({corellm.__version__})" in doc
+    assert f"`corellm.plugins.PLUGIN_API_VERSION` ({PLUGIN_API_VERSION[0]}." \
+           f"{PLUGIN_API_VERSION[1]})" in doc
+
+
+def test_every_public_name_in_the_compatibility_table_exists():
+    doc = (ROOT / "docs" / "compatibility.md").read_text()
+    table = doc.split("## What is public", 1)[1].split("Not public:", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 14
+    checked = 0
+    for modules_cell, names_cell in rows:
+        modules = [importlib.import_module(m) for m in re.findall(r"`([\w.]+)`", modules_cell)]
+        owners = list(modules)
+        for name in re.findall(r"`([A-Za-z_][\w.]*)`", names_cell):
+            found = [getattr(o, name) for o in owners if hasattr(o, name)]
+            if not found and name.startswith("corellm."):        # a module named in the cell
+                found = [importlib.import_module(name)]
+            assert found, f"{name} (docs/compatibility.md) is not in {modules_cell.strip()}"
+            owners += [f for f in found if isinstance(f, type)]  # methods of listed classes
+            checked += 1
+    assert checked > 50
+
+
+DEPRECATED_USER = """
+from corellm import hookimpl
+from corellm.components import SamplerSpec
+from corellm.deprecation import warn_deprecated
+
+warn_deprecated("old.import.path", "new.import.path", "0.9")
+
+def make(options, ctx):
+    warn_deprecated("old_factory_helper()", "new_factory_helper()", "0.9")
+    raise RuntimeError("not built in this test")
+
+@hookimpl
+def corellm_samplers():
+    yield SamplerSpec(name="dep", factory=make)
+"""
+
+
+def test_a_deprecation_names_the_plugin_that_uses_it(site, llama_path):
+    install_fake_dist(site, "fake-dep", "1.0", {"fake_dep": DEPRECATED_USER},
+                      {"fake_dep": "fake_dep"})
+    with pytest.warns(CorellmDeprecationWarning) as record:
+        reg = load_registry()
+    [w] = [w for w in record if "old.import.path" in str(w.message)]
+    assert str(w.message) == (
+        "plugin 'fake_dep' (entry point fake_dep = fake_dep, from fake-dep 1.0) uses "
+        "old.import.path, which is deprecated and will be removed in corellm 0.9; use "
+        "new.import.path")
+    assert issubclass(CorellmDeprecationWarning, FutureWarning)     # shown by default
+    # In a factory, too (the sampler is built inside the worker).
+    from corellm import LLM
+    from corellm.errors import PluginError
+    with pytest.warns(CorellmDeprecationWarning, match=r"plugin 'fake_dep' .*uses "
+                                                       r"old_factory_helper\(\)"):
+        with pytest.raises(PluginError, match="not built in this test"):
+            LLM(engine_config(llama_path, sampler={"name": "dep"}))
+    del reg
+    # Outside any plugin, the warning has no owner to name.
+    with pytest.warns(CorellmDeprecationWarning) as record:
+        warn_deprecated("x", "y", "0.9")
+    assert str(record[0].message).startswith("x, which is deprecated")
+
+
+def test_the_paged_manager_moved_with_a_shim(site):
+    """The one interface this release retires keeps working, attributed, until 0.5."""
+    install_fake_dist(site, "fake-old-kv", "0.1", {"fake_old_kv": """
+        from corellm import hookimpl
+        from corellm.components import KVCacheManagerSpec
+        from corellm_plugins.kv_paged import PagedKVCacheManager, PagedKVCacheOptions
+
+        class Mine(PagedKVCacheManager):
+            pass
+
+        @hookimpl
+        def corellm_kv_cache_managers():
+            yield KVCacheManagerSpec(name="mine", options=PagedKVCacheOptions,
+                                     factory=lambda o, ctx: Mine(ctx.num_kv_blocks, o.block_size))
+    """}, {"fake_old_kv": "fake_old_kv"})
+    sys.modules.pop("corellm_plugins.kv_paged", None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        reg = load_registry()
+    messages = [str(w.message) for w in record if w.category is CorellmDeprecationWarning]
+    assert any(m.startswith("plugin 'fake_old_kv' (entry point fake_old_kv = fake_old_kv, "
+                            "from fake-old-kv 0.1) uses corellm_plugins.kv_paged."
+                            "PagedKVCacheManager")
+               and "removed in corellm 0.5; use corellm.kv_cache.PagedKVCacheManager" in m
+               for m in messages), messages
+    from corellm.kv_cache import PagedKVCacheManager
+    assert issubclass(sys.modules["fake_old_kv"].Mine, PagedKVCacheManager)
+    assert "mine" in reg.choices("kv_cache") and not reg.broken
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from corellm.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(list(args))
+    return status, out.getvalue()
+
+
+def test_corellm_plugins_honours_the_configs_disable_list(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("plugins: {disable: [scheduler_priority]}\n")
+    status, out = _cli("plugins", "--json")
+    assert status == 0 and "priority" in {r["name"] for r in json.loads(out)["components"]}
+    status, out = _cli("plugins", "--json", "--config", str(cfg))
+    names = {r["name"] for r in json.loads(out)["components"]}
+    assert status == 0 and "priority" not in names and "fcfs" in names
+    status, out = _cli("plugins", "--json", "--disable", "scheduler_fcfs", "-c", str(cfg))
+    names = {r["name"] for r in json.loads(out)["components"]}
+    assert not {"fcfs", "priority"} & names
+    assert json.loads(out)["plugin_api"] == "%d.%d" % PLUGIN_API_VERSION
+
+
+def test_corellm_plugins_shows_conflicts_and_check_fails_on_problems(site):
+    sched = """
+from corellm import hookimpl
+from corellm.components import SchedulerSpec
+@hookimpl
+def corellm_schedulers():
+    yield SchedulerSpec(name="{name}", factory=lambda o, c: None, summary="{summary}")
+"""
+    install_fake_dist(site, "fake-over", "1.0", {"fake_over": sched.format(
+        name="fcfs", summary="mine")}, {"fake_over": "fake_over"})
+    status, out = _cli("plugins", "--check")
+    assert status == 0        # an installed plugin over a built-in is a choice, not a problem
+    assert "also provided by corellm:fcfs; the name selects this one" in out
+    assert "also provided by fake-over:fcfs; select this one as corellm:fcfs" in out
+    install_fake_dist(site, "fake-twin", "1.0", {"fake_twin": sched.format(
+        name="fcfs", summary="twin")}, {"fake_twin": "fake_twin"})
+    install_fake_dist(site, "fake-typo", "1.0", {"fake_typo": "def corellm_schedulerz():\n"
+                                                               "    return []\n"},
+                      {"fake_typo": "fake_typo"})
+    status, out = _cli("plugins", "--check")
+    assert status == 1
+    assert "AMBIGUOUS scheduler 'fcfs': provided by" in out
+    assert "BROKEN plugin 'fake_typo'" in out and "corellm_schedulerz" in out
+    status, out = _cli("plugins", "--json")
+    data = json.loads(out)
+    [conflict] = data["conflicts"]
+    assert conflict["selected"] is None and len(conflict["providers"]) == 3
+    assert data["broken"][0]["stage"] == "hooks"
+    assert _cli("plugins")[0] == 0                        # listing alone never fails
