@@ -10,8 +10,8 @@ from corellm.sampling_params import SamplingParams
 
 __version__ = "0.4.0"
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "hookimpl", "load_config", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "hookimpl", "load_config", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,6 +19,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from corellm.engine.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from corellm.engine.async_llm import AsyncLLM
+        return AsyncLLM
     if name in ("EngineConfig", "load_config"):
         from corellm import config
         return getattr(config, name)

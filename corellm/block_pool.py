@@ -1,19 +1,22 @@
-"""KV-block bookkeeping shared by KV-cache manager plugins: reference counts, two free lists and
-the prefix-cache map from block hashes to blocks.
+"""KV-block bookkeeping for KV-cache managers: reference counts, the free blocks, the
+prefix-cache map from block hashes to blocks, and the eviction policy that decides which cached
+block gives up its contents when a fresh one is needed.
 
 A block is in exactly one of three states:
 
-* **held**: reference count >= 1 (one per request whose block table contains it); in no free list;
+* **held**: reference count >= 1 (one per request whose block table contains it);
 * **free, cached**: reference count 0, but its contents are still identified by a hash, so a new
-  request with the same prefix can take it back (``touch``). These sit in an LRU list, least
-  recently freed first, and are evicted (their hash forgotten) only when a fresh block is needed
-  and no uncached free block is left;
-* **free, uncached**: reference count 0, no hash: free for anyone, and handed out first.
+  request with the same prefix can take it back (``touch``). These blocks belong to the pool's
+  ``EvictionPolicy``, which chooses the one to evict (its hash forgotten) when a fresh block is
+  needed and no uncached free block is left. ``LRUEviction``, the default, evicts the least
+  recently freed;
+* **free, uncached**: reference count 0, no hash: free for anyone, and handed out first, in the
+  order they became uncached.
 
 Only full blocks are ever hashed, and a block is hashed only after its KV entries were written
 (the manager calls ``cache_block`` after the step that computed them), so a cached block is never
-written again while it is shared. ``check_invariants`` verifies all of this; tests call it after
-every step.
+written again while it is shared. ``check_invariants`` verifies all of this, the policy's set
+included; tests call it after every step.
 
 ``BlockHasher`` computes the chained block hashes: keyed BLAKE2b (``hashlib``) over the parent
 block's hash and the block's token ids, so a hash identifies the whole prefix up to and including
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 BlockHash = bytes
 
@@ -72,23 +76,141 @@ class BlockHasher:
         return hashes
 
 
+class EvictionPolicy(ABC):
+    """Chooses which free, cached block a ``BlockPool`` evicts when it needs a fresh block.
+
+    The policy owns the pool's *evictable* blocks: reference count 0, contents still identified
+    by a hash. The pool reports every change to that set, and asks ``evict`` for a block each
+    time it needs a fresh one and no uncached block is free:
+
+    * ``on_free(block)``: the last holder of a cached block freed it; it is evictable now.
+    * ``on_revive(block)``: a prefix hit took an evictable block back; it leaves the set.
+    * ``on_hit(block)``: a prefix hit took a reference on a cached block, held or free (for a free
+      one, ``on_revive`` follows). The default ignores it; a policy that ranks blocks by use
+      counts here.
+    * ``evict()``: remove one block from the set and return it. The pool then forgets its hash
+      and hands it out.
+    * ``clear()``: the prefix cache was reset, which happens only when no block is held; every
+      cached block is in the set, and the set becomes empty.
+
+    The pool calls these with consistent arguments only: ``on_free`` with a block not in the set,
+    ``on_revive`` with one in it, ``evict`` when the set is not empty. A block's cached contents
+    end when ``evict`` returns it or ``clear`` runs, so whatever the policy kept about the block,
+    such as a hit count, is to be dropped there: the block's next hash names other contents.
+
+    ``__iter__`` (the evictable blocks, in any order), ``__len__`` and ``__contains__`` are read
+    by ``BlockPool.check_invariants`` and ``reset_cache``; the defaults of the last two iterate.
+    The other methods run while the scheduler plans a step: keep them O(1) or O(log n). Each pool
+    needs a policy object of its own, empty when the pool is built.
+    """
+
+    @abstractmethod
+    def on_free(self, block: int) -> None:
+        """``block`` holds a hash and has no holder left: it becomes evictable."""
+
+    @abstractmethod
+    def on_revive(self, block: int) -> None:
+        """A prefix hit took the evictable ``block``: it is no longer evictable."""
+
+    def on_hit(self, block: int) -> None:
+        """A prefix hit took a reference on the cached ``block``, held or free."""
+
+    @abstractmethod
+    def evict(self) -> int:
+        """Remove a block from the (non-empty) set and return it."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Empty the set: every hash was forgotten."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[int]:
+        """The evictable blocks, each once."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, block: object) -> bool:
+        return any(b == block for b in self)
+
+
+class LRUEviction(EvictionPolicy):
+    """Evicts the least recently freed block. When a request finishes its blocks are freed tail
+    first (``PagedKVCacheManager.free``), so the ends of prompts go before the prefixes that
+    other prompts are likelier to share."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()     # least recently freed first
+
+    def on_free(self, block: int) -> None:
+        self._blocks[block] = None
+
+    def on_revive(self, block: int) -> None:
+        del self._blocks[block]
+
+    def evict(self) -> int:
+        return self._blocks.popitem(last=False)[0]
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._blocks
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    """The blocks ``0 .. num_blocks - 1`` of one KV cache and their states (see the module
+    docstring). A KV-cache manager owns one pool: ``allocate`` and ``free`` for its block
+    tables, ``lookup``, ``touch`` and ``cache_block`` for prefix caching.
+
+    ``eviction`` chooses among the free, cached blocks when a fresh block is needed; None gives
+    ``LRUEviction``. The pool keeps reference counts, hashes and the uncached free blocks
+    itself, so a policy only orders the blocks it is given.
+    """
+
+    def __init__(self, num_blocks: int, eviction: EvictionPolicy | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        if eviction is None:
+            eviction = LRUEviction()
+        elif isinstance(eviction, type):
+            raise TypeError(f"BlockPool(eviction=...) takes an EvictionPolicy instance, got the "
+                            f"class {eviction.__name__}: pass {eviction.__name__}()")
+        elif not isinstance(eviction, EvictionPolicy):
+            raise TypeError(f"BlockPool(eviction=...) takes an EvictionPolicy, got "
+                            f"{type(eviction).__name__}")
+        elif len(eviction):
+            raise ValueError(f"the {type(eviction).__name__} given to BlockPool already holds "
+                             f"blocks: each pool needs a policy object of its own")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.eviction = eviction
         self._free: deque[int] = deque(range(num_blocks))           # free, uncached
-        self._free_cached: OrderedDict[int, None] = OrderedDict()    # free, cached; LRU first
+        self._num_evictable = 0                                      # free, cached
         self._cached: dict[BlockHash, int] = {}                      # hash -> block
         self.num_evictions = 0
+        # allocate, free and touch loop over blocks in every scheduler step, and a method call
+        # per block would cost as much as the rest of the loop: the default policy's set
+        # (exactly LRUEviction, not a subclass, whose methods may differ) is updated inline, and
+        # another policy's methods are bound once.
+        self._lru = eviction._blocks if type(eviction) is LRUEviction else None
+        self._on_free = eviction.on_free
+        self._on_revive = eviction.on_revive
+        self._on_hit = (None if type(eviction).on_hit is EvictionPolicy.on_hit
+                        else eviction.on_hit)
 
     # ------------------------------------------------------------------ counts
     @property
     def num_free_blocks(self) -> int:
         """Blocks a new allocation can take: uncached free ones plus evictable cached ones."""
-        return len(self._free) + len(self._free_cached)
+        return len(self._free) + self._num_evictable
 
     @property
     def num_cached_blocks(self) -> int:
@@ -96,35 +218,59 @@ class BlockPool:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks, each with reference count 1: uncached free blocks first, then the
-        least recently freed cached blocks, whose hashes are forgotten (evicted)."""
+        """``n`` fresh blocks, each with reference count 1: uncached free blocks first, then
+        blocks the eviction policy gives up, whose hashes are forgotten (evicted)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
+        free, lru, ref_cnt, block_hash = self._free, self._lru, self.ref_cnt, self.block_hash
         blocks = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._free_cached.popitem(last=False)
-                del self._cached[self.block_hash[b]]
-                self.block_hash[b] = None
-                self.num_evictions += 1
-            self.ref_cnt[b] = 1
-            blocks.append(b)
+        evicted = 0
+        try:
+            for _ in range(n):
+                if free:
+                    b = free.popleft()
+                else:
+                    b = lru.popitem(last=False)[0] if lru is not None else self._evict_checked()
+                    del self._cached[block_hash[b]]
+                    block_hash[b] = None
+                    evicted += 1
+                ref_cnt[b] = 1
+                blocks.append(b)
+        finally:
+            self._num_evictable -= evicted
+            self.num_evictions += evicted
         return blocks
 
+    def _evict_checked(self) -> int:
+        b = self.eviction.evict()
+        if self.block_hash[b] is None or self.ref_cnt[b]:
+            raise RuntimeError(f"{type(self.eviction).__name__}.evict() returned block {b}, "
+                               f"which is not free and cached")
+        return b
+
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block, in order: of the blocks that become free, the
-        first ones freed are the first evicted."""
-        for b in block_ids:
-            if self.ref_cnt[b] <= 0:
-                raise RuntimeError(f"block {b} freed more often than it was held")
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                if self.block_hash[b] is None:
-                    self._free.append(b)
-                else:
-                    self._free_cached[b] = None
+        """Drop one reference from each block, in order: the eviction policy learns of the
+        cached blocks that become free in this order (with LRU, the first freed are the first
+        evicted)."""
+        lru, ref_cnt, block_hash = self._lru, self.ref_cnt, self.block_hash
+        evictable = 0
+        try:
+            for b in block_ids:
+                ref = ref_cnt[b]
+                if ref <= 0:
+                    raise RuntimeError(f"block {b} freed more often than it was held")
+                ref_cnt[b] = ref - 1
+                if ref == 1:
+                    if block_hash[b] is None:
+                        self._free.append(b)
+                        continue
+                    if lru is not None:
+                        lru[b] = None
+                    else:
+                        self._on_free(b)
+                    evictable += 1
+        finally:
+            self._num_evictable += evictable
 
     # ------------------------------------------------------------------ prefix cache
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -136,13 +282,25 @@ class BlockPool:
         return list(self._cached.items())
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cached blocks found by ``lookup`` (reviving free ones)."""
-        for b in block_ids:
-            if self.block_hash[b] is None:
-                raise RuntimeError(f"block {b} is not cached and cannot be shared")
-            if self.ref_cnt[b] == 0:
-                del self._free_cached[b]
-            self.ref_cnt[b] += 1
+        """Take a reference on cached blocks found by ``lookup`` (a prefix hit), reviving free
+        ones: the eviction policy sees ``on_hit`` for each, then ``on_revive`` for a free one."""
+        lru, on_hit, ref_cnt, block_hash = self._lru, self._on_hit, self.ref_cnt, self.block_hash
+        revived = 0
+        try:
+            for b in block_ids:
+                if block_hash[b] is None:
+                    raise RuntimeError(f"block {b} is not cached and cannot be shared")
+                if on_hit is not None:
+                    on_hit(b)
+                if ref_cnt[b] == 0:
+                    if lru is not None:
+                        del lru[b]
+                    else:
+                        self._on_revive(b)
+                    revived += 1
+                ref_cnt[b] += 1
+        finally:
+            self._num_evictable -= revived
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a held, full, already written block under its hash. Returns False (and
@@ -161,36 +319,51 @@ class BlockPool:
         return True
 
     def reset_cache(self) -> bool:
-        """Forget every hash. Only possible while no block is held; returns whether it was."""
+        """Forget every hash. Only possible while no block is held; returns whether it was.
+        The cached blocks join the uncached free ones in the policy's iteration order."""
         if any(self.ref_cnt):
             return False
-        for b in self._free_cached:
+        # No block is held, so every cached block is evictable: the policy holds them all.
+        blocks = list(self.eviction)
+        if len(blocks) != len(self._cached):
+            raise RuntimeError(f"{type(self.eviction).__name__} lists {len(blocks)} evictable "
+                               f"blocks; the pool has {len(self._cached)} free cached blocks")
+        for b in blocks:
             self.block_hash[b] = None
             self._free.append(b)
-        self._free_cached.clear()
+        self.eviction.clear()
+        self._num_evictable = 0
         self._cached.clear()
         return True
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        uncached, cached = list(self._free), list(self._free_cached)
+        """Every block is in exactly one state; the uncached free list, the eviction policy's
+        set and the hash map agree with the reference counts and hashes."""
+        policy, name = self.eviction, type(self.eviction).__name__
+        uncached, cached = list(self._free), list(policy)
         assert len(set(uncached)) == len(uncached), "a block is in the free list twice"
+        assert len(set(cached)) == len(cached), f"{name} lists a block twice"
+        assert len(cached) == len(policy) == self._num_evictable, \
+            f"{name} lists {len(cached)} blocks, has len {len(policy)}; the pool counts " \
+            f"{self._num_evictable} evictable blocks"
         both = set(uncached) & set(cached)
-        assert not both, f"blocks {sorted(both)} are in both free lists"
-        free = set(uncached) | set(cached)
+        assert not both, f"blocks {sorted(both)} are both uncached free and in {name}"
+        free, evictable = set(uncached) | set(cached), set(cached)
         for b in range(self.num_blocks):
             ref, h = self.ref_cnt[b], self.block_hash[b]
             assert ref >= 0, f"block {b}: reference count {ref}"
             assert (b in free) == (ref == 0), f"block {b}: ref {ref}, free {b in free}"
+            assert (b in policy) == (b in evictable), \
+                f"{name}: `in` says {b in policy} for block {b}, its iteration the opposite"
             if h is not None:
                 assert self._cached.get(h) == b, f"block {b}: its hash maps to {self._cached.get(h)}"
         for b in uncached:
             assert self.block_hash[b] is None, f"uncached free block {b} has a hash"
         for b in cached:
-            assert self.block_hash[b] is not None, f"cached free block {b} has no hash"
+            assert self.block_hash[b] is not None, f"block {b} in {name} has no hash"
         for h, b in self._cached.items():
             assert self.block_hash[b] == h, f"hash {h.hex()} maps to block {b}, which has another"
-
 
 def num_blocks_for_budget(num_blocks: int | None, memory_gib: float | None,
                           bytes_per_block: int, default_bytes: int | None = None) -> int:

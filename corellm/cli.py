@@ -273,7 +273,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"{'':<4}architectures: {', '.join(row['architectures'])}")
         if "select_as" in row:
             print(f"{'':<4}also provided by {', '.join(row['shared_with'])}; "
-                  + (f"the name selects this one (an installed plugin over the built-in)"
+                  + ("the name selects this one (an installed plugin over the built-in)"
                      if row["selected_by_name"] else
                      f"select this one as {row['select_as']}"))
         for opt in row["options"]:

@@ -297,7 +297,19 @@ class AttentionBackend(ABC):
 
 
 class Sampler(ABC):
-    """Turns the logits of the rows that sample into token ids (and logprobs when asked)."""
+    """Turns the logits of the rows that sample into token ids (and logprobs when asked).
+
+    ``__call__(logits, metadata)``: ``logits`` [N, V] float32 on the worker's device, one row
+    per request that samples this step, in the order of ``metadata``'s per-row fields. Returns
+    ``SamplerOutput`` with ``sampled_token_ids`` [N] int64 on the same device and, when
+    ``metadata.max_num_logprobs`` is not None, ``LogprobsTensors`` with that many top tokens.
+    A sampler must never sample a token of ``metadata.banned_token_ids[row]`` (that is how
+    ``min_tokens`` holds stop tokens back): the model runner checks every output and fails the
+    step, naming the plugin, when one was. It applies the penalties (``apply_penalties``),
+    treats rows of temperature 0 as greedy (the first maximum, ``greedy``) and draws seeded rows
+    from their own generator. ``corellm.sampling`` has each of these as a function; the factory
+    runs in every worker, and only rank 0 calls the sampler. docs/plugins.md, "A sampler", has
+    the whole contract."""
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput: ...

@@ -3,8 +3,10 @@ corellm through the same code path a user's checkpoint takes."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,14 @@ def _every_kv_block_returns(request):
         check = getattr(engine.kv_cache_manager, "check_invariants", None)
         if check is not None:
             check()
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A directory on sys.path for ``install_fake_dist``; the fake modules (``fake_*``) are
+    forgotten after the test."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield tmp_path
+    for mod in [m for m in sys.modules if m.startswith("fake_")]:
+        del sys.modules[mod]

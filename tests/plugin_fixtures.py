@@ -4,12 +4,27 @@ exactly as it does for a pip-installed package."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+
+
+def source_module(monkeypatch, directory: Path, name: str) -> Iterator[ModuleType]:
+    """For a fixture: an example's plugin module imported from its source tree (not installed),
+    forgotten again after the test (a copy imported before is put back)."""
+    monkeypatch.syspath_prepend(str(directory))
+    saved = sys.modules.pop(name, None)
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve().is_relative_to(directory.resolve())
+    yield module
+    sys.modules.pop(name, None)
+    if saved is not None:
+        sys.modules[name] = saved
 
 
 def install_fake_dist(root: Path, dist: str, version: str, modules: dict[str, str],
@@ -52,11 +67,12 @@ def fresh_venv(tmp_path: Path, timeout: float = 120
     env.update(CORELLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIP_USER="0")
 
-    def run(*args: str, timeout: float = timeout) -> subprocess.CompletedProcess:
+    def run(*args: str, timeout: float = timeout,
+            input: str | None = None) -> subprocess.CompletedProcess:
         # cwd=tmp_path: `python -m` puts the cwd first on sys.path, and no source tree of the
         # checkout may be there.
         proc = subprocess.run([str(python), *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, input=input)
         assert proc.returncode == 0, (f"{' '.join(args)} exited {proc.returncode}\n"
                                       f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         return proc

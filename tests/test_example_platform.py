@@ -301,23 +301,6 @@ def test_entry_module_does_not_import_torch():
     assert proc.stdout.strip() == "[]"
 
 
-def test_guide_quotes_the_example_verbatim():
-    """The Python blocks of docs/plugins.md's "A platform" section are excerpts of the example,
-    of this file or of the core modules it explains (the platform interface, the ops, the
-    layers that call them)."""
-    from tests.test_docs_examples import contains_lines, python_blocks, section
-
-    quoted = [*(EXAMPLE / EXAMPLE_MODULE).glob("*.py"), Path(__file__),
-              *(REPO / "corellm" / name for name in ("platforms.py", "layers/ops.py",
-                                                      "layers/layers.py"))]
-    sources = [p.read_text() for p in quoted]
-    blocks = python_blocks(section("A platform"))
-    assert len(blocks) >= 3
-    for block in blocks:
-        assert any(contains_lines(src, block) for src in sources), \
-            f"'A platform' quotes code that is not in {[str(p) for p in quoted]}:\n{block}"
-
-
 # --------------------------------------------------------------------------- installed for real
 _ENGINE_SCRIPT = '''
 import json, sys

@@ -7,10 +7,8 @@ is discovered through its entry point and really orders requests shortest prompt
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
-import sys
 import tomllib
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import assert_pool_whole, engine_config
-from tests.plugin_fixtures import fresh_venv
+from tests.plugin_fixtures import fresh_venv, source_module
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "corellm-spf-scheduler"
@@ -57,14 +55,7 @@ def finish_order(llm, lengths: dict[str, int]) -> list[str]:
 @pytest.fixture
 def spf_module(monkeypatch):
     """The example's plugin module, imported from the source tree, not installed."""
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    saved = sys.modules.pop(EXAMPLE_MODULE, None)
-    module = importlib.import_module(EXAMPLE_MODULE)
-    assert Path(module.__file__).resolve().is_relative_to(EXAMPLE)
-    yield module
-    sys.modules.pop(EXAMPLE_MODULE, None)
-    if saved is not None:
-        sys.modules[EXAMPLE_MODULE] = saved
+    yield from source_module(monkeypatch, EXAMPLE, EXAMPLE_MODULE)
 
 
 def _spf_config(path, **sections) -> dict:

@@ -21,6 +21,22 @@ from tests.plugin_fixtures import fresh_venv
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.parent for p in (REPO / "examples").glob("*/pyproject.toml"))
 PROMPT = "Hello there, how are you today?"
+_BAN_SCRIPT = """
+import json, sys
+from corellm import LLM, SamplingParams
+
+base = json.loads(sys.argv[1])
+prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], [100, 3, 250, 9, 14, 77], [42])]
+greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+with LLM(base) as llm:
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+ids = sorted({tokens[0] for tokens in free})
+with LLM({**base, "sampler": {"name": "ban_tokens", "token_ids": ids}}) as llm:
+    sampler = llm.engine.executor.worker.runner.sampler
+    banned = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+print(json.dumps({"free": free, "banned": banned, "ids": ids,
+                  "sampler_file": sys.modules[type(sampler).__module__].__file__}))
+"""
 
 
 def _copy_tree(src: Path, dst: Path) -> Path:
@@ -92,6 +108,29 @@ def test_every_example_installs_and_runs_from_the_command_line(tmp_path, llama_p
                    "--set", f"executor.report={tp_report}")
     assert out == reference
     assert json.loads(tp_report.read_text())["steps"] > 0
-    assert {"corellm-spf-scheduler", "corellm-residual-sjf", "corellm-fair-share",
-            "corellm-naive-attention", "corellm-platform-reference",
-            "corellm-timing-executor"} <= checked
+    # The sampler wrapper, discovered through its entry point: its config file runs, and banning
+    # each prompt's first greedy token (the reference's) changes it and keeps every banned id out.
+    generate(REPO / "examples" / "corellm-banned-tokens" / "config.yaml")
+    script = tmp_path / "ban.py"
+    script.write_text(_BAN_SCRIPT)
+    base = {"model": {"path": str(llama_path), "dtype": "float32", "max_model_len": 256},
+            "kv_cache": {"num_blocks": 64}}
+    result = json.loads(run(str(script), json.dumps(base)).stdout.strip().splitlines()[-1])
+    assert Path(result["sampler_file"]).resolve().is_relative_to(site_packages.resolve())
+    for free, banned_run in zip(result["free"], result["banned"]):
+        assert banned_run[0] != free[0] and not set(banned_run) & set(result["ids"])
+    checked.add("corellm-banned-tokens")
+
+    # The front end: `corellm serve` runs it, prompts on standard input, one JSON line each, in
+    # input order (the blank line keeps its number), the same greedy text as `generate`.
+    lines = REPO / "examples" / "corellm-line-frontend" / "config.yaml"
+    out = run("-m", "corellm", "serve", "-c", str(lines), *overrides,
+              "--set", "frontend.max_tokens=12", "--set", "frontend.ignore_eos=true",
+              input=f"{PROMPT}\n\nOnce upon a time\n", timeout=300).stdout
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert [(a["line"], a["prompt"], a["finish_reason"]) for a in answers] == [
+        (1, PROMPT, "length"), (3, "Once upon a time", "length")]
+    assert answers[0]["text"] + "\n" == reference
+    checked.add("corellm-line-frontend")
+
+    assert checked == {example.name for example in EXAMPLES}, "an example nothing ran"

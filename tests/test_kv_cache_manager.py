@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule)
 
-from corellm.block_pool import BlockHasher, BlockPool
+from corellm.block_pool import BlockHasher, BlockPool, EvictionPolicy
 from corellm.interfaces import CachedPrefix
+from corellm.kv_cache import PagedKVCacheManager
 from corellm.request import EngineCoreRequest, Request
 from corellm.sampling_params import SamplingParams
-from corellm_plugins.kv_paged import PagedKVCacheManager
 
 
 def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -201,11 +201,16 @@ class KVManagerMachine(RuleBasedStateMachine):
     """
 
     seen: Counter = Counter()     # what the runs reached (see test_the_property_test_is_not_vacuous)
+    # The class of the pool's eviction policy; None: the default, LRU. Subclasses run the same
+    # operations over other policies (tests/test_kv_eviction.py).
+    eviction_class: type[EvictionPolicy] | None = None
 
     @initialize(seeded=st.booleans())
     def setup(self, seeded):
+        eviction = self.eviction_class() if self.eviction_class is not None else None
         self.kv = PagedKVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True,
-                                      cache_salt="engine", hash_seed="s" if seeded else None)
+                                      cache_salt="engine", hash_seed="s" if seeded else None,
+                                      eviction=eviction)
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
         self.scheduled: dict[str, int] = {}        # this step's plan: request -> new tokens

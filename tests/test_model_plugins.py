@@ -72,11 +72,15 @@ def test_phi_plugin_uses_only_public_interfaces():
 
 
 # --------------------------------------------------------------------------- the core's parser
-def test_llama_parser_refuses_partial_rotary_and_points_to_the_layer():
+def test_llama_parser_refuses_partial_rotary_and_points_to_the_config_class():
+    """A model plugin whose architecture rotates part of each head needs its own parser: the
+    message says so (config_class) before it mentions the layer that rotates."""
     cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8,
                intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                partial_rotary_factor=0.5)
-    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0\.5.*rotary_dim"):
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0\.5: the default parser "
+                                              r"\(LlamaArchConfig\).*ModelSpec\.config_class.*"
+                                              r"'The config class'.*rotary_dim"):
         LlamaArchConfig.from_dict(cfg)
 
 

@@ -23,15 +23,6 @@ def corellm_schedulers():
 """
 
 
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    yield tmp_path
-    for mod in [m for m in sys.modules if m.startswith("fake_")]:
-        del sys.modules[mod]
-
-
 def test_builtins_found_through_entry_points():
     reg = load_registry()
     for section, name in [("scheduler", "fcfs"), ("kv_cache", "paged"),

@@ -311,3 +311,149 @@ def test_sampler_penalties_before_temperature(sampler, logits):
     penalized = naive_penalties(logits[None], [prompt], [output], [0.5], [0.8], [1.5])[0]
     expected = torch.softmax(penalized / 0.7, -1)
     assert 0.5 * (counts - expected).abs().sum() < 0.02
+
+
+# ---------------------------------------------------------------- banned tokens and the pieces
+
+def test_sampler_never_samples_a_banned_token(sampler):
+    """Greedy rows take the best token that is not banned; random rows, at a temperature that
+    makes every token likely, never draw a banned one; rows without bans are unaffected."""
+    torch.manual_seed(4)
+    rows = torch.randn(3, V)
+    rows[2, 7] = rows[2].max() + 1.0                  # the two best of row 2 are banned
+    first = rows.argmax(-1).tolist()
+    m = md(3, temperature=0.0)
+    runner_up = int(rows[2].index_fill(0, torch.tensor([7]), float("-inf")).argmax())
+    m.banned_token_ids = {0: [first[0]], 2: [7, runner_up]}
+    want = rows.clone()
+    for r, ids in m.banned_token_ids.items():
+        want[r, ids] = float("-inf")
+    got = sampler(rows.clone(), m).sampled_token_ids.tolist()
+    assert got == want.argmax(-1).tolist()
+    assert got[1] == first[1] and got[0] != first[0] and 7 not in got
+    n = 2000
+    flat = torch.zeros(n, V)                      # uniform: each token about n / V times
+    m = md(n, temperature=5.0)
+    banned = [0, 3, V - 1]
+    m.banned_token_ids = {r: banned for r in range(0, n, 2)}
+    drawn = sampler(flat, m).sampled_token_ids
+    assert not set(drawn[0::2].tolist()) & set(banned)
+    assert set(banned) <= set(drawn[1::2].tolist())
+
+
+def test_apply_banned_tokens():
+    from corellm.sampling import apply_banned_tokens
+
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    m = md(3, temperature=0.0)
+    assert apply_banned_tokens(logits, m) is logits           # nothing banned: no copy
+    m.banned_token_ids = {2: [1, 4], 0: [V - 1], 1: []}
+    got = apply_banned_tokens(logits, m)
+    assert torch.equal(logits, before)                        # the input is left alone
+    masked = {(0, V - 1), (2, 1), (2, 4)}
+    for r in range(3):
+        for t in range(V):
+            if (r, t) in masked:
+                assert got[r, t] == float("-inf")
+            else:
+                assert got[r, t] == logits[r, t]
+
+
+def test_find_banned():
+    from corellm.sampling import find_banned
+
+    class Untouchable:
+        """Any use of the sampled ids fails: nothing banned must cost nothing."""
+
+        def __getattr__(self, name):
+            raise AssertionError(f"find_banned used sampled.{name}")
+
+        def __getitem__(self, index):
+            raise AssertionError("find_banned indexed sampled")
+
+    m = md(4, temperature=0.0)
+    assert find_banned(Untouchable(), m) is None               # type: ignore[arg-type]
+    m.banned_token_ids = {1: []}
+    assert find_banned(Untouchable(), m) is None               # type: ignore[arg-type]
+
+    # rows in insertion order 3, 1: the first hit is the lowest row
+    m.banned_token_ids = {3: [7], 1: [4, 9], 2: [5]}
+    for sampled in ([0, 9, 0, 7], torch.tensor([0, 9, 0, 7])):
+        assert find_banned(sampled, m) == (1, 9)
+    for sampled in ([9, 3, 5, 2], torch.tensor([9, 3, 5, 2])):  # 9 is banned in row 1 only
+        assert find_banned(sampled, m) == (2, 5)
+    for sampled in ([4, 5, 7, 9], torch.tensor([4, 5, 7, 9])):
+        assert find_banned(sampled, m) is None
+    hit = find_banned(torch.tensor([1, 2, 3, 7]), m)
+    assert hit == (3, 7) and all(type(x) is int for x in hit)
+
+
+def test_pieces_compose_into_the_default_sampler(sampler):
+    """A sampler written from the public pieces alone draws exactly what the default sampler
+    draws, token for token, with every filter, a ban, a seeded row and logprobs."""
+    from corellm.sampling import (SamplerOutput, apply_banned_tokens, apply_min_p,
+                                  apply_penalties, apply_top_k_top_p, gather_logprobs,
+                                  random_sample)
+
+    def composed(logits, m):
+        raw = torch.log_softmax(logits, -1)
+        logits = apply_banned_tokens(apply_penalties(logits, m), m)
+        probs = apply_min_p(apply_top_k_top_p(logits / m.temperature[:, None], m.top_k,
+                                              m.top_p).softmax(-1), m.min_p)
+        sampled = random_sample(probs, m)
+        return SamplerOutput(sampled, gather_logprobs(raw, sampled, m.max_num_logprobs))
+
+    n = 64
+    torch.manual_seed(8)
+    logits = torch.randn(n, V) * 2
+
+    def metadata():
+        m = md(n, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, logprobs=3,
+               generators={5: torch.Generator().manual_seed(3)})
+        m.generator = torch.Generator().manual_seed(11)
+        m.banned_token_ids = {r: [int(logits[r].argmax())] for r in range(0, n, 3)}
+        return m
+    ours, theirs = composed(logits.clone(), metadata()), sampler(logits.clone(), metadata())
+    assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids)
+    for name in ("token_ids", "logprobs", "sampled_ranks"):
+        assert torch.equal(getattr(ours.logprobs, name), getattr(theirs.logprobs, name))
+
+
+def test_random_sample_follows_probs_and_generators():
+    from corellm.sampling import random_sample
+
+    n = 40000
+    probs = torch.softmax(torch.randn(V), -1)
+    weights = probs * 3.0                                      # need not sum to 1
+    weights[4] = 0.0
+    rows = weights.expand(n, V).clone()
+    m = md(n)
+    m.generator = torch.Generator().manual_seed(1)
+    drawn = random_sample(rows, m)
+    assert torch.equal(rows, weights.expand(n, V))            # the input is left alone
+    counts = torch.bincount(drawn, minlength=V).float() / n
+    assert counts[4] == 0
+    assert 0.5 * (counts - weights / weights.sum()).abs().sum() < 0.02
+
+    def seeded_row():
+        m = md(3, generators={1: torch.Generator().manual_seed(5)})
+        m.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+        return int(random_sample(rows[:3], m)[1])
+    assert len({seeded_row() for _ in range(8)}) == 1
+
+
+def test_apply_min_p_and_gather_logprobs():
+    from corellm.sampling import apply_min_p, gather_logprobs
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    assert apply_min_p(probs, None) is probs
+    got = apply_min_p(probs, torch.tensor([0.5, 0.9]))
+    assert torch.equal(got, torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]))
+
+    lp = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+    out = gather_logprobs(lp, torch.tensor([2, 1]), 2)
+    assert out.token_ids.tolist() == [[2, 1, 2], [1, 0, 2]]
+    assert torch.equal(out.logprobs[:, 0], lp[[0, 1], [2, 1]])
+    assert out.sampled_ranks.tolist() == [2, 3]
+    assert gather_logprobs(lp, torch.tensor([1, 0]), 0).token_ids.tolist() == [[1], [0]]

@@ -361,3 +361,32 @@ def test_example_config_file_validates(timing_module, tmp_path):
     reg = load_registry(disable=["executor_timing"], plugins=[timing_module])
     cfg = load_config({**data, "model": {}}, registry=reg)
     assert cfg.executor.name == "timing" and cfg.executor.delegate.name == "uniproc"
+
+
+def test_platform_factory_error_is_attributed(llama_path):
+    from corellm.components import PlatformSpec
+
+    class Boom:
+        def corellm_platforms(self):
+            yield PlatformSpec(name="boom", factory=lambda options: _raise("platform")(
+                options, None))
+
+    reg = load_registry(plugins=[Boom()])
+    with pytest.raises(PluginError, match=r"^platform: platform 'boom' of plugin 'Boom-.*could "
+                                          r"not be built: RuntimeError\('platform factory broke"):
+        # kv_cache.block_size left out: its default is the platform's, so the platform is built
+        load_config({"model": {"path": str(llama_path)}, "platform": {"name": "boom"}},
+                    registry=reg)
+
+
+def test_model_factory_error_is_attributed(llama_path):
+    from corellm.components import ModelSpec
+
+    class Models:
+        def corellm_models(self):
+            yield ModelSpec(name="broken-llama", architectures=["LlamaForCausalLM"],
+                            factory=lambda arch, ctx: 1 / 0)
+
+    with pytest.raises(PluginError, match=r"model 'broken-llama' of plugin 'Models-.*could not "
+                                          r"be built for .*ZeroDivisionError"):
+        LLM(engine_config(llama_path), plugins=[Models()])

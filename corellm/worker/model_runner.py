@@ -30,7 +30,7 @@ from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, StepInputs
 from corellm.plugins import RegisteredComponent, Registry
 from corellm.setup import EngineSetup
-from corellm.sampling import SamplingMetadata
+from corellm.sampling import SamplingMetadata, find_banned
 from corellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class ModelRunner:
         self.parallel = parallel
         self.model_entry = registry.model_for(setup.arch.architectures,
                                               config.model.implementation)
-        ctx = BuildContext(config=config, registry=registry, arch=setup.arch,
+        ctx = BuildContext(config=config, registry=registry, arch=setup.arch, setup=setup,
                            device=self.device, dtype=self.dtype, platform=platform,
                            max_model_len=setup.max_model_len, parallel=parallel)
         selected = select_attention_backend(
@@ -401,8 +401,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
-        out = self.sampler(logits, self._sampling_metadata(states))
+        md = self._sampling_metadata(states)
+        out = self.sampler(logits, md)
         sampled = self.stepper.to_host(out.sampled_token_ids)
+        banned = find_banned(sampled, md)
+        if banned is not None:          # min_tokens would be broken: the plugin is at fault
+            row, token = banned
+            entry = self.sampler_entry
+            raise PluginError(
+                f"{entry.describe()} sampled token {token} for request {states[row].req_id!r}, "
+                "which is banned for it (SamplingMetadata.banned_token_ids: its min_tokens is "
+                "not reached); a sampler must apply banned_token_ids (docs/plugins.md, "
+                "'A sampler')")
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
         logprobs = None
