@@ -224,7 +224,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             except CorellmError as exc:
                 row["unavailable"] = str(exc)
             row["auto_priority"] = spec.auto_priority  # type: ignore[attr-defined]
-            row["auto_selected"] = name == auto_platform
+            row["auto_selected"] = (name == auto_platform
+                                    and chosen.get(section, {}).get(name) is entry)
         rows.append(row)
     broken = [{"plugin": b.info.name, "distribution": b.info.distribution,
                "version": b.info.version, "stage": b.stage, "error": b.error}

@@ -133,6 +133,10 @@ def delegate_field(section: str, *, default: str | None = None,
     if section not in bases:
         raise ValueError(f"delegate_field: unknown section {section!r}; one of "
                          f"{', '.join(bases)}")
+    if section == "attention" and default is None:
+        # attention's own default, auto, is chosen per device for the section only
+        raise ValueError("delegate_field: an attention delegate needs a default backend "
+                         "(default='torch_sdpa', say)")
     base = bases[section]
 
     def make() -> ComponentOptions:

@@ -236,15 +236,14 @@ def _validate_section(section: str, path: str, raw: Any, registry: Registry,
         problems.append((f"{path}.name", f"expected a plugin name, got {name!r}"))
         return None
     if shared:
+        mine = _coerced(base, raw)
         for key, value in shared.items():
-            if key not in raw:
-                raw[key] = value
-            elif raw[key] != value:
-                problems.append((f"{path}.{key}", f"{raw[key]!r} contradicts "
+            if key in raw and mine.get(key, raw[key]) != value:
+                problems.append((f"{path}.{key}", f"{raw[key]!r} differs from the wrapper's "
                                  f"{path.rsplit('.', 1)[0]}.{key}={value!r}: it is a setting "
                                  f"of the {section} section, which the wrapper and its "
-                                 "delegate share (give it once, on the wrapper)"))
-                raw[key] = value
+                                 "delegate share (set it on the wrapper)"))
+            raw[key] = value
     owner_note = ""
     if section == "platform":
         if name == "auto":    # its options are checked against the platform auto chose
@@ -268,8 +267,12 @@ def _validate_section(section: str, path: str, raw: Any, registry: Registry,
         return None
     wrapped = delegate_fields(entry.spec.options)
     if wrapped:
-        own = {k: v for k, v in raw.items()
-               if k in base.model_fields and k != "name" and k not in wrapped}
+        # The wrapper's own values of the section's shared keys, its defaults included: what
+        # the delegate inherits.
+        given = _coerced(base, raw)
+        own = {k: given[k] if k in given
+               else entry.spec.options.model_fields[k].get_default(call_default_factory=True)
+               for k in base.model_fields if k != "name" and k not in wrapped}
         for key, (sub_section, sub_default) in wrapped.items():
             if sub_section != section:
                 problems.append((f"{path}.{key}", f"{entry.describe()} declares a delegate of "
@@ -290,6 +293,19 @@ def _validate_section(section: str, path: str, raw: Any, registry: Registry,
                              f"executor {name!r} ({entry.plugin.describe()}) runs one "
                              "(set executor.name: multiproc)"))
     return options
+
+
+def _coerced(base: type[ComponentOptions], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The section's shared keys given in ``raw``, as the base options model reads them
+    (``"8"`` is 8); keys that do not validate are left out (their own error comes later)."""
+    out = {}
+    for key in base.model_fields:
+        if key != "name" and key in raw:
+            try:
+                out[key] = getattr(base.model_validate({key: raw[key]}), key)
+            except ValidationError:
+                pass
+    return out
 
 
 def runs_tensor_parallel(options: ComponentOptions, registry: Registry) -> bool:
@@ -518,16 +534,15 @@ def config_schema(registry: Registry) -> dict[str, Any]:
         chosen = registry.components.get(section, {})
         for bare in registry.choices(section):
             for entry in registry.providers[section][bare]:
-                # A name several plugins provide: the bare name for the one it selects, the
-                # qualified spelling for every provider.
-                names = [f"{entry.plugin.distribution or entry.plugin.name}:{bare}"]
-                if chosen.get(bare) is entry:
-                    names.insert(0, bare)
-                if len(registry.providers[section][bare]) == 1:
-                    names = [bare]
+                # Every spelling that selects this provider: the bare name when it does, and
+                # the name qualified by its distribution or its plugin.
+                qualifiers = [entry.plugin.distribution, entry.plugin.name,
+                              entry.plugin.entry_point]
+                names = list(dict.fromkeys(
+                    ([bare] if chosen.get(bare) is entry else [])
+                    + [f"{q}:{bare}" for q in qualifiers if q]))
                 schema = entry.spec.options.model_json_schema()
-                schema["properties"]["name"] = ({"const": names[0], "default": names[0]}
-                                                if len(names) == 1 else {"enum": names})
+                schema["properties"]["name"] = {"enum": names, "default": names[0]}
                 for key in delegate_fields(entry.spec.options):
                     schema["properties"][key] = {
                         "$ref": f"#/properties/{section}",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+from pydantic import ValidationError
 
 from corellm import hookspecs
 from corellm.components import (AttentionBackendSpec, BuildContext, ComponentOptions,
@@ -35,6 +36,7 @@ from corellm.components import (AttentionBackendSpec, BuildContext, ComponentOpt
                                 ModelSpec, PlatformSpec, SamplerSpec, SchedulerSpec, section_of)
 from corellm.deprecation import acting_plugin
 from corellm.errors import ConfigError, CorellmError, OptionError, PluginError
+from corellm.interfaces import ExecutorError
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +240,7 @@ class Registry:
                     f"{section} {name!r}: "
                     + (f"no plugin or distribution {qualifier!r} provides {short!r}"
                        if not matching else f"{qualifier!r} provides {short!r} more than once")
-                    + f"; it is provided by {have}")
+                    + f"; it is provided by {have}" + self._broken_notes())
             found = matching[0]
         elif providers:
             chosen = _resolve(providers)
@@ -271,8 +273,9 @@ class Registry:
                    how: str | None = None) -> str:
         listed = "; ".join(f"{p.describe()}" for p in providers)
         picks = " or ".join(repr(_qualified(p)) for p in providers)
-        how = how or f"select one as {section}.name: {picks}"
-        return (f"{section} {name!r} is provided by {len(providers)} installed plugins: "
+        key = "model.implementation" if section == "model" else f"{section}.name"
+        how = how or f"select one as {key}: {picks}"
+        return (f"{section} {name!r} is provided by {len(providers)} plugins: "
                 f"{listed}. {how[0].upper() + how[1:]}, or disable the "
                 "plugins you do not want (plugins.disable)")
 
@@ -309,11 +312,10 @@ class Registry:
                 continue
             chosen = _resolve(providers)
             if chosen is None:
-                picks = " or ".join(repr(p.spec.name) for p in providers)
+                picks = " or ".join(repr(_qualified(p)) for p in providers)
                 raise PluginError(self._ambiguous(
                     "architecture", arch, providers,
-                    how=f"choose one with model.implementation: {picks} (qualified as "
-                        f"'distribution:name' when the names are equal)"))
+                    how=f"choose one with model.implementation: {picks}"))
             if len(providers) > 1:
                 self._announce("architecture", arch, chosen, providers)
             return chosen
@@ -398,19 +400,24 @@ def _api_refusal(obj: object) -> str | None:
 def _register(pm: pluggy.PluginManager, obj: object, info: PluginInfo) -> None:
     if pm.has_plugin(info.name):
         raise PluginError(f"two plugins are named {info.name!r}; the second is {info.describe()}")
-    refusal = _api_refusal(obj)
+    try:
+        refusal = _api_refusal(obj)
+    except Exception as exc:       # a module __getattr__ that raises, say
+        raise _Refused("api", f"reading {API_ATTR} raised {exc!r}") from exc
     if refusal:
         raise _Refused("api", refusal)
     try:
         pm.register(obj, name=info.name)
-    except pluggy.PluginValidationError as exc:
+    except ValueError as exc:       # already registered under another name
+        raise PluginError(f"{info.describe()} could not be registered: {exc}") from exc
+    except Exception as exc:
         # pluggy validates hook by hook: the implementations before the bad one stay
-        # registered unless the plugin is taken out again.
+        # registered unless the plugin is taken out again. Reading the object's attributes
+        # can raise anything (a lazy module's __getattr__).
         if pm.is_registered(obj):
             pm.unregister(obj)
-        raise _Refused("hooks", str(exc)) from exc
-    except ValueError as exc:
-        raise PluginError(f"{info.describe()} could not be registered: {exc}") from exc
+        detail = str(exc) if isinstance(exc, pluggy.PluginValidationError) else repr(exc)
+        raise _Refused("hooks", detail) from exc
     unknown = sorted({caller.name for caller in (pm.get_hookcallers(obj) or [])
                       if not caller.has_spec()})
     if unknown:
@@ -564,7 +571,13 @@ def _collect(registry: Registry) -> dict[str, str]:
                 except Exception as exc:
                     raise PluginError(f"{hook_name}() raised {exc!r}") from exc
                 for spec in specs:
-                    _check_spec(spec, spec_type, hook_name)
+                    try:
+                        _check_spec(spec, spec_type, hook_name)
+                    except PluginError:
+                        raise
+                    except Exception as exc:      # a spec too malformed to check
+                        raise PluginError(f"{hook_name}() yielded {spec!r}, which cannot be "
+                                          f"checked: {exc!r}") from exc
                     found.append(RegisteredComponent(spec, info))
             except PluginError as exc:
                 errors[plugin] = str(exc)
@@ -604,6 +617,16 @@ def build_component(ctx: BuildContext, options: ComponentOptions, path: str | No
     section = section_of(options)
     entry = ctx.registry.get(section, options.name)
     path = path or section
+    if not isinstance(options, entry.spec.options):
+        # Options made in code rather than by load_config (a delegate's default is the
+        # section's base options): read them with the component's own model.
+        try:
+            options = entry.spec.options.model_validate(
+                {**options.model_dump(exclude_unset=True, serialize_as_any=True),
+                 "name": options.name})
+        except ValidationError as exc:
+            raise ConfigError([(f"{path}.{'.'.join(map(str, e['loc']))}", e["msg"])
+                               for e in exc.errors()]) from None
     outer, ctx.path = ctx.path, path
     try:
         return call_factory(entry, path, options, ctx)
@@ -619,7 +642,10 @@ def call_factory(entry: RegisteredComponent, path: str, *args: Any) -> Any:
     except OptionError as exc:
         raise ConfigError([(f"{path}.{exc.key}",
                             f"{exc.message} ({entry.describe()})")]) from exc
-    except CorellmError:
+    except (CorellmError, OSError, MemoryError, ExecutorError) as exc:
+        # Errors that already say what failed (a checkpoint file, memory, a worker rank) keep
+        # their type; the note says which component was being built.
+        exc.add_note(f"while building {path}: {entry.describe()}")
         raise
     except Exception as exc:
         raise PluginError(f"{path}: {entry.describe()} could not be built: {exc!r}") from exc

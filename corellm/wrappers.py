@@ -94,17 +94,33 @@ class KVCacheManagerWrapper(_Forwarding, KVCacheManager):
     def block_size(self) -> int:
         return self.inner.block_size
 
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self.inner.block_size = value
+
     @property                                       # type: ignore[override]
     def num_blocks(self) -> int:
         return self.inner.num_blocks
+
+    @num_blocks.setter
+    def num_blocks(self, value: int) -> None:
+        self.inner.num_blocks = value
 
     @property                                       # type: ignore[override]
     def prefix_cache_queries(self) -> int:
         return self.inner.prefix_cache_queries
 
+    @prefix_cache_queries.setter
+    def prefix_cache_queries(self, value: int) -> None:
+        self.inner.prefix_cache_queries = value
+
     @property                                       # type: ignore[override]
     def prefix_cache_hits(self) -> int:
         return self.inner.prefix_cache_hits
+
+    @prefix_cache_hits.setter
+    def prefix_cache_hits(self, value: int) -> None:
+        self.inner.prefix_cache_hits = value
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,6 +180,10 @@ class ExecutorWrapper(_Forwarding, Executor):
     @property                                       # type: ignore[override]
     def clock(self) -> Clock | None:
         return self.inner.clock
+
+    @clock.setter
+    def clock(self, clock: Clock | None) -> None:
+        self.inner.clock = clock
 
     @property
     def model_info(self) -> ModelInfo:

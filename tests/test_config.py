@@ -145,7 +145,9 @@ def test_auto_attention_takes_no_backend_options(registry):
                                           "backend to set its options) takes no options "
                                           "besides name)"}
     schema = config_schema(registry)["properties"]["attention"]["oneOf"]
-    assert {v["properties"]["name"]["const"] for v in schema} >= {"auto", "torch_sdpa", "triton"}
+    names = {v["properties"]["name"].get("const") or v["properties"]["name"]["enum"][0]
+             for v in schema}
+    assert names >= {"auto", "torch_sdpa", "triton"}
 
 
 def test_sections_are_the_plugins_typed_options(registry):
@@ -255,7 +257,10 @@ def test_engine_config_passthrough(registry):
 def test_schema_covers_installed_plugins(registry):
     schema = config_schema(registry)
     sched = schema["properties"]["scheduler"]["oneOf"]
-    assert [v["properties"]["name"]["const"] for v in sched] == ["fcfs", "priority"]
+    # Every spelling that selects the component: bare, by distribution, by plugin.
+    assert [v["properties"]["name"]["enum"] for v in sched] == [
+        ["fcfs", "corellm:fcfs", "scheduler_fcfs:fcfs"],
+        ["priority", "corellm:priority", "scheduler_priority:priority"]]
     assert "max_num_seqs" in sched[0]["properties"]
     assert "preempt_lower_priority" in sched[1]["properties"]
     assert f"corellm {corellm.__version__}" in sched[0]["description"]

@@ -75,12 +75,13 @@ def test_duplicate_component_names_both_distributions(site, llama_path):
     with pytest.raises(ConfigError) as info:
         load_config({"scheduler": {"name": "twin"}}, registry=reg)
     msg = str(info.value)
-    assert "scheduler.name" in msg and "scheduler 'twin' is provided by 2 installed plugins" in msg
+    assert "scheduler.name" in msg and "scheduler 'twin' is provided by 2 plugins" in msg
     assert "fake-a 1.0" in msg and "fake-b 2.0" in msg
     assert "'fake-a:twin' or 'fake-b:twin'" in msg and "plugins.disable" in msg
     assert reg.get("scheduler", "fake-b:twin").plugin.distribution == "fake-b"
     assert reg.get("scheduler", "fake_a:twin").plugin.distribution == "fake-a"   # the plugin name
-    assert reg.get("scheduler", "twin", usable=False) if False else True
+    with pytest.raises(PluginError, match="provided by 2 plugins"):
+        reg.get("scheduler", "twin", usable=False)
     cfg = load_config({"model": {"path": str(llama_path)},
                        "scheduler": {"name": "fake-a:twin", "max_num_seqs": 3}}, registry=reg)
     assert cfg.scheduler.name == "fake-a:twin" and cfg.scheduler.max_num_seqs == 3
@@ -138,8 +139,10 @@ def test_duplicate_architecture_is_chosen_by_model_implementation(site, caplog):
     with pytest.raises(PluginError) as info:
         reg.model_for(["LlamaForCausalLM"])
     msg = str(info.value)
-    assert "architecture 'LlamaForCausalLM' is provided by 3 installed plugins" in msg
-    assert "fake-m 1.0" in msg and "fake-n 1.0" in msg and "model.implementation" in msg
+    assert "architecture 'LlamaForCausalLM' is provided by 3 plugins" in msg
+    assert "fake-m 1.0" in msg and "fake-n 1.0" in msg
+    assert "model.implementation: 'fake-m:my-llama' or 'fake-n:other-llama' or 'corellm:llama'" \
+        in msg
     assert reg.model_for(["LlamaForCausalLM"], "other-llama").plugin.distribution == "fake-n"
 
 
@@ -184,6 +187,13 @@ def test_a_package_implementing_a_builtin_architecture_runs_when_chosen(site, ll
      "registered invalid components", "corellm_schedulers() raised ValueError('boom')"),
     ("CORELLM_PLUGIN_API = '2.0'\n", "was not loaded",
      "written for corellm plugin API 2.0"),
+    # Malformed beyond what the checks expect: a non-string name; a lazy module whose
+    # __getattr__ raises for any attribute corellm reads.
+    ("from corellm.components import SchedulerSpec\ndef corellm_schedulers():\n"
+     "    yield SchedulerSpec(name=5, factory=None)\n", "registered invalid components",
+     "cannot be checked"),
+    ("def __getattr__(name):\n    raise ImportError('lazy ' + name)\n", "was not loaded",
+     "reading CORELLM_PLUGIN_API raised ImportError('lazy CORELLM_PLUGIN_API')"),
 ])
 def test_a_bad_installed_plugin_is_set_aside(site, llama_path, caplog, source, stage, needle):
     """Whatever is wrong with an installed package, corellm keeps working: the plugin is left

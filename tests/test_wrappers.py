@@ -191,9 +191,22 @@ def test_the_delegates_own_options_are_validated_with_key_paths(llama_path):
     assert "did you mean preempt_lower_priority?" in problems[
         "scheduler.delegate.preempt_lower_priorty"]
     assert "scheduler_priority" in problems["scheduler.delegate.preempt_lower_priorty"]
-    assert "contradicts kv_cache.block_size=16" in problems["kv_cache.delegate.block_size"]
+    assert "differs from the wrapper's kv_cache.block_size=16" in problems[
+        "kv_cache.delegate.block_size"]
     assert "did you mean 'default'?" in problems["sampler.delegate.name"]
     assert "expected a mapping" in problems["executor.delegate"]
+    # A shared key set on the delegate alone must agree with the wrapper's value, its default
+    # included: the engine reads the section's (the wrapper's) one.
+    with pytest.raises(ConfigError) as info:
+        load_config(engine_config(llama_path, scheduler={
+            "name": "counting", "delegate": {"name": "fcfs", "max_num_seqs": 8}}), registry=reg)
+    assert "differs from the wrapper's scheduler.max_num_seqs=64" in dict(
+        info.value.problems)["scheduler.delegate.max_num_seqs"]
+    # The same value, spelled as the model reads it, is no contradiction.
+    cfg = load_config(engine_config(llama_path, scheduler={
+        "name": "counting", "max_num_seqs": "8", "delegate": {"name": "fcfs", "max_num_seqs": 8}}),
+        registry=reg)
+    assert cfg.scheduler.max_num_seqs == cfg.scheduler.delegate.max_num_seqs == 8
     # Nested wrappers: each level validated against its own component.
     cfg = load_config(engine_config(
         llama_path, sampler={"name": "counting", "delegate": {
@@ -390,3 +403,65 @@ def test_model_factory_error_is_attributed(llama_path):
     with pytest.raises(PluginError, match=r"model 'broken-llama' of plugin 'Models-.*could not "
                                           r"be built for .*ZeroDivisionError"):
         LLM(engine_config(llama_path), plugins=[Models()])
+
+
+def test_an_attention_delegate_needs_a_named_default():
+    with pytest.raises(ValueError, match="attention delegate needs a default backend"):
+        delegate_field("attention")
+
+
+def test_a_delegate_built_from_python_gets_its_own_options_class(llama_path):
+    """An EngineConfig made in code holds the delegate's default as the section's base options;
+    building it validates them with the delegate's own model (its defaults included)."""
+    from corellm.components import SECTION_OF_OPTIONS
+    from corellm.config import EngineConfig
+    seen = {}
+
+    class Plugin(Counting):
+        def corellm_samplers(self):
+            yield from super().corellm_samplers()
+
+            class Own(SamplerOptions):
+                name: str = "own"
+                knob: int = 3
+
+            def make(options, ctx):
+                seen["options"] = options
+                return SamplerWrapper(ctx.build(SamplerOptions(name="default")))
+
+            yield SamplerSpec(name="own", options=Own, factory=make)
+
+    reg = load_registry(plugins=[Plugin()])
+    base = load_config(engine_config(llama_path), registry=reg)
+    sampler_base = next(k for k, v in SECTION_OF_OPTIONS.items() if v == "sampler")
+    outer = reg.get("sampler", "counting").spec.options(delegate=sampler_base(name="own"))
+    config = EngineConfig(**{**dict(base), "sampler": outer})
+    assert type(config.sampler.delegate) is sampler_base
+    with LLM(config, plugins=[Plugin()]) as llm:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert type(seen["options"]).__name__ == "Own" and seen["options"].knob == 3
+
+
+def test_factory_errors_that_name_their_cause_keep_their_type(llama_path, tmp_path):
+    """A checkpoint the executor cannot read is an OSError (with a note naming the component),
+    not a PluginError blaming the executor plugin."""
+    class Unreadable:
+        def corellm_executors(self):
+            def make(options, ctx):
+                raise FileNotFoundError(2, "No such file", str(tmp_path / "missing.safetensors"))
+            yield ExecutorSpec(name="reads", factory=make)
+
+    with pytest.raises(FileNotFoundError) as info:
+        LLM(engine_config(llama_path, executor={"name": "reads"}), plugins=[Unreadable()])
+    assert any("while building executor: executor 'reads' of plugin 'Unreadable-" in note
+               for note in info.value.__notes__)
+
+
+def test_wrapper_attributes_can_be_assigned():
+    from corellm.kv_cache import PagedKVCacheManager
+
+    inner = PagedKVCacheManager(8, 4)
+    wrapped = KVCacheManagerWrapper(inner)
+    wrapped.prefix_cache_hits = 5
+    assert inner.prefix_cache_hits == wrapped.prefix_cache_hits == 5
+    assert wrapped.block_size == 4 and wrapped.num_free_blocks == 8

@@ -402,9 +402,12 @@ class ModelRunner:
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
         md = self._sampling_metadata(states)
+        # The bans as the engine made them (a sampler may change its metadata): usually none.
+        bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
+                if md.banned_token_ids else None)
         out = self.sampler(logits, md)
         sampled = self.stepper.to_host(out.sampled_token_ids)
-        banned = find_banned(sampled, md)
+        banned = None if bans is None else find_banned(sampled, replace(md, banned_token_ids=bans))
         if banned is not None:          # min_tokens would be broken: the plugin is at fault
             row, token = banned
             entry = self.sampler_entry
