@@ -198,6 +198,23 @@ def test_lone_surrogates_are_400s(server, path, body, param):
     assert err["param"] == param and "surrogate" in err["message"], err
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+])
+def test_request_id_is_bounded_because_every_chunk_echoes_it(server, path, body):
+    """A client's request_id is echoed in the id of every chunk of every sample: unbounded, a
+    900 KB id with n=128 streamed gigabytes back. It is bounded as user and session_id are."""
+    for bad in ("", "r" * 257, "r" * 900_000):
+        r = _post(server, path, {**body, "request_id": bad, "n": 2, "stream": True})
+        assert r.status_code == 400, (len(bad), r.text[:200])
+        err = r.json()["error"]
+        assert err["param"] == "request_id" and len(r.content) < 2000, err
+    longest = "r" * 256
+    r = _post(server, path, {**body, "request_id": longest})
+    assert r.status_code == 200 and r.json()["id"] == longest, r.text[:300]
+
+
 def test_valid_surrogate_pairs_and_huge_numbers(server):
     r = _post(server, "/v1/completions", raw=json.dumps(
         {"prompt": "emoji \U0001F600", "max_tokens": 1}).encode())
@@ -316,11 +333,13 @@ def test_disconnects_are_logged_and_counted(paced_server):
 
 
 # --------------------------------------------------------------------------- shutdown, death
-def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_path):
+@pytest.mark.parametrize("target", ["server", "process_group"])
+def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_path, target):
     """16 live streams when SIGTERM arrives (20 ms steps): the short ones finish normally
     within the drain, new requests get 503 with Retry-After, the long ones end with an error
     event naming the shutdown and then [DONE]; the server and every process it started exit in
-    time."""
+    time. The same when the signal goes to the whole process group (systemd's default
+    KillMode=control-group, Ctrl-C in a terminal), engine core included."""
     drain = 2.0
     cfg = _config(llama_path, drain_timeout_s=drain)
     cfg["model"] = {**cfg["model"], "max_model_len": 512}
@@ -330,7 +349,7 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_p
     cfg["executor"] = {"name": "sim", "clock": "real",
                        "profile": str(make_profile(llama_path, tmp_path / "profile.json",
                                                    base=0.02))}
-    srv = Server(tmp_path, cfg)
+    srv = Server(tmp_path, cfg, new_session=target == "process_group")
     procs = {srv.proc.pid} | _children(srv.proc.pid)
     assert srv.engine_pid in procs and len(procs) >= 3, procs    # API, engine, resource tracker
     results: dict[int, list] = {}
@@ -354,7 +373,11 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_p
             t.start()
         started.wait(60)
         t0 = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
+        if target == "process_group":
+            assert os.getpgid(srv.engine_pid) == srv.proc.pid      # the group holds the core
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+        else:
+            srv.proc.send_signal(signal.SIGTERM)
         _wait(lambda: any("draining" in line for line in srv.log), 10, "the drain to start")
         r = _post(srv, "/v1/completions", {"prompt": "late", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text

@@ -21,7 +21,6 @@ import os
 import queue
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -284,10 +283,12 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
     holds the two sockets; the core removes it if its parent dies (else the client does)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    # Ctrl-C reaches the whole process group: the client coordinates shutdown, so the core
-    # ignores SIGINT and leaves on SIGTERM or a SHUTDOWN message.
+    # Ctrl-C in a terminal and systemd's KillMode=control-group signal the whole process group.
+    # The client coordinates shutdown (a server drains its requests first, then sends SHUTDOWN),
+    # so while it lives the core ignores both signals; when it dies the parent watch stops the
+    # core. A core that must go at once is killed (SIGKILL), as the client itself does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch = _ParentWatch(parent_pid, ipc_dir)
     watch.start()
 
@@ -336,9 +337,6 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
         logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
         proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
     finally:
-        # Let the stop hooks (sinks flushing) finish instead of being cut by a SystemExit on
-        # SIGTERM: the client's bound on a shutdown is a SIGKILL, which nothing delays.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if watch.lost.is_set() and error is None:
             code, error = 1, watch.error()
         try:

@@ -56,7 +56,9 @@ class _SamplingFields(_Strict):
     priority: StrictInt = 0
     session_id: str | None = None                    # corellm's: for session-aware policies
     cache_salt: str | None = None
-    request_id: str | None = None
+    # Echoed in the id of every response (and every chunk of every sample of a stream): bounded
+    # like user and session_id, so a client cannot multiply its own bytes into the output.
+    request_id: str | None = Field(None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_SamplingFields):
