@@ -268,6 +268,32 @@ def test_host_header_is_checked(server):
     assert "access-control-allow-origin" not in r.headers
 
 
+def test_an_http10_request_without_host_is_refused(server):
+    """HTTP/1.0 lets a client leave Host out; the Host check must not be skipped then."""
+    import socket
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    for request in (b"GET /v1/models HTTP/1.0\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                    b"content-length: 30\r\n\r\n{\"prompt\": \"x\", \"max_tokens\": 1}"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == b"400", reply[:300]
+        assert json.loads(body)["error"]["code"] == "host_not_allowed", body
+
+
+def test_every_response_says_nosniff(server):
+    for r in (httpx.get(server.url + "/health"), httpx.get(server.url + "/v1/models"),
+              httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}),
+              httpx.post(server.url + "/v1/completions", json={"prompt": 1}),
+              httpx.get(server.url + "/no/such/route"),
+              httpx.get(server.url + "/v1/models", headers={"host": "evil.example"})):
+        assert r.headers.get("x-content-type-options") == "nosniff", (r.request.url, r.headers)
+
+
 def test_openapi_describes_the_request_bodies(server):
     spec = httpx.get(server.url + "/openapi.json").json()
 

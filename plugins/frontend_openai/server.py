@@ -824,6 +824,19 @@ def host_allowed(header: str, allowed: Sequence[str]) -> bool:
     return False
 
 
+_SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff")]
+
+
+def _with_security_headers(send: Any) -> Any:
+    """``send`` adding the headers every response carries: ``nosniff`` keeps a browser from
+    reading a JSON error or an event stream as HTML."""
+    async def wrapped(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *_SECURITY_HEADERS]}
+        await send(message)
+    return wrapped
+
+
 class _Guard:
     """ASGI middleware in front of every route: the Host check (DNS rebinding), the API key,
     and, while the server drains, 503 for new requests. It also counts the POST requests in
@@ -837,6 +850,7 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_security_headers(send)
         error = self.check(scope)
         if error is not None:
             await error.response()(scope, receive, send)
@@ -853,10 +867,14 @@ class _Guard:
     def check(self, scope: Any) -> APIError | None:
         headers = dict(scope["headers"])
         host = headers.get(b"host")
-        if host is not None and "*" not in self.allowed_hosts and not host_allowed(
-                host.decode("latin-1"), self.allowed_hosts):
-            return APIError(400, f"Host header {host.decode('latin-1')!r} is not allowed "
-                                 "(frontend.allowed_hosts)", code="host_not_allowed")
+        if "*" not in self.allowed_hosts:
+            # HTTP/1.0 lets a client leave Host out: without one the check cannot pass
+            if host is None:
+                return APIError(400, "no Host header: one of frontend.allowed_hosts is "
+                                     "required", code="host_not_allowed")
+            if not host_allowed(host.decode("latin-1"), self.allowed_hosts):
+                return APIError(400, f"Host header {host.decode('latin-1')!r} is not allowed "
+                                     "(frontend.allowed_hosts)", code="host_not_allowed")
         path = scope["path"]
         if self.api_key is not None and (path.startswith("/v1") or path in _KEYED_ROUTES):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
