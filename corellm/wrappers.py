@@ -27,7 +27,6 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from corellm.clock import Clock
 from corellm.interfaces import (AttentionBackend, CachedPrefix, Executor, Frontend,
                                 KVCacheManager, ModelInfo, Sampler, Scheduler)
 from corellm.request import Request, RequestStatus
@@ -46,19 +45,20 @@ class _Forwarding:
         return getattr(self.inner, name)
 
 
+def _attribute(name: str) -> property:
+    """An attribute of the interface read from and written to ``inner``: the interfaces
+    declare these as plain attributes, which a wrapper subclass may assign."""
+    return property(lambda self: getattr(self.inner, name),
+                    lambda self, value: setattr(self.inner, name, value))
+
+
 class SchedulerWrapper(_Forwarding, Scheduler):
     """A ``Scheduler`` that forwards to ``inner``; the engine's clock reaches ``inner`` too."""
 
     def __init__(self, inner: Scheduler) -> None:
         self.inner = inner
 
-    @property                                       # type: ignore[override]
-    def clock(self) -> Clock:
-        return self.inner.clock
-
-    @clock.setter
-    def clock(self, clock: Clock) -> None:
-        self.inner.clock = clock
+    clock = _attribute("clock")                     # type: ignore[assignment]
 
     def add_request(self, request: Request) -> None:
         self.inner.add_request(request)
@@ -90,37 +90,10 @@ class KVCacheManagerWrapper(_Forwarding, KVCacheManager):
     def __init__(self, inner: KVCacheManager) -> None:
         self.inner = inner
 
-    @property                                       # type: ignore[override]
-    def block_size(self) -> int:
-        return self.inner.block_size
-
-    @block_size.setter
-    def block_size(self, value: int) -> None:
-        self.inner.block_size = value
-
-    @property                                       # type: ignore[override]
-    def num_blocks(self) -> int:
-        return self.inner.num_blocks
-
-    @num_blocks.setter
-    def num_blocks(self, value: int) -> None:
-        self.inner.num_blocks = value
-
-    @property                                       # type: ignore[override]
-    def prefix_cache_queries(self) -> int:
-        return self.inner.prefix_cache_queries
-
-    @prefix_cache_queries.setter
-    def prefix_cache_queries(self, value: int) -> None:
-        self.inner.prefix_cache_queries = value
-
-    @property                                       # type: ignore[override]
-    def prefix_cache_hits(self) -> int:
-        return self.inner.prefix_cache_hits
-
-    @prefix_cache_hits.setter
-    def prefix_cache_hits(self, value: int) -> None:
-        self.inner.prefix_cache_hits = value
+    block_size = _attribute("block_size")
+    num_blocks = _attribute("num_blocks")
+    prefix_cache_queries = _attribute("prefix_cache_queries")
+    prefix_cache_hits = _attribute("prefix_cache_hits")
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,13 +150,7 @@ class ExecutorWrapper(_Forwarding, Executor):
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
 
-    @property                                       # type: ignore[override]
-    def clock(self) -> Clock | None:
-        return self.inner.clock
-
-    @clock.setter
-    def clock(self, clock: Clock | None) -> None:
-        self.inner.clock = clock
+    clock = _attribute("clock")                     # type: ignore[assignment]
 
     @property
     def model_info(self) -> ModelInfo:
