@@ -1,28 +1,48 @@
-"""Does one request stall the server? /health and a one-token completion, timed while a heavy
-request runs.
+"""Can one client hurt the others? Each abuse scenario runs against a fresh ``corellm serve``
+(default configuration unless --config) while ``/health`` and the first token of a one-token
+completion are timed; with ``--before REV`` every scenario also runs against a server of that
+git revision, and the two are reported side by side.
 
-Cases: ``idle`` (nothing else running); ``issue-12`` (the body that froze the server in issue
-12: 60,000 distinct stop strings, ``n: 128``, 16 tokens; a server with ``frontend.limits``
-answers it with a 400 at once); ``worst-allowed`` (the largest request the default limits
-allow: 128 streamed samples at the generated-token budget or the context, 64 stop strings of
-256 characters, logprobs at the limit).
+Scenarios (the load each one puts on the server):
 
-    CORELLM_DEFAULT_MODEL=random python3 benchmarks/server_abuse.py --json out.json --plot out.png
-    python3 benchmarks/server_abuse.py --url http://127.0.0.1:8000
+- ``idle``: none.
+- ``stop-flood``: 60,000 distinct stop strings with ``n: 128``, 16 tokens (a 400 under
+  ``frontend.limits``).
+- ``request-id``: a 900 KB ``request_id`` on a streamed ``n: 128`` x 16-token request; every
+  chunk of every sample echoes the id unless it is bounded.
+- ``worst-allowed``: the largest request the default limits allow: 128 streamed samples of 64
+  tokens, 64 stop strings of 256 characters, 8 logprobs. 128 samples exceed the default 64
+  seats; the row also gives the large request's own time.
+- ``slowloris``: 1,100 connections that send their request head a few bytes a second, against
+  a server whose open-file limit is 1,024 (a common default); the row gives the log the server
+  wrote meanwhile.
+- ``chat-flood``: 20 clients in a loop, each sending 1 MiB chat bodies of 30,000 messages.
+- ``group-sigterm``: SIGTERM to the server's whole process group (Ctrl-C in a terminal,
+  systemd's ``KillMode=control-group``) while 8 streams run: how many finish (drain) and how
+  many end with an error.
 
-A server started here gets ``scheduler.max_num_seqs`` 160, so the probes are never queued
-behind the heavy request's 128 samples: what is timed is the API process, not the scheduling
-policy's queue (with a full batch, a policy decides who waits).
+    CORELLM_DEFAULT_MODEL=random python3 benchmarks/server_abuse.py --before e6e225b \\
+        --json out.json --plot out.png
+    python3 benchmarks/server_abuse.py --url http://127.0.0.1:8000 --scenarios idle,worst-allowed
+
+A probe that gets no answer within ``--probe-timeout`` seconds counts as that many seconds and
+as failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,77 +53,318 @@ from corellm.bench.env import environment  # noqa: E402
 from corellm.bench.runner import ServerProcess  # noqa: E402
 
 log = logger("server_abuse")
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = ["idle", "stop-flood", "request-id", "worst-allowed", "slowloris", "chat-flood",
+             "group-sigterm"]
+SLOWLORIS_FILE_LIMIT = 1024
+SLOWLORIS_CONNECTIONS = 1100
 
 
-def issue12_body() -> dict[str, Any]:
-    stops = [f"§{i:05d}¤" for i in range(60_000)]
-    return {"prompt": "The meaning of life", "max_tokens": 16, "ignore_eos": True, "n": 128,
-            "stop": stops}
+# --------------------------------------------------------------------------- probes
+def probe(url: str, model: str, timeout: float) -> tuple[float, float, bool]:
+    """(/health seconds, seconds to a one-token completion's first text chunk, all answered)."""
+    import httpx
+
+    ok = True
+    t0 = time.perf_counter()
+    try:
+        ok = httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    health = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    first = None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=timeout,
+                          json={"model": model, "prompt": "Hi", "max_tokens": 1,
+                                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"text": ""' not in line:
+                    first = time.perf_counter() - t0
+                    break
+                if time.perf_counter() - t0 > timeout:
+                    break
+    except httpx.HTTPError:
+        pass
+    if first is None:
+        ok, first = False, max(time.perf_counter() - t0, timeout)
+    return health, first, ok
 
 
-def worst_allowed_body(max_model_len: int, prompt_tokens: int = 8) -> dict[str, Any]:
-    # default frontend.limits: 128 samples, 131072 generated tokens, 64 stop strings of 256
-    # characters, 1024 logprob alternatives per position over all samples
-    max_tokens = min(131072 // 128, max_model_len - prompt_tokens)
-    stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
-    return {"prompt": "The meaning of life", "max_tokens": max_tokens, "n": 128,
-            "ignore_eos": True, "stop": stops, "logprobs": 1024 // 128, "stream": True}
+def probe_while(url: str, model: str, busy: Callable[[], bool], args: argparse.Namespace,
+                ) -> dict[str, Any]:
+    """Probe while ``busy()`` (at least ``--min-probes``, at most ``--max-probes``)."""
+    health, first, failed = [], [], 0
+    while len(health) < args.max_probes and (busy() or len(health) < args.min_probes):
+        h, f, ok = probe(url, model, args.probe_timeout)
+        health.append(h)
+        first.append(f)
+        failed += not ok
+    return {"probes": len(health), "probes_failed": failed,
+            "health_median_ms": statistics.median(health) * 1e3,
+            "health_max_ms": max(health) * 1e3,
+            "first_token_median_ms": statistics.median(first) * 1e3,
+            "first_token_max_ms": max(first) * 1e3}
 
 
-def run_case(client: Any, url: str, model: str, name: str, body: dict[str, Any] | None,
-             max_probes: int, timeout: float) -> dict[str, Any]:
+def background(fn: Callable[[], None]) -> threading.Event:
     done = threading.Event()
-    heavy: dict[str, Any] = {}
 
-    def run_heavy() -> None:
-        t0 = time.perf_counter()
+    def run() -> None:
         try:
-            with client.stream("POST", f"{url}/v1/completions", json={**body, "model": model},
-                               timeout=timeout) as r:
-                heavy["status"] = r.status_code
-                heavy["events"] = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
-        except Exception as exc:          # noqa: BLE001 - reported in the table
-            heavy["status"] = type(exc).__name__
-        heavy["seconds"] = time.perf_counter() - t0
-        done.set()
+            fn()
+        except Exception as exc:      # noqa: BLE001 - a load that fails is reported by its row
+            log(f"load failed: {type(exc).__name__}: {exc}")
+        finally:
+            done.set()
+    threading.Thread(target=run, daemon=True).start()
+    return done
 
-    if body is not None:
-        threading.Thread(target=run_heavy, daemon=True).start()
-        time.sleep(0.3)                   # let it reach the server
-    health, completion = [], []
-    # probe while the heavy request runs (3 probes at least: one rejected at once runs briefly)
-    while len(health) < max_probes and (body is None or not done.is_set() or len(health) < 3):
-        t0 = time.perf_counter()
-        client.get(f"{url}/health", timeout=timeout)
-        health.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        client.post(f"{url}/v1/completions", timeout=timeout,
-                    json={"model": model, "prompt": "Hi", "max_tokens": 1})
-        completion.append(time.perf_counter() - t0)
-    if body is not None:
-        done.wait(timeout)
-    row = {"case": name, "probes": len(health),
-           "health_median_ms": statistics.median(health) * 1e3,
-           "health_max_ms": max(health) * 1e3,
-           "completion_median_ms": statistics.median(completion) * 1e3,
-           "completion_max_ms": max(completion) * 1e3,
-           "heavy_status": heavy.get("status"), "heavy_seconds": heavy.get("seconds"),
-           "heavy_events": heavy.get("events")}
-    log(f"{name}: /health max {row['health_max_ms']:.0f} ms, 1-token max "
-        f"{row['completion_max_ms']:.0f} ms, heavy request {row['heavy_status']}")
+
+def stream_request(url: str, body: dict[str, Any], timeout: float, out: dict[str, Any],
+                   stop: threading.Event | None = None) -> None:
+    """POST a completion, reading the whole answer; ``out`` gets status, bytes, seconds and the
+    count of finished samples and error events."""
+    import httpx
+
+    t0 = time.perf_counter()
+    out.update(status=None, bytes=0, finished=0, errors=0)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                out["bytes"] += len(line) + 1
+                if line.startswith("data: {"):
+                    out["finished"] += line.count('"finish_reason": "length"') + \
+                        line.count('"finish_reason":"length"')
+                    out["errors"] += '"error"' in line
+                out["events"] = out.get("events", 0) + line.startswith("data: ")
+                if stop is not None and stop.is_set():
+                    break
+    except httpx.HTTPError as exc:
+        out["status"] = out["status"] or type(exc).__name__
+    out["seconds"] = time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- scenarios
+def scenario_idle(url: str, model: str, server: ServerProcess | None,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    return {**probe_while(url, model, lambda: False, args), "load": "-"}
+
+
+def _heavy(url: str, model: str, body: dict[str, Any], args: argparse.Namespace,
+           ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    done = background(lambda: stream_request(url, {**body, "model": model}, args.timeout, out))
+    time.sleep(0.3)                   # let it reach the server
+    row = probe_while(url, model, lambda: not done.is_set(), args)
+    done.wait(args.timeout)
+    mb = out.get("bytes", 0) / 1e6
+    row["load"] = (f"{out.get('status')} in {out.get('seconds', 0):.1f} s, "
+                   f"{mb:.1f} MB" if mb >= 0.1 else
+                   f"{out.get('status')} in {out.get('seconds', 0):.2f} s")
+    row["load_seconds"] = out.get("seconds")
+    row["load_bytes"] = out.get("bytes")
     return row
 
 
+def scenario_stop_flood(url: str, model: str, server: ServerProcess | None,
+                        args: argparse.Namespace) -> dict[str, Any]:
+    stops = [f"\u00a7{i:05d}\u00a4" for i in range(60_000)]
+    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": 16, "n": 128,
+                               "ignore_eos": True, "stop": stops, "stream": True}, args)
+
+
+def scenario_request_id(url: str, model: str, server: ServerProcess | None,
+                        args: argparse.Namespace) -> dict[str, Any]:
+    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": 16, "n": 128,
+                               "ignore_eos": True, "stream": True,
+                               "request_id": "r" * 900_000}, args)
+
+
+def scenario_worst_allowed(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
+    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": 64, "n": 128,
+                               "ignore_eos": True, "stop": stops, "logprobs": 8,
+                               "stream": True}, args)
+
+
+def scenario_slowloris(url: str, model: str, server: ServerProcess | None,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\n").encode()
+    stop = threading.Event()
+    stats = {"opened": 0, "refused": 0, "closed_by_server": 0}
+    socks: list[socket.socket] = []
+
+    def slow_clients() -> None:
+        for _ in range(SLOWLORIS_CONNECTIONS):
+            if stop.is_set():
+                return
+            s = socket.socket()
+            s.settimeout(2)
+            try:
+                s.connect((host, int(port)))
+                s.setblocking(False)
+                socks.append(s)
+                stats["opened"] += 1
+            except OSError:
+                stats["refused"] += 1
+                s.close()
+        sent = 0
+        while not stop.is_set() and sent < len(head):       # a few bytes a second
+            for s in list(socks):
+                try:
+                    s.send(head[sent:sent + 4])
+                except OSError:
+                    socks.remove(s)
+                    s.close()
+                    stats["closed_by_server"] += 1
+            sent += 4
+            stop.wait(1.0)
+        stop.wait()
+
+    log_before = server.log_bytes if server is not None else 0
+    done = background(slow_clients)
+    time.sleep(3)                     # every connection opened, heads trickling in
+    row = probe_while(url, model, lambda: not done.is_set(), args)
+    stop.set()
+    done.wait(10)
+    for s in socks:
+        s.close()
+    logged = (server.log_bytes - log_before) if server is not None else 0
+    row["load"] = (f"{stats['opened']} open, {stats['refused']} refused, "
+                   f"{stats['closed_by_server']} closed by the server; "
+                   f"log +{logged / 1e3:.0f} KB")
+    row["log_bytes"] = logged
+    return row
+
+
+def scenario_chat_flood(url: str, model: str, server: ServerProcess | None,
+                        args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    body = json.dumps({"model": model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}] * 30_000}, separators=(",", ":")).encode()
+    assert len(body) <= 1 << 20, len(body)
+    stop = threading.Event()
+    statuses: dict[str, int] = {}
+
+    def client() -> None:
+        with httpx.Client(timeout=args.timeout) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(f"{url}/v1/chat/completions", content=body,
+                               headers={"Content-Type": "application/json"})
+                    key = str(r.status_code)
+                except httpx.HTTPError as exc:
+                    key = type(exc).__name__
+                statuses[key] = statuses.get(key, 0) + 1
+
+    workers = [background(client) for _ in range(20)]
+    time.sleep(1.0)
+    row = probe_while(url, model, lambda: True, args)
+    stop.set()
+    for w in workers:
+        w.wait(args.timeout)
+    row["load"] = "20 clients: " + ", ".join(f"{n} x {k}" for k, n in sorted(statuses.items()))
+    return row
+
+
+def scenario_group_sigterm(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    if server is None:
+        return {"load": "needs a server started here (not --url)"}
+    outs: list[dict[str, Any]] = [{} for _ in range(8)]
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 128,
+            "ignore_eos": True, "stream": True}
+    dones = [background(lambda o=o: stream_request(url, body, args.timeout, o)) for o in outs]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(o.get("events", 0) > 2 for o in outs):
+        time.sleep(0.05)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    for d in dones:
+        d.wait(args.timeout)
+    try:
+        code = server.proc.wait(60)           # the whole group exits by itself
+    except subprocess.TimeoutExpired:
+        code = None
+    drained = sum(o.get("finished", 0) == 1 and not o.get("errors") for o in outs)
+    errors = sum(bool(o.get("errors")) for o in outs)
+    return {"load": f"{drained}/8 streams finished, {errors} ended with an error; server exit "
+                    f"status {code}", "drained": drained, "errored": errors, "exit_status": code}
+
+
+RUN: dict[str, Callable[..., dict[str, Any]]] = {
+    "idle": scenario_idle, "stop-flood": scenario_stop_flood,
+    "request-id": scenario_request_id, "worst-allowed": scenario_worst_allowed,
+    "slowloris": scenario_slowloris, "chat-flood": scenario_chat_flood,
+    "group-sigterm": scenario_group_sigterm}
+
+
+# --------------------------------------------------------------------------- servers
+class Revision:
+    """A checkout of ``rev`` in a temporary git worktree, importable ahead of the installed
+    corellm (its ``plugins/`` folder as the ``corellm_plugins`` package)."""
+
+    def __init__(self, rev: str) -> None:
+        self.rev = rev
+        self.tmp = tempfile.TemporaryDirectory(prefix="corellm-before-")
+        self.path = Path(self.tmp.name) / "src"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
+                        str(self.path), rev], check=True)
+        (self.path / "corellm_plugins").symlink_to("plugins")
+        self.env = {"PYTHONPATH": str(self.path)}
+        self.label = "before " + subprocess.run(
+            ["git", "-C", str(self.path), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True).stdout.strip()
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                        str(self.path)], check=False)
+        self.tmp.cleanup()
+
+
+def run_scenario(name: str, label: str, env: dict[str, str] | None,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    server = None
+    if args.url:
+        url = args.url
+    else:
+        server = ServerProcess(args.config, env=env, max_open_files=SLOWLORIS_FILE_LIMIT
+                               if name == "slowloris" else None)
+        server.start()
+        url = server.url
+    try:
+        import httpx
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        log(f"{name} against {label}...")
+        row = RUN[name](url, model, server, args)
+    finally:
+        if server is not None:
+            server.stop()
+    row = {"scenario": name, "server": label, **row}
+    log(f"{name} / {label}: /health max {row.get('health_max_ms', 0):.0f} ms, first token max "
+        f"{row.get('first_token_max_ms', 0):.0f} ms; {row['load']}")
+    return row
+
+
+# --------------------------------------------------------------------------- report
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'case':<18} {'probes':>6} {'/health med':>12} {'/health max':>12} "
-            f"{'1-tok med':>10} {'1-tok max':>10}  heavy request")
+    head = (f"{'scenario':<14} {'server':<16} {'probes':>6} {'failed':>6} {'/health max':>12} "
+            f"{'1st token med':>14} {'1st token max':>14}  load")
     lines = [head, "-" * len(head)]
     for r in rows:
-        heavy = "-" if r["heavy_status"] is None else \
-            f"{r['heavy_status']} in {r['heavy_seconds']:.2f} s"
-        lines.append(f"{r['case']:<18} {r['probes']:>6} {r['health_median_ms']:>10.0f}ms "
-                     f"{r['health_max_ms']:>10.0f}ms {r['completion_median_ms']:>8.0f}ms "
-                     f"{r['completion_max_ms']:>8.0f}ms  {heavy}")
+        if "probes" not in r:
+            lines.append(f"{r['scenario']:<14} {r['server']:<16} {'-':>6} {'-':>6} {'-':>12} "
+                         f"{'-':>14} {'-':>14}  {r['load']}")
+            continue
+        lines.append(f"{r['scenario']:<14} {r['server']:<16} {r['probes']:>6} "
+                     f"{r['probes_failed']:>6} {r['health_max_ms']:>10.0f}ms "
+                     f"{r['first_token_median_ms']:>12.0f}ms {r['first_token_max_ms']:>12.0f}ms"
+                     f"  {r['load']}")
     return "\n".join(lines)
 
 
@@ -112,55 +373,70 @@ def write_plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["health_max_ms"] for r in rows], 0.4, label="/health (max)")
-    ax.bar([i + 0.2 for i in x], [r["completion_max_ms"] for r in rows], 0.4,
-           label="1-token completion (max)")
-    ax.set_xticks(list(x), [r["case"] for r in rows])
+    rows = [r for r in rows if "probes" in r]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(servers))
+    for j, label in enumerate(servers):
+        xs, ft, hl = [], [], []
+        for i, sc in enumerate(scenarios):
+            row = next((r for r in rows if r["scenario"] == sc and r["server"] == label), None)
+            if row is not None:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ft.append(row["first_token_max_ms"])
+                hl.append(row["health_max_ms"])
+        ax.bar(xs, ft, width, label=f"{label}: first token (max)")
+        ax.plot(xs, hl, "k_", markersize=14, markeredgewidth=2,
+                label="/health (max)" if j == 0 else None)
+    ax.axhline(1000, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylabel("latency, ms (log)")
+    ax.set_ylabel("latency while the load runs, ms (log)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server; default: start `corellm serve` here")
-    p.add_argument("--config", help="config for the server started here")
-    p.add_argument("--cases", default="idle,issue-12,worst-allowed")
-    p.add_argument("--max-probes", type=int, default=30, help="probe pairs per case at most")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    p.add_argument("--url", help="a running server (no --before; group-sigterm is skipped)")
+    p.add_argument("--config", help="config of the servers started here (default: built-in)")
+    p.add_argument("--before", metavar="REV", help="also run each scenario against a server of "
+                                                   "this git revision, side by side")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--min-probes", type=int, default=3)
+    p.add_argument("--max-probes", type=int, default=10)
+    p.add_argument("--probe-timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per load request")
     p.add_argument("--json", metavar="OUT.json")
     p.add_argument("--plot", metavar="OUT.png")
     args = p.parse_args()
+    names = [s for s in args.scenarios.split(",") if s]
+    unknown = set(names) - set(RUN)
+    if unknown:
+        p.error(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
+    if args.url and args.before:
+        p.error("--before starts its own servers: leave out --url")
 
-    import httpx
-
-    server = None if args.url else ServerProcess(
-        args.config, extra_args=["--set", "scheduler.max_num_seqs=160"])
-    if server is not None:
-        server.start()
+    before = Revision(args.before) if args.before else None
+    rows = []
     try:
-        url = args.url or server.url
-        with httpx.Client() as client:
-            info = client.get(f"{url}/v1/models").json()["data"][0]
-            model, max_model_len = info["id"], info.get("max_model_len", 1024)
-            bodies = {"idle": None, "issue-12": issue12_body(),
-                      "worst-allowed": worst_allowed_body(max_model_len)}
-            rows = [run_case(client, url, model, name, bodies[name], args.max_probes,
-                             args.timeout) for name in args.cases.split(",")]
+        for i, name in enumerate(names):
+            log(f"[{i + 1}/{len(names)}] {name}")
+            if before is not None:
+                rows.append(run_scenario(name, before.label, before.env, args))
+            rows.append(run_scenario(name, "this tree", None, args))
     finally:
-        if server is not None:
-            server.stop()
+        if before is not None:
+            before.close()
     env = environment()
-    title = f"{model} on {env.get('cpu_model', '?')}: latency while a heavy request runs"
+    title = (f"one client against the others, default config, {env.get('cpu_model', '?')} "
+             f"({os.cpu_count()} CPUs)")
     print(f"\n{title}\n{format_table(rows)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"env": env, "model": model, "rows": rows},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     if args.plot:
         write_plot(rows, args.plot, title)
     return 0

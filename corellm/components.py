@@ -44,6 +44,18 @@ class SchedulerOptions(ComponentOptions):
         2048, ge=1, description="Token budget of one step, prefill and decode together.")
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts across steps to fit the token budget.")
+    max_num_seqs_per_request: int | None = Field(
+        None, ge=1, description=(
+            "Seats one client request (its n samples and prompts) keeps while other requests "
+            "wait for one: beyond it, its waiting samples let the others go first and its "
+            "newest running ones are preempted to seat them. Alone, a request may use every "
+            "seat. Left out: half of max_num_seqs; max_num_seqs turns the share off."))
+
+    @property
+    def seats_per_request(self) -> int:
+        """``max_num_seqs_per_request``, or its default: half the seats (at least one)."""
+        share = self.max_num_seqs_per_request
+        return share if share is not None else max(1, self.max_num_seqs // 2)
 
 
 class KVCacheOptions(ComponentOptions):

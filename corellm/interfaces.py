@@ -86,6 +86,12 @@ class SchedulingPolicy(ABC):
     leaks and no request is lost, and with nothing running the best waiting request is
     admitted whatever the policy says, so a policy cannot stall the engine. An answer that is
     not one of the offered requests is an error that names the policy.
+
+    The mechanism also keeps one client request from taking the batch, whatever the policy:
+    while requests of other groups wait, a group (``Request.group_id``: the samples and prompts
+    of one API call) at its share of seats (``scheduler.max_num_seqs_per_request``) is passed
+    over by admission, and one over its share gives up its newest running request to a
+    request that does not fit when ``preempt_for`` names no victim.
     """
 
     @abstractmethod
@@ -99,7 +105,10 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def choose_victim(self, running: Sequence[Request], ctx: SchedulingContext) -> Request:
         """Pick the request to preempt when KV blocks run out. ``running`` is a read-only
-        snapshot (a tuple) in admission order; the answer must be one of it."""
+        snapshot (a tuple) in admission order; the answer must be one of it. While one client
+        request (``Request.group_id``) holds more than its share of seats
+        (``scheduler.max_num_seqs_per_request``) and others run or wait, only its requests are
+        offered."""
 
     def queue_group(self, request: Request) -> Hashable:
         """Partition of the waiting queue ``request`` joins (e.g. its tenant), so ``select`` can

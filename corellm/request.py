@@ -59,6 +59,9 @@ class EngineCoreRequest:
     priority: int = 0               # lower runs first under a priority policy (vLLM's convention)
     user: str | None = None         # tenant / end user (OpenAI's `user` field)
     session_id: str | None = None   # conversation the request continues, for session-aware policies
+    # The client request this one belongs to: the samples (n) and prompts of one API call share
+    # it, so the scheduler can keep one call from taking every seat. None: a group of its own.
+    group_id: str | None = None
 
 
 _arrival_counter = itertools.count()
@@ -76,7 +79,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "eos_token_id",
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
         "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
-        "first_scheduled_time", "first_token_time", "user", "session_id",
+        "first_scheduled_time", "first_token_time", "user", "session_id", "group_id",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -90,6 +93,7 @@ class Request:
         self.priority = core_request.priority
         self.user = core_request.user
         self.session_id = core_request.session_id
+        self.group_id = core_request.group_id or core_request.request_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

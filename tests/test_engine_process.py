@@ -367,3 +367,41 @@ def test_parent_watch_without_a_sentinel_polls_getppid(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "parent process -1 is gone" in out.stderr
     assert not ipc_dir.exists()
+
+
+def test_the_core_runs_at_most_two_batches_ahead_of_an_async_client(llama_path):
+    """Flow control: a client that has not processed the outputs it got (a busy API process)
+    holds the engine core at MAX_OUTPUTS_AHEAD unprocessed batches, instead of letting outputs
+    pile up ahead of a request that arrives later; the core still answers utility calls while
+    held, and steps on once the batches are credited."""
+    import asyncio
+
+    from corellm.engine.core_client import AsyncMPClient
+    from corellm.engine.llm import build_config
+    from corellm.request import EngineCoreRequest
+    from corellm.sampling_params import SamplingParams
+
+    config, _ = build_config(engine_config(llama_path), None, ())
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def run() -> tuple[int, int, int]:
+        client = await AsyncMPClient.create(config)
+        try:
+            await client.add_requests_async([EngineCoreRequest(
+                "r", [10, 11, 12], params, None, time.time())])
+            await asyncio.sleep(1.0)            # time for 40 steps, were the core not held
+            held = (await client.call_utility_async("get_stats")).num_generation_tokens
+            batches = client.outputs.qsize()
+            while True:                         # now process (credit) every batch
+                batch = await asyncio.wait_for(client.get_output_async(), BOUND_S)
+                await client.outputs_processed(batch)
+                if any(o.finish_reason for o in batch.outputs):
+                    break
+            done = (await client.call_utility_async("get_stats")).num_generation_tokens
+            return held, batches, done
+        finally:
+            await client.shutdown_async(timeout=BOUND_S)
+
+    held, batches, done = asyncio.run(asyncio.wait_for(run(), 300))
+    assert held == AsyncMPClient.MAX_OUTPUTS_AHEAD == batches
+    assert done == 40

@@ -401,3 +401,143 @@ def test_an_answer_outside_the_offer_is_an_error_and_loses_nothing(llama_path, m
     assert not llm.engine.has_unfinished_requests()
     assert_pool_whole(llm)
     assert llm.engine.scheduler.waiting.first() is None
+
+
+# --------------------------------------------------------------------------- one request's share
+def _group_run(llm, arrive_at: int, prompts: dict[str, list[int]], groups: dict[str, str],
+               late: set[str], max_tokens: int = 20):
+    """Submit the early requests (``groups`` names each one's client request), step, and add
+    the ``late`` ones before step ``arrive_at``; returns every request's tokens and the status
+    of each request after each step."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    def add(rid):
+        llm.engine.add_request(llm.processor.process(
+            rid, {"prompt_token_ids": prompts[rid]}, params, group_id=groups.get(rid))[1])
+
+    for rid in prompts:
+        if rid not in late:
+            add(rid)
+    steps, events, tokens = 0, [], {rid: [] for rid in prompts}
+    while llm.engine.has_unfinished_requests() or steps <= arrive_at:
+        if steps == arrive_at:
+            for rid in late:
+                add(rid)
+        for out in llm.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        sched = llm.engine.scheduler
+        events.append({r.request_id: r.status for r in sched.requests.values()})
+    return tokens, events
+
+
+def _reference(llama_path, prompts, max_tokens=20):
+    llm = LLM(engine_config(llama_path, scheduler={"max_num_seqs": 16}))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs)}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("pressure", ["seats", "kv_blocks"])
+def test_one_request_cannot_keep_every_seat_from_a_later_one(llama_path, policy, pressure):
+    """Six samples of one client request ("big") run alone and take every seat (4 of 4; or, with
+    8 KV blocks, every block); a one-sample request arriving after them is seated in the very
+    next step, by preempting big's newest sample, because big holds more than its share (half
+    the seats; 2 of the pool's 4 holders with kv_blocks). Every output equals an undisturbed
+    run's, and nothing is left in the pool."""
+    prompts = {f"big{i}": list(range(10 + 20 * i, 30 + 20 * i)) for i in range(6)}
+    prompts["small"] = list(range(300, 320))
+    groups = {rid: "big" for rid in prompts if rid.startswith("big")}
+    if pressure == "seats":
+        sched = {"name": policy, "max_num_seqs": 4}
+        kv = {}
+    else:        # 20 + 12 tokens, 2 blocks a request: the pool holds 4 requests, the batch 8
+        sched = {"name": policy, "max_num_seqs": 8, "max_num_seqs_per_request": 2}
+        kv = {"num_blocks": 8}
+    max_tokens = 20 if pressure == "seats" else 12
+    cfg = engine_config(llama_path, scheduler=sched, kv_cache=kv, model={"max_model_len": 48})
+    llm = LLM(cfg)
+    tokens, events = _group_run(llm, 3, prompts, groups, late={"small"}, max_tokens=max_tokens)
+    running = [rid for rid, s in events[2].items() if s == RequestStatus.RUNNING]
+    assert len(running) == 4 and all(rid.startswith("big") for rid in running)  # alone: all
+    assert events[3]["small"] == RequestStatus.RUNNING
+    assert events[3]["big3"] == RequestStatus.PREEMPTED          # the newest admitted
+    assert llm.get_stats().num_preemptions == 1
+    assert tokens == _reference(llama_path, prompts, max_tokens)
+    assert_pool_whole(llm)
+    llm.engine.scheduler.check_invariants()
+
+
+def test_a_request_at_its_share_lets_a_later_one_take_a_free_seat(llama_path):
+    """Big holds 3 of 4 seats (over its share of 2) and has a fourth sample waiting when a small
+    request arrives: the free seat goes to the small request, though FCFS would give it to
+    big's earlier sample; nothing is preempted for it."""
+    prompts = {f"big{i}": list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)}
+    prompts |= {"big3": list(range(100, 120)), "small": list(range(300, 320))}
+    groups = {rid: "big" for rid in prompts if rid.startswith("big")}
+    llm = LLM(engine_config(llama_path, scheduler={"max_num_seqs": 4}))
+    tokens, events = _group_run(llm, 2, prompts, groups, late={"big3", "small"})
+    assert events[2]["small"] == RequestStatus.RUNNING
+    assert events[2]["big3"] == RequestStatus.WAITING
+    assert llm.get_stats().num_preemptions == 0
+    assert tokens == _reference(llama_path, prompts)
+    assert_pool_whole(llm)
+
+
+def test_the_share_can_be_turned_off(llama_path):
+    """max_num_seqs_per_request = max_num_seqs: a request may keep every seat (the small
+    request waits for big's samples to finish)."""
+    prompts = {f"big{i}": list(range(10 + 20 * i, 30 + 20 * i)) for i in range(6)}
+    prompts["small"] = list(range(300, 320))
+    groups = {rid: "big" for rid in prompts if rid.startswith("big")}
+    llm = LLM(engine_config(llama_path, scheduler={"max_num_seqs": 4,
+                                                   "max_num_seqs_per_request": 4}))
+    tokens, events = _group_run(llm, 3, prompts, groups, late={"small"})
+    assert events[3]["small"] == RequestStatus.WAITING
+    assert llm.get_stats().num_preemptions == 0
+    assert_pool_whole(llm)
+
+
+def test_the_samples_of_one_request_share_a_group(llama_path):
+    """n samples fan out into engine requests of one group (the request's id), so a request
+    with n > max_num_seqs is one client request to the share, not n; a caller's group_id (the
+    prompts of one API call) is kept."""
+    from corellm.engine.output_processor import OutputProcessor, RequestOutputKind
+    llm = LLM(engine_config(llama_path))
+    proc = OutputProcessor(llm.tokenizer)
+    for group, expected in ((None, "r"), ("call-7", "call-7")):
+        _, core = llm.processor.process("r", "hello", SamplingParams(n=3, max_tokens=2),
+                                        group_id=group)
+        made = proc.add_request("r", "hello", core, RequestOutputKind.FINAL_ONLY)
+        assert [c.group_id for c in made.core_requests] == [expected] * 3
+        assert Request(made.core_requests[1], 64).group_id == expected
+        proc.abort_requests(["r"])
+    _, alone = llm.processor.process("q", "hello", SamplingParams(max_tokens=2))
+    assert Request(alone, 64).group_id == "q"            # a group of its own
+    with pytest.raises(InvalidRequestError, match="group_id"):
+        llm.processor.process("q", "hello", SamplingParams(max_tokens=2), group_id="")
+
+
+@pytest.mark.parametrize("share", [2, 8])
+def test_memory_pressure_takes_from_the_request_over_its_share(llama_path, share):
+    """Three samples of "big" (over a share of 2) and a later small request fill the 8-block
+    pool; each then needs a third block. FCFS preempts the newest running request, the small
+    one, unless a request is over its share: then only its requests are offered as victims,
+    and big's newest goes first. With the share off (8 = max_num_seqs) the small request is the
+    first preempted."""
+    prompts = {f"big{i}": list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)}
+    prompts["small"] = list(range(300, 320))
+    groups = {rid: "big" for rid in prompts if rid.startswith("big")}
+    cfg = engine_config(llama_path, scheduler={"max_num_seqs": 8,
+                                               "max_num_seqs_per_request": share},
+                        kv_cache={"num_blocks": 8}, model={"max_model_len": 48})
+    llm = LLM(cfg)
+    tokens, events = _group_run(llm, 1, prompts, groups, late={"small"})
+    assert events[1]["small"] == RequestStatus.RUNNING
+    first = next({rid for rid, st in e.items() if st == RequestStatus.PREEMPTED}
+                 for e in events if RequestStatus.PREEMPTED in e.values())
+    assert ("small" in first) if share == 8 else first == {"big2"}
+    assert llm.get_stats().num_preemptions >= 1
+    assert tokens == _reference(llama_path, prompts)
+    assert_pool_whole(llm)

@@ -121,55 +121,87 @@ def test_chat_limits(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
-def test_worst_allowed_request_does_not_stall_others(server):
-    """The largest request the limits allow (128 streamed samples at the token budget, 64 stop
-    strings of the longest length, logprobs at the limit) runs while /health and a one-token
-    completion are timed: each must answer within 3 s (they took 30 s before the limits, the
-    off-loop tokenizer and the sliced output processing; about 0.3 and 0.8 s at most on a 2-core
-    AMD EPYC, so a slower or busy machine still passes and a stall still fails)."""
+@pytest.fixture(scope="module")
+def default_server(llama_path, tmp_path_factory):
+    """The test checkpoint served with the default configuration: default frontend.limits and
+    the default scheduler (64 seats, FCFS), which the largest allowed request (128 samples)
+    overfills by itself."""
+    cfg = _server_config(llama_path)
+    del cfg["kv_cache"]                 # sized as by default: from the platform's memory budget
+    srv = Server(tmp_path_factory.mktemp("reliability-default"), cfg)
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+
+
+def worst_allowed(max_tokens: int = 64) -> dict:
+    """The largest request the default frontend.limits allow: 128 streamed samples, 64 stop
+    strings of 256 characters, 8 logprobs (1024 over 128 samples)."""
     stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
     assert all(len(s) == 256 for s in stops)
-    worst = {"prompt": "The meaning of life", "max_tokens": 64, "n": 128, "ignore_eos": True,
-             "stop": stops, "logprobs": 4, "stream": True}
-    done = threading.Event()
-    counts = {"events": 0, "finished": 0}
+    return {"prompt": "The meaning of life", "max_tokens": max_tokens, "n": 128,
+            "ignore_eos": True, "stop": stops, "logprobs": 8, "stream": True}
 
-    rounds = 3          # back to back: a fast machine serves one before three probes end
+
+def _first_token_s(url: str, body: dict) -> float:
+    """Seconds from sending a streamed completion to its first text chunk."""
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text": ""' not in line:
+                return time.perf_counter() - t0
+    raise AssertionError("no text chunk")
+
+
+def test_worst_allowed_request_does_not_starve_others(default_server):
+    """The largest request the default limits allow (128 samples to the end of the context, for
+    64 seats) streams while /health and small requests are timed. The small request's first
+    token comes at once: one client request keeps at most half the seats while others wait
+    (scheduler.max_num_seqs_per_request), so the small one takes the big one's newest seat
+    instead of queueing behind its other 64 samples, and the engine core runs at most two
+    output batches ahead of the API process (flow control), so its output is not queued
+    behind the big request's backlog. About 0.2 s on a busy 2-core AMD EPYC, against 27 s
+    before. The big request is dropped once the probes are done (the scheduler's tests check
+    that a request over its share is still served in full)."""
+    server = default_server
+    stop, done = threading.Event(), threading.Event()
+    counts = {"events": 0}
 
     def run_worst():
         try:
-            for _ in range(rounds):
-                with httpx.stream("POST", server.url + "/v1/completions", json=worst,
-                                  timeout=120) as r:
-                    assert r.status_code == 200
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            counts["events"] += 1
-                            counts["finished"] += line.count('"finish_reason": "length"')
+            with httpx.stream("POST", server.url + "/v1/completions",
+                              json=worst_allowed(MAX_MODEL_LEN - 8), timeout=600) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    counts["events"] += line.startswith("data: {")
+                    if stop.is_set():
+                        return                      # a client that goes away: aborted
         finally:
             done.set()
 
     t = threading.Thread(target=run_worst)
     t.start()
-    _wait(lambda: counts["events"] > 0 or done.is_set(), 60, "the worst request to stream")
-    health, one_token = [], []
-    while not done.is_set() and len(health) < 20:
-        t0 = time.perf_counter()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        health.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        one_token.append(time.perf_counter() - t0)
-    t.join(3 * 120)
-    assert not t.is_alive()
-    print(f"\nwhile the worst allowed request ran: /health max {max(health) * 1e3:.0f} ms "
-          f"(median {statistics.median(health) * 1e3:.0f}), 1-token completion max "
-          f"{max(one_token) * 1e3:.0f} ms (median {statistics.median(one_token) * 1e3:.0f}); "
-          f"{len(health)} probes")
-    assert len(health) >= 3, "the worst request ended before it could be measured against"
-    assert counts["finished"] == 128 * rounds          # and it was served in full
-    assert max(health) < 3.0 and max(one_token) < 3.0, (health, one_token)
+    try:
+        _wait(lambda: counts["events"] > 128 or done.is_set(), 120, "the worst request to stream")
+        health, first_token = [], []
+        while not done.is_set() and len(first_token) < 5:
+            t0 = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+            health.append(time.perf_counter() - t0)
+            first_token.append(_first_token_s(server.url, {"prompt": "Hi", "max_tokens": 1}))
+        measured = not done.is_set()
+    finally:
+        stop.set()
+        t.join(120)
+    print(f"\nwhile the worst allowed request ran (default config): /health max "
+          f"{max(health) * 1e3:.0f} ms, a 1-token completion's first token max "
+          f"{max(first_token) * 1e3:.0f} ms (median {statistics.median(first_token) * 1e3:.0f}); "
+          f"{len(first_token)} probes")
+    # benchmarks/server_abuse.py holds the 1 s target on a quiet machine; this bound leaves room
+    # for a busy one and still fails a request queued behind the big one
+    assert max(first_token) < 2.0 and max(health) < 2.0, (first_token, health)
+    assert measured, "the worst request ended before the probes did"
 
 
 # --------------------------------------------------------------------------- malformed input

@@ -484,9 +484,16 @@ class ServerProcess:
     process group, so its engine core cannot outlive it either)."""
 
     def __init__(self, config: str | Path | None, timeout: float = 300.0,
-                 log_file: str | None = None, extra_args: Sequence[str] = ()) -> None:
+                 log_file: str | None = None, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, max_open_files: int | None = None,
+                 ) -> None:
+        """``env``: variables added to this process's environment for the server;
+        ``max_open_files``: its open-file limit (soft and hard), as a host's ulimit sets it."""
         self.cmd = [sys.executable, "-m", "corellm", "serve", "--host", "127.0.0.1",
                     "--port", "0", *(["--config", str(config)] if config else []), *extra_args]
+        self.env = {**os.environ, **env} if env else None
+        self.max_open_files = max_open_files
+        self.log_bytes = 0          # bytes of log the server has written
         self.timeout = timeout
         self.log_file = open(log_file, "w") if log_file else None
         self.tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -504,6 +511,7 @@ class ServerProcess:
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.log_bytes += len(line)
             line = line.rstrip("\n")
             self.tail.append(line)
             if self.log_file:
@@ -520,9 +528,17 @@ class ServerProcess:
     def start(self) -> None:
         log(f"starting the server: {' '.join(self.cmd)}")
         t0 = time.perf_counter()
+        limit = self.max_open_files
+
+        def set_limits() -> None:
+            if limit is not None:
+                import resource
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True)
+                                     start_new_session=True, env=self.env,
+                                     preexec_fn=set_limits if limit is not None else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         while not self.ready.wait(0.1):

@@ -100,6 +100,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
                        user: str | None = None, session_id: str | None = None,
+                       group_id: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        ) -> AsyncIterator[RequestOutput]:
         """Submit one request and iterate over its outputs (deltas by default).
@@ -110,7 +111,7 @@ class AsyncLLM:
         """
         stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
                                         user=user, session_id=session_id,
-                                        output_kind=output_kind)
+                                        group_id=group_id, output_kind=output_kind)
         try:
             async for out in stream:
                 yield out
@@ -120,17 +121,22 @@ class AsyncLLM:
     async def add_request(self, prompt: PromptType, sampling_params: SamplingParams,
                           request_id: str | None = None, *, priority: int = 0,
                           user: str | None = None, session_id: str | None = None,
+                          group_id: str | None = None,
                           output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                           ) -> RequestStream:
         """Validate and submit a request now; return the iterator of its outputs. A server uses
-        this to answer bad input with an error status before it starts a streaming response."""
+        this to answer bad input with an error status before it starts a streaming response.
+        Requests given the same ``group_id`` (the prompts of one client call) share that call's
+        seats in the batch (``scheduler.max_num_seqs_per_request``); the ``n`` samples of one
+        request always do."""
         if self.is_dead:
             raise self.dead_error or EngineDeadError(self.client.dead_reason or "engine is dead")
         if self._rejecting is not None:
             raise self._rejecting
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         text, core_request = self.processor.process(rid, prompt, sampling_params, priority,
-                                                    user=user, session_id=session_id)
+                                                    user=user, session_id=session_id,
+                                                    group_id=group_id)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         state = self.output_processor.add_request(rid, text, core_request, output_kind, queue)
         try:
@@ -197,6 +203,7 @@ class AsyncLLM:
                         self._report_finished(done.finished)
                     if start < len(outputs):
                         await asyncio.sleep(0)
+                await self.client.outputs_processed(batch)
         except EngineDeadError as exc:
             self._fail_all(exc)
             if not self._death.done():

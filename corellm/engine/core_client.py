@@ -124,7 +124,7 @@ class _CoreProcess:
         self._lock = threading.Lock()
         self._killed = False
 
-    def start(self, config: EngineConfig) -> ModelInfo:
+    def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo:
         from corellm.engine.core_proc import run_engine_core
 
         mp = multiprocessing.get_context("spawn")   # never fork a process that may hold CUDA
@@ -132,7 +132,8 @@ class _CoreProcess:
         self.proc = mp.Process(
             target=run_engine_core, name="corellm-engine-core", daemon=True,
             args=(config, self.input_addr, self.output_addr, writer, os.getpid(),
-                  logging.getLogger("corellm").getEffectiveLevel(), self.ipc_dir))
+                  logging.getLogger("corellm").getEffectiveLevel(), self.ipc_dir,
+                  max_outputs_ahead))
         with self._lock:
             if self._killed:
                 raise EngineStartupError("engine core start-up was cancelled")
@@ -412,7 +413,14 @@ class SyncMPClient(_MPClientBase):
 
 class AsyncMPClient(_MPClientBase):
     """asyncio client (``AsyncLLM``). Create it with ``await AsyncMPClient.create(config)``
-    inside the event loop that will use it."""
+    inside the event loop that will use it.
+
+    Flow control: the core steps only while fewer than ``MAX_OUTPUTS_AHEAD`` of the batches it
+    sent are unprocessed here; ``outputs_processed()`` credits each one (the caller's output
+    handler calls it once a batch is delivered). Two keep the pipeline full: the core computes
+    the next step while this process handles the last."""
+
+    MAX_OUTPUTS_AHEAD = 2
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -432,7 +440,8 @@ class AsyncMPClient(_MPClientBase):
         self = cls(config)
         try:
             # Loading the model takes a while: wait for it off the event loop.
-            self.model_info = await asyncio.to_thread(self.process.start, config)
+            self.model_info = await asyncio.to_thread(self.process.start, config,
+                                                      self.MAX_OUTPUTS_AHEAD)
         except BaseException:
             self._close_sockets()
             self.process.kill()
@@ -486,6 +495,11 @@ class AsyncMPClient(_MPClientBase):
     async def add_requests_async(self, requests: Iterable[EngineCoreRequest]) -> None:
         for r in requests:
             await self._send(ipc.ADD, r)
+
+    async def outputs_processed(self, batch: EngineCoreOutputs) -> None:
+        """``batch`` (from ``get_output_async``) is handled: the core may step again."""
+        if batch.outputs and self.process.dead_reason is None:
+            await self._send(ipc.CREDIT, 1)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.process.dead_reason is None:

@@ -6,6 +6,13 @@ Three threads: the main one runs the loop; one receives and decodes client messa
 queue; one encodes and sends outputs from a queue, overlapping serialization with the next
 step (ZeroMQ and msgspec release the GIL while they copy).
 
+With flow control (``max_outputs_ahead``, which the asyncio client asks for), the loop steps
+only while fewer than that many output batches are unprocessed by the client (it sends a
+``CREDIT`` for each it has finished). A client slower than the engine (a busy API process
+detokenizing many streams) then slows the engine to its own pace instead of queueing outputs
+without bound, so a request that arrives is answered after at most that many batches, not
+after everything produced before it.
+
 A fourth watches the parent (the client's process). If it dies (``kill -9``), the core removes
 the IPC directory, leaves its loop after the current step, runs ``engine.shutdown(error)`` (the
 stop hooks see an error naming the lost parent) and exits with code 1, without waiting for the
@@ -48,8 +55,11 @@ class ParentProcessLost(RuntimeError):
 
 
 class EngineCoreProc:
-    def __init__(self, engine: Any, input_addr: str, output_addr: str) -> None:
+    def __init__(self, engine: Any, input_addr: str, output_addr: str,
+                 max_outputs_ahead: int | None = None) -> None:
         self.engine = engine
+        self.max_outputs_ahead = max_outputs_ahead
+        self._ahead = 0             # batches with outputs sent and not yet credited
         self.inputs: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
@@ -76,7 +86,8 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
         decoders = {ipc.ADD: ipc.request_decoder.decode, ipc.ABORT: ipc.abort_decoder.decode,
-                    ipc.UTILITY: ipc.utility_call_decoder.decode, ipc.SHUTDOWN: lambda b: None}
+                    ipc.UTILITY: ipc.utility_call_decoder.decode, ipc.SHUTDOWN: lambda b: None,
+                    ipc.CREDIT: ipc.int_decoder.decode}
         while not self._closing:
             if not sock.poll(200):
                 continue
@@ -111,14 +122,18 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         engine = self.engine
         while not self._stop:
-            # Block only when there is nothing to step.
-            self._handle_inputs(block=not engine.has_unfinished_requests())
+            # Block only when there is nothing to step, or the client is behind.
+            self._handle_inputs(block=not engine.has_unfinished_requests()
+                                or self._client_behind())
             if self._stop:
                 break
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and not self._client_behind():
                 outputs = engine.step()
                 if outputs or self._stats:
                     self._send_outputs(outputs)
+
+    def _client_behind(self) -> bool:
+        return self.max_outputs_ahead is not None and self._ahead >= self.max_outputs_ahead
 
     def _handle_inputs(self, block: bool) -> None:
         if block:
@@ -136,7 +151,9 @@ class EngineCoreProc:
     def _handle(self, kind: bytes, payload: Any) -> None:
         if kind == _WAKE:
             return
-        if kind == ipc.ADD:
+        if kind == ipc.CREDIT:
+            self._ahead = max(0, self._ahead - payload)
+        elif kind == ipc.ADD:
             try:
                 self.engine.add_request(payload)
             except Exception as exc:    # one bad request (a duplicate id...) is not fatal
@@ -172,6 +189,8 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         stats = self._stats[:]
         self._stats.clear()
+        if outputs:
+            self._ahead += 1
         self.outputs.put((ipc.OUTPUTS, EngineCoreOutputs(outputs, self.engine.clock.time(),
                                                          stats)))
 
@@ -279,9 +298,10 @@ def _flush_logs() -> None:
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str,
                     ready: Connection, parent_pid: int, log_level: int,
-                    ipc_dir: str | None = None) -> None:
+                    ipc_dir: str | None = None, max_outputs_ahead: int | None = None) -> None:
     """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
-    holds the two sockets; the core removes it if its parent dies (else the client does)."""
+    holds the two sockets; the core removes it if its parent dies (else the client does).
+    ``max_outputs_ahead``: flow control, for a client that credits the batches it processed."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal and systemd's KillMode=control-group signal the whole process group.
     # The client coordinates shutdown (a server drains its requests first, then sends SHUTDOWN),
@@ -308,7 +328,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
                                 "another process; run it in-process (corellm bench, "
                                 "LLM(engine_process=False)) or give it a real clock (the sim "
                                 "executor: executor.clock: real)")])
-        proc = EngineCoreProc(engine, input_addr, output_addr)
+        proc = EngineCoreProc(engine, input_addr, output_addr, max_outputs_ahead)
     except BaseException as exc:
         try:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -21,6 +21,7 @@ ADD = b"A"            # EngineCoreRequest
 ABORT = b"X"          # list[str]: engine-core request ids
 UTILITY = b"U"        # UtilityCall
 SHUTDOWN = b"Q"       # empty
+CREDIT = b"C"         # int: OUTPUTS batches (with outputs) the client has finished processing
 
 # core -> client
 OUTPUTS = b"O"        # EngineCoreOutputs
@@ -54,6 +55,7 @@ utility_call_decoder = msgspec.msgpack.Decoder(UtilityCall)
 outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 utility_result_decoder = msgspec.msgpack.Decoder(UtilityResult)
 str_decoder = msgspec.msgpack.Decoder(str)
+int_decoder = msgspec.msgpack.Decoder(int)
 
 
 class EngineDeadError(CorellmError):

@@ -166,11 +166,13 @@ class RequestState:
         self.child_ids = ([request_id] if params.n == 1
                           else [f"{request_id}#{j}" for j in range(params.n)])
         self.core_requests = [core_request] if params.n == 1 else [
-            dataclasses.replace(core_request, request_id=cid, sampling_params=dataclasses.replace(
-                params, n=1,
-                # Sample 0 keeps the seed (same tokens as n=1); the others derive their own.
-                seed=params.seed if params.seed is None or j == 0
-                else hash((params.seed, j)) & _U63))
+            dataclasses.replace(
+                core_request, request_id=cid, group_id=core_request.group_id or request_id,
+                sampling_params=dataclasses.replace(
+                    params, n=1,
+                    # Sample 0 keeps the seed (same tokens as n=1); the others derive their own.
+                    seed=params.seed if params.seed is None or j == 0
+                    else hash((params.seed, j)) & _U63))
             for j, cid in enumerate(self.child_ids)]
 
     @property

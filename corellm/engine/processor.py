@@ -66,9 +66,11 @@ class Processor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, *, user: str | None = None, session_id: str | None = None,
-                arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
-        """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant)
-        and ``session_id`` are scheduling attributes: policies read them, the model never does.
+                group_id: str | None = None, arrival_time: float | None = None,
+                ) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant),
+        ``session_id`` and ``group_id`` (the client call it belongs to) are scheduling
+        attributes: policies read them, the model never does.
         ``arrival_time`` defaults to now (``time.time()``); a caller driving an engine on a
         virtual clock passes that clock's ``time()``."""
         if not isinstance(params, SamplingParams):
@@ -81,6 +83,9 @@ class Processor:
             if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
                 raise InvalidRequestError(name, f"must be a string of 1 to 256 characters or "
                                           f"None, got {value!r:.80}")
+        if group_id is not None and (not isinstance(group_id, str) or not group_id):
+            raise InvalidRequestError("group_id", f"must be a non-empty string or None, got "
+                                      f"{group_id!r:.80}")
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:
@@ -94,4 +99,4 @@ class Processor:
                                        sampling_params=params, eos_token_id=self.eos_token_id,
                                        arrival_time=time.time() if arrival_time is None
                                        else arrival_time, priority=priority,
-                                       user=user, session_id=session_id)
+                                       user=user, session_id=session_id, group_id=group_id)

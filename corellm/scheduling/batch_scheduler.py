@@ -16,11 +16,20 @@ does not fit (the batch is full, or the pool is short), the policy may name a ru
 preempt for it (``preempt_for``). The policy decides only order, admission and victims; every
 state transition, block allocation and release happens here, so a policy can neither leak a block
 nor lose a request.
+
+Whatever the policy, one client request cannot take the batch from the others: the requests of
+one group (``Request.group_id``: the ``n`` samples and prompts of one API call) hold at most
+``max_num_seqs_per_request`` seats while requests of other groups wait. Its further waiting
+requests are set aside for the round, so the policy's next choice is considered instead, and
+when a request of a group under its share does not fit and the policy names no victim, the
+newest running request of the group furthest over its share is preempted for it. With no other
+group waiting, a group may use every seat (the share costs a lone request nothing).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,11 +90,14 @@ class BatchScheduler(Scheduler):
         self.max_num_seqs = options.max_num_seqs
         self.max_num_batched_tokens = options.max_num_batched_tokens
         self.enable_chunked_prefill = options.enable_chunked_prefill
+        self.seats_per_request = options.seats_per_request
         self.kv = kv_cache_manager
         self.policy = policy
         self.requests: dict[str, Request] = {}      # every unfinished request
         self.running: list[Request] = []            # in admission order
         self.waiting = WaitingQueue()               # waiting and preempted requests
+        self._seats: Counter[str] = Counter()       # group_id -> its RUNNING requests
+        self._queued: Counter[str] = Counter()      # group_id -> its requests in `waiting`
         self._finished_ids: set[str] = set()        # to tell the workers at the next step
         self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
         self._notify = _overrides(policy, "on_scheduled")
@@ -118,6 +130,11 @@ class BatchScheduler(Scheduler):
         key = self.policy.waiting_key(request, ctx)
         group = self.policy.queue_group(request) if self._grouped else None
         self.waiting.push(request, key, group)
+        self._queued[request.group_id] += 1
+
+    def _unqueue(self, request: Request) -> None:
+        if self.waiting.remove(request):
+            _decrement(self._queued, request.group_id)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -132,13 +149,15 @@ class BatchScheduler(Scheduler):
                 if request in self.running:
                     self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self._unqueue(request)
             self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason))
         self._deliver_finished()
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            _decrement(self._seats, request.group_id)
         request.status = status
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
@@ -171,6 +190,7 @@ class BatchScheduler(Scheduler):
         plan.preempted.add(rid)
         plan.changes += 1
         self.kv.free(victim)
+        _decrement(self._seats, victim.group_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -178,10 +198,24 @@ class BatchScheduler(Scheduler):
         self._preempted.append(victim)
         self._push_waiting(victim, ctx)
 
-    def _running_victim(self, method: str, answer: object) -> Request:
-        if not any(answer is r for r in self.running):
-            raise self._policy_error(method, answer, "running")
+    def _running_victim(self, method: str, answer: object,
+                        offered: tuple[Request, ...] | None = None) -> Request:
+        if not any(answer is r for r in (self.running if offered is None else offered)):
+            raise self._policy_error(
+                method, answer, "running" if offered is None or len(offered) == len(self.running)
+                else "one of the running requests offered (those of the client request over "
+                     "its share of seats)")
         return answer  # type: ignore[return-value]
+
+    def _victim_candidates(self) -> tuple[Request, ...]:
+        """The running requests offered to ``choose_victim``: those of the group furthest over
+        its share while another group runs or waits (so memory pressure never makes the others
+        pay for one client request), else all of them."""
+        seats, over = max(((n, g) for g, n in self._seats.items()), default=(0, None))
+        if seats > self.seats_per_request and (
+                len(self.running) > seats or len(self.waiting) > self._queued[over]):
+            return tuple(r for r in self.running if r.group_id == over)
+        return tuple(self.running)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -201,8 +235,9 @@ class BatchScheduler(Scheduler):
             n = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             blocks = self.kv.allocate_slots(request, n)
             while blocks is None:
+                offered = self._victim_candidates()
                 victim = self._running_victim("choose_victim", self.policy.choose_victim(
-                    tuple(self.running), ctx))
+                    offered, ctx), offered)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, plan, ctx)
@@ -253,6 +288,23 @@ class BatchScheduler(Scheduler):
             num_computed_tokens=computed, sampling_req_ids=sampling)
 
     def _admit(self, plan: _Plan, ctx: SchedulingContext) -> None:
+        # Requests of groups at their share, set aside for this round while others wait.
+        aside: list[tuple[Request, Any]] = []
+        try:
+            self._admit_loop(plan, ctx, aside)
+        finally:
+            for request, entry in aside:
+                self.waiting.restore(entry)
+                self._queued[request.group_id] += 1
+
+    def _at_share(self, request: Request) -> bool:
+        """Whether ``request``'s group holds its share of seats while another group waits."""
+        group = request.group_id
+        return (self._seats[group] >= self.seats_per_request
+                and len(self.waiting) > self._queued[group])
+
+    def _admit_loop(self, plan: _Plan, ctx: SchedulingContext,
+                    aside: list[tuple[Request, Any]]) -> None:
         while plan.budget > 0 and self.waiting:
             request = self.policy.select(self.waiting, ctx)
             if request is None:
@@ -265,6 +317,10 @@ class BatchScheduler(Scheduler):
                 raise self._policy_error("select", request, "waiting")
             if request.request_id in plan.preempted:
                 return                                 # not back in the step that preempted it
+            if self._at_share(request):
+                aside.append((request, self.waiting.set_aside(request)))
+                _decrement(self._queued, request.group_id)
+                continue
             if self.running and not self.policy.can_admit(request, ctx):
                 return
             fit = self._fit(request, plan, ctx)
@@ -273,7 +329,8 @@ class BatchScheduler(Scheduler):
                 # request is computing this step), so the policy's order holds.
                 return
             prefix, n = fit
-            self.waiting.remove(request)
+            self._unqueue(request)
+            self._seats[request.group_id] += 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
             self.running.append(request)
@@ -301,9 +358,25 @@ class BatchScheduler(Scheduler):
                     and self.kv.allocate_slots(request, n, prefix) is not None:
                 return prefix, n
             answer = self.policy.preempt_for(request, tuple(self.running), ctx)
-            if answer is None:
-                return None
-            self._preempt(self._running_victim("preempt_for", answer), plan, ctx)
+            if answer is not None:
+                victim = self._running_victim("preempt_for", answer)
+            else:
+                victim = self._over_share_victim(request)
+                if victim is None:
+                    return None
+            self._preempt(victim, plan, ctx)
+
+    def _over_share_victim(self, request: Request) -> Request | None:
+        """The newest running request of the group furthest over its share, when ``request``'s
+        own group is under it: the seat (and blocks) ``request`` may take."""
+        group, share = request.group_id, self.seats_per_request
+        if self._seats[group] >= share:
+            return None
+        seats, over = max(((n, g) for g, n in self._seats.items() if g != group),
+                          default=(0, None))
+        if seats <= share:
+            return None
+        return next(r for r in reversed(self.running) if r.group_id == over)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -356,6 +429,14 @@ class BatchScheduler(Scheduler):
                                             first_scheduled_time=request.first_scheduled_time))
 
     # ------------------------------------------------------------------ introspection
+    def check_invariants(self) -> None:
+        """The seat and queue counts per group agree with ``running`` and ``waiting`` (tests)."""
+        seats = Counter(r.group_id for r in self.running)
+        queued = Counter(r.group_id for r in self.waiting)
+        assert seats == self._seats, (seats, self._seats)
+        assert queued == self._queued, (queued, self._queued)
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -372,3 +453,10 @@ class BatchScheduler(Scheduler):
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             kv_blocks_cached=self.kv.num_cached_blocks)
+
+
+def _decrement(counter: Counter[str], key: str) -> None:
+    if counter[key] <= 1:
+        counter.pop(key, None)
+    else:
+        counter[key] -= 1

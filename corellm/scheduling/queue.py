@@ -57,6 +57,20 @@ class WaitingQueue:
             self._rebuild()
         return True
 
+    def set_aside(self, request: Request) -> tuple[Hashable, _Item]:
+        """Take a waiting ``request`` out of the queue for a while (the mechanism's, within one
+        round); ``restore`` puts it back under the same key and arrival order."""
+        entry = self._live.pop(request.request_id)
+        self._dead += 1              # its heap item is dropped lazily, like a removal's
+        return entry
+
+    def restore(self, entry: tuple[Hashable, _Item]) -> None:
+        group, (key, seq, request) = entry
+        # A new item: the old one, still in the heap, must read as removed.
+        item = (key, seq, request)
+        heapq.heappush(self._heaps.setdefault(group, []), item)
+        self._live[request.request_id] = (group, item)
+
     def _rebuild(self) -> None:
         heaps: dict[Hashable, list[_Item]] = {}
         for group, item in self._live.values():

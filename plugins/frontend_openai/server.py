@@ -403,13 +403,16 @@ class OpenAIServing:
         return ids
 
     async def _submit(self, ids: list[int], params: SamplingParams, request_id: str,
-                      req: _SamplingFields, kind: RequestOutputKind) -> RequestStream:
+                      req: _SamplingFields, kind: RequestOutputKind,
+                      group_id: str | None = None) -> RequestStream:
         """Validate and queue the request now, so bad input is a 400 even when streaming.
-        ``req`` carries the scheduling attributes: priority, user (tenant), session_id."""
+        ``req`` carries the scheduling attributes: priority, user (tenant), session_id;
+        ``group_id`` makes the prompts of one call one client request to the scheduler."""
         try:
             stream = await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
                                                    priority=req.priority, user=req.user,
-                                                   session_id=req.session_id, output_kind=kind)
+                                                   session_id=req.session_id, group_id=group_id,
+                                                   output_kind=kind)
         except InvalidRequestError as exc:
             raise _invalid(exc) from None
         stream.cancel_reason = "client_disconnected"     # what cancels a handler here
@@ -452,7 +455,8 @@ class OpenAIServing:
         gens = []
         try:
             for i, (ids, p) in enumerate(zip(token_ids, params)):
-                gens.append(await self._submit(ids, p, f"{internal}-{i}", req, kind))
+                gens.append(await self._submit(ids, p, f"{internal}-{i}", req, kind,
+                                               group_id=internal if many else None))
         except BaseException:
             for g in gens:
                 g.close()
