@@ -30,15 +30,17 @@ class Server:
     """``python -m corellm serve`` in a subprocess; its log is collected in ``self.log``."""
 
     def __init__(self, tmp: Path, config: dict, *args: str, env: dict | None = None,
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, preexec_fn=None) -> None:
         cfg = tmp / "server.json"
         cfg.write_text(json.dumps(config))
         # new_session: the server leads a process group of its own, which a test can signal
         # whole (os.killpg), as a terminal's Ctrl-C or systemd's KillMode=control-group does.
+        # preexec_fn: runs in the child before the server starts (e.g. to lower its limits).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "corellm", "serve", "--config", str(cfg), "--port", "0",
              *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, start_new_session=new_session)
+            env={**os.environ, **(env or {})}, start_new_session=new_session,
+            preexec_fn=preexec_fn)  # noqa: PLW1509 - a test's own limits, before any thread
         self.log: list[str] = []
         ready = threading.Event()
         self.url = self.model = ""

@@ -1,16 +1,21 @@
 """The server under abuse and at shutdown: what one request may ask for is bounded and the rest
 of the server keeps answering while the largest allowed request runs; malformed input is a 400
 naming the field (also under a seeded schemathesis run against /openapi.json); SIGTERM drains;
-the death of either process ends the other and leaves nothing behind.
+the death of either process ends the other and leaves nothing behind; slow clients cannot take
+every connection, nor flood the log.
 
-Every test runs a live ``corellm serve`` on 127.0.0.1 and is bounded in time and request count.
+Every test runs a live ``corellm serve`` on 127.0.0.1 and is bounded in time and request count,
+but for the connection rules' and the log filter's own tests, which run in process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import selectors
 import signal
+import socket
 import statistics
 import tempfile
 import threading
@@ -539,3 +544,264 @@ def test_allowed_hosts_and_cors_options(llama_path, tmp_path):
         assert srv.stop(signal.SIGTERM) == 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- slow clients
+# Fewer open files than the slow clients below: a common default is 1,024, 256 keeps the test
+# small. Hard and soft, so the server cannot raise its way out.
+FILE_LIMIT = 256
+SLOW_CLIENTS = 300
+HEADER_TIMEOUT_S = 10.0         # frontend.header_timeout_s's default
+
+
+def _low_file_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def test_slow_clients_cannot_exhaust_connections(llama_path, tmp_path):
+    """Slowloris against the default configuration: more connections than the server has open
+    files, five in six sending a request head a line a second and never finishing it, one in six
+    sending nothing. While they are open /health answers 200 within 2 s, 3 of 3 times; the log
+    stays small (asyncio's 'socket.accept() out of system resource', logged in a tight loop,
+    once wrote 114 MB in 30 s); and the server has closed every one of them soon after the
+    header timeout."""
+    srv = Server(tmp_path, _server_config(llama_path), preexec_fn=_low_file_limit)
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    sel = selectors.DefaultSelector()
+    opened: list[socket.socket] = []
+    closed: dict[socket.socket, float] = {}
+    stop = threading.Event()
+
+    def drip() -> None:
+        """Every second: note the connections the server closed (EOF or reset, after whatever
+        it answered), and send one more header line on the others."""
+        line = 0
+        while not stop.is_set():
+            for key, _ in sel.select(timeout=0):
+                sock = key.fileobj
+                try:
+                    if sock.recv(65536):
+                        continue                            # an answer; EOF comes next
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                sel.unregister(sock)
+                closed[sock] = time.monotonic()
+            line += 1
+            for sock in opened:
+                if sock not in closed:
+                    try:
+                        sock.send(b"X-Slow-%d: 1\r\n" % line)
+                    except BlockingIOError:
+                        pass
+                    except OSError:                         # reset: the server closed it
+                        sel.unregister(sock)
+                        closed[sock] = time.monotonic()
+            stop.wait(1.0)
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    log_at_start = len(srv.log)
+    try:
+        t_open = time.monotonic()
+        for i in range(SLOW_CLIENTS):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            if i % 6:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            sock.setblocking(False)
+            opened.append(sock)
+            sel.register(sock, selectors.EVENT_READ)
+        dripper.start()
+        health = []
+        for _ in range(3):
+            time.sleep(0.5)
+            t0 = time.perf_counter()
+            r = httpx.get(srv.url + "/health", timeout=2.0)
+            health.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+        still_open = SLOW_CLIENTS - len(closed)
+        assert still_open > 0, "every slow client was gone before /health was probed"
+        _wait(lambda: len(closed) == SLOW_CLIENTS, HEADER_TIMEOUT_S + 15,
+              "the server to close every slow connection")
+        last = max(closed.values()) - t_open
+        log = srv.log[log_at_start:]
+        log_bytes = sum(map(len, log))
+        print(f"\n{SLOW_CLIENTS} slow clients, file limit {FILE_LIMIT}: /health "
+              f"{', '.join(f'{t * 1e3:.0f}' for t in health)} ms with {still_open} of them "
+              f"open; all closed {last:.1f} s after the first opened; {len(log)} log lines "
+              f"({log_bytes} bytes)")
+        assert last < HEADER_TIMEOUT_S + 10
+        assert log_bytes < 20_000, "".join(log[:40])
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+    finally:
+        stop.set()
+        if dripper.is_alive():
+            dripper.join(5)
+        for sock in opened:
+            sock.close()
+        srv.stop(signal.SIGKILL)
+
+
+def test_connection_rules_in_process():
+    """The listener's rules, against a small app with short timeouts (no engine): a head begun
+    on a kept-alive connection and not finished is a 408; a connection that sends nothing is
+    closed quietly; at the cap the connection waiting longest for a request makes room, and
+    when every connection has a request in progress a new one gets the canned 503."""
+    import asyncio
+
+    import uvicorn
+
+    from corellm_plugins.frontend_openai.server import _uvicorn_server
+
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/wait":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def reply(reader) -> bytes:
+        return await asyncio.wait_for(reader.read(), 5)        # to EOF: the server closes
+
+    async def main() -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11", ws="none",
+                                timeout_keep_alive=5)
+        server = _uvicorn_server(config, sock, cap=3, header_timeout_s=0.5)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+
+        def connect():
+            return asyncio.open_connection("127.0.0.1", port)
+
+        # kept alive after a request, then half a head: 408 half a second after its first byte
+        r, w = await connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        assert (await reply(r)).startswith(b"HTTP/1.1 408")
+        assert 0.4 < time.monotonic() - t0 < 3
+        w.close()
+
+        # nothing sent: closed without an answer
+        r, w = await connect()
+        t0 = time.monotonic()
+        assert await reply(r) == b"" and 0.4 < time.monotonic() - t0 < 3
+        w.close()
+
+        # at the cap (3): two requests in progress and one connection waiting; a new connection
+        # takes the waiting one's place and is served
+        busy = [await connect() for _ in range(2)]
+        for _, w in busy:
+            w.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle_r, idle_w = await connect()
+        idle_w.write(b"GET / HTTP/1.1\r\n")
+        await asyncio.sleep(0.1)
+        r, w = await connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+        assert await reply(idle_r) == b""
+        # the three held connections all have a request in progress now: 503, at once
+        w.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        r2, w2 = await connect()
+        w2.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = (await reply(r2)).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: " in head, head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        release.set()
+        for reader, _ in [*busy, (r, w)]:
+            assert b"200" in await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+        for _, writer in [*busy, (r, w), (r2, w2), (idle_r, idle_w)]:
+            writer.close()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+
+
+def test_repeated_log_lines_collapse():
+    """Like lines (same logger, level and template) within the window log once, then a count."""
+    import logging
+
+    from corellm_plugins.frontend_openai.connections import RepeatFilter
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("corellm.test.repeats")
+    log.propagate = False
+    handler = Keep()
+    log.addHandler(handler)
+    now = [0.0]
+    repeats = RepeatFilter(window_s=10, clock=lambda: now[0])
+    handler.addFilter(repeats)
+    try:
+        for port in range(1000):
+            log.warning("closed the connection from 127.0.0.1:%d", port)
+        log.warning("something else")
+        assert records == ["closed the connection from 127.0.0.1:0", "something else"]
+        now[0] = 9.0
+        repeats.flush()                                    # the window has not passed
+        assert len(records) == 2
+        now[0] = 10.0
+        repeats.flush()
+        assert records[2:] == [("closed the connection from 127.0.0.1:0 "
+                                "[and 999 more like it within 10 s]")]
+        log.warning("closed the connection from 127.0.0.1:%d", 5)       # a new run
+        log.warning("closed the connection from 127.0.0.1:%d", 6)
+        now[0] = 30.0
+        log.warning("closed the connection from 127.0.0.1:%d", 7)       # and the next
+        assert records[3:] == ["closed the connection from 127.0.0.1:5",
+                               ("closed the connection from 127.0.0.1:5 "
+                                "[and 1 more like it within 10 s]"),
+                               "closed the connection from 127.0.0.1:7"]
+    finally:
+        log.removeHandler(handler)
+
+
+def test_connection_cap_follows_the_file_limit():
+    """The default cap is what the open-file limit, raised to the hard limit, leaves; a
+    max_connections the hard limit cannot hold is an error naming the key."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import resource
+        from corellm.errors import CorellmError
+        from corellm_plugins.frontend_openai.connections import (FILE_RESERVE, connection_cap,
+                                                                 open_files)
+        in_use = open_files()
+        cap = connection_cap(None)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (512, 512)
+        assert cap == 512 - in_use - FILE_RESERVE, (cap, in_use)
+        assert connection_cap(100) == 100
+        try:
+            connection_cap(1000)
+        except CorellmError as exc:
+            assert "frontend.max_connections" in str(exc) and "512" in str(exc), exc
+        else:
+            raise AssertionError("no error")
+    """
+
+    def limits():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+    out = subprocess.run([sys.executable, "-c", code], preexec_fn=limits,
+                         capture_output=True, text=True, timeout=60, check=False,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr

@@ -51,6 +51,20 @@ class OpenAIServerOptions(FrontendOptions):
         1 << 20, ge=1024, description="Largest request body accepted; larger is HTTP 413.")
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="What one request may ask for.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection that has not sent a complete request head this "
+                                "long after it opened (or after the first byte of a next "
+                                "request) is closed; 408 when part of a head came.")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle connection is closed this long after its last "
+                               "response (keep it above a proxy's idle timeout for its "
+                               "connections to this server).")
+    max_connections: int | None = Field(
+        None, ge=1, description="Most connections held at once; at the cap the one waiting "
+                                "longest for a request is closed to take a new one, or, if all "
+                                "have a request in progress, the new one gets 503. Default: "
+                                "what the open-file limit (raised toward the hard limit, up to "
+                                "65536) leaves after the files in use and 64 more.")
     health_timeout_s: float = Field(
         5.0, gt=0, description="/health answers 503 when the engine loop does not respond "
                                "within this time.")

@@ -54,6 +54,9 @@ from .options import API_KEY_ENV, OpenAIServerOptions
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
 
+if typing.TYPE_CHECKING:
+    from .connections import RepeatFilter
+
 logger = logging.getLogger("corellm.server")
 
 
@@ -1024,19 +1027,51 @@ def default_model_name(config: Any) -> str:
 # connections, and the engine core gets to stop before it is killed.
 SETTLE_S = 2.0
 ENGINE_STOP_TIMEOUT_S = 5.0
+# Like log records within this time collapse into the first and a count (connections.py).
+LOG_REPEAT_WINDOW_S = 10.0
 
 
-def _uvicorn_server(config: Any) -> Any:
-    """uvicorn's server with its own signal capture turned off: ``OpenAIServer`` handles
-    SIGINT/SIGTERM itself (drain, then stop) for the whole life of the engine."""
+def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s: float) -> Any:
+    """uvicorn's server with its own signal capture turned off (``OpenAIServer`` handles
+    SIGINT/SIGTERM itself: drain, then stop, for the whole life of the engine), serving ``sock``
+    through a ``Listener`` instead of asyncio's server: asyncio accepts until the process runs
+    out of files, the ``Listener`` holds at most ``cap`` connections and closes those that do
+    not send a request head within ``header_timeout_s`` (see connections.py)."""
     import uvicorn
+
+    from .connections import Connection, Listener
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
             yield
 
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=[])         # the app's lifespan, no listening
+            if not self.started:
+                return
+
+            def connection(listener: Listener) -> Connection:
+                return Connection(self.config, self.server_state, self.lifespan.state,
+                                  listener=listener, header_timeout_s=header_timeout_s)
+
+            listener = Listener(sock, cap, connection)
+            self.servers.append(listener)             # closed by uvicorn's shutdown
+            listener.start()
+
     return Server(config)
+
+
+async def _flush_log_repeats(repeats: RepeatFilter) -> None:
+    while True:
+        await asyncio.sleep(LOG_REPEAT_WINDOW_S)
+        repeats.flush()
+
+
+def _file_limit() -> str:
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
 
 class OpenAIServer(Frontend):
@@ -1084,17 +1119,31 @@ class OpenAIServer(Frontend):
         state = ServerState()
         app = None
         status = 1                    # unless the server starts and stops as asked
+        unfilter = None
+        flusher = None
         try:
+            from .connections import RepeatFilter, connection_cap
+
+            # After the engine core started: its files are counted, and it keeps the limit.
+            cap = connection_cap(opts.max_connections)
             app = build_app(engine, opts, self.model_name, state)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
             await app.state.metrics.start()       # one get_stats: gauges before the first step
-            server = _uvicorn_server(uvicorn.Config(
+            config = uvicorn.Config(
                 app, log_level=opts.log_level, timeout_graceful_shutdown=SETTLE_S,
-                access_log=opts.log_level == "debug"))
-            task = asyncio.create_task(server.serve(sockets=[sock]))
+                access_log=opts.log_level == "debug", http="h11", ws="none",
+                timeout_keep_alive=opts.keep_alive_timeout_s)   # type: ignore[arg-type]
+            # After uvicorn.Config, which replaces uvicorn's log handlers.
+            repeats = RepeatFilter(LOG_REPEAT_WINDOW_S)
+            unfilter = repeats.install()
+            flusher = asyncio.create_task(_flush_log_repeats(repeats))
+            server = _uvicorn_server(config, sock, cap, opts.header_timeout_s)
+            task = asyncio.create_task(server.serve())
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
             if server.started:
+                logger.info("holding up to %d connections (frontend.max_connections; open-file "
+                            "limit %s)", cap, _file_limit())
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
                 logger.info("serving %r on http://%s:%d (engine core pid %d)%s", self.model_name,
                             host, port, engine.engine_pid,
@@ -1106,6 +1155,11 @@ class OpenAIServer(Frontend):
                     server.force_exit = True
             await task
         finally:
+            sock.close()                # the listener closes it; not if the server never started
+            if flusher is not None:
+                flusher.cancel()
+            if unfilter is not None:
+                unfilter()
             if app is not None:
                 app.state.serving.close()
             logger.info("shutting down the engine core")
