@@ -246,3 +246,29 @@ def test_attention_benchmark_prefill_phase(tmp_path):
         flop = batch * 4 * 6 * 64 * 70 * 71 / 2
         assert abs(r["gflops"] - flop / (r["median_us"] * 1e-6) / 1e9) < 1e-6 * r["gflops"]
     assert (tmp_path / "attn.png").stat().st_size > 0
+
+
+def test_server_abuse_benchmark(llama_path, tmp_path):
+    """benchmarks/server_abuse.py starts a server per scenario, probes it while the load runs,
+    and reports a table, JSON and a plot: a 900 KB request_id is refused at once (the bound),
+    and a process-group SIGTERM drains every stream and ends the whole group with status 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import engine_config
+
+    cfg = tmp_path / "server.json"
+    cfg.write_text(json.dumps(engine_config(llama_path)))
+    out_json, out_png = tmp_path / "abuse.json", tmp_path / "abuse.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "server_abuse.py"), "--config", str(cfg),
+         "--scenarios", "request-id,group-sigterm", "--max-probes", "3", "--json",
+         str(out_json), "--plot", str(out_png)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "request-id" in proc.stdout and "1st token max" in proc.stdout
+    rows = {r["scenario"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["request-id"]["probes"] == 3 and rows["request-id"]["probes_failed"] == 0
+    assert rows["request-id"]["load"].startswith("400 in")
+    assert rows["group-sigterm"]["drained"] == 8 and rows["group-sigterm"]["errored"] == 0
+    assert rows["group-sigterm"]["exit_status"] == 0
+    assert out_png.stat().st_size > 0
