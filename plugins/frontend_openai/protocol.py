@@ -5,17 +5,56 @@ Unknown fields are rejected, naming the field and the closest known one: a missp
 the OpenAI API that corellm does not implement are accepted only at their neutral value.
 Ranges are checked once, by ``SamplingParams``, whose errors name the field; what one request
 may ask for in total (samples, stop strings, tokens) by the server against ``frontend.limits``.
-These models are the routes' typed bodies, so ``/openapi.json`` describes every field.
+These models are the routes' typed bodies, so ``/openapi.json`` describes every field: its
+type, that null means the default, and the ranges and neutral values checked later (stated in
+the schema only, so that the errors stay the checks' own).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      model_validator)
+
+from corellm.engine.chat import RESERVED_TEMPLATE_KEYS
+from corellm.sampling_params import MAX_LOGPROBS
+
+_I64 = {"format": "int64"}                         # SamplingParams, the processor
+_TEXT_256 = {"minLength": 1, "maxLength": 256}       # user, session_id (the processor's bound)
+_NOT_RESERVED = {"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KEYS)}}}
+
+
+def _checked(default: Any, **schema: Any) -> Any:
+    """A field with a default whose bounds are checked after parsing (by ``SamplingParams``,
+    the processor or the server, errors naming the field): ``schema`` states them in the JSON
+    schema only."""
+    return Field(default, json_schema_extra=schema)
+
+
+def _null_is_absent(schema: dict[str, Any]) -> None:
+    """The JSON schema of a ``_Strict`` model as ``_null_means_default`` reads a body: every
+    field with a default takes null, and so does any unknown key (its null is dropped before
+    the unknown-field check)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        if "enum" in prop and None not in prop["enum"]:
+            prop["enum"] = [*prop["enum"], None]
+        if "anyOf" in prop:
+            if {"type": "null"} not in prop["anyOf"]:
+                prop["anyOf"].append({"type": "null"})
+        elif "$ref" in prop:
+            prop["anyOf"] = [{"$ref": prop.pop("$ref")}, {"type": "null"}]
+        elif isinstance(prop.get("type"), str):
+            prop["type"] = [prop["type"], "null"]
+    schema["additionalProperties"] = {"type": "null"}
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False,
+                              json_schema_extra=_null_is_absent)
 
     @model_validator(mode="before")
     @classmethod
@@ -28,46 +67,55 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: StrictBool = _checked(False, enum=[False])  # not implemented
 
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    n: StrictInt = 1                                 # at most frontend.limits.max_samples
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
+    n: StrictInt = _checked(1, minimum=1, **_I64)   # at most frontend.limits.max_samples
+    temperature: StrictFloat | None = _checked(None, minimum=0)
+    top_p: StrictFloat | None = _checked(None, exclusiveMinimum=0, maximum=1)
+    seed: StrictInt | None = _checked(None, **_I64)
+    stop: str | list[str] | None = _checked(None, items={"minLength": 1})
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None                          # tenant, for scheduling policies
-    logit_bias: dict[str, float] | None = None       # not implemented: only empty accepted
+    presence_penalty: StrictFloat = _checked(0.0, minimum=-2, maximum=2)
+    frequency_penalty: StrictFloat = _checked(0.0, minimum=-2, maximum=2)
+    user: str | None = _checked(None, **_TEXT_256)  # tenant, for scheduling policies
+    # not implemented: only empty accepted
+    logit_bias: dict[str, StrictFloat] | None = _checked(None, maxProperties=0)
     # vLLM's extensions
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: StrictInt = 0
+    top_k: StrictInt | None = _checked(None, minimum=-1, **_I64)
+    min_p: StrictFloat | None = _checked(None, minimum=0, maximum=1)
+    repetition_penalty: StrictFloat | None = _checked(None, exclusiveMinimum=0, maximum=10)
+    min_tokens: StrictInt = _checked(0, minimum=0, **_I64)  # <= max_tokens
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = _checked(None, items={"minimum": 0})
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    priority: StrictInt = 0
-    session_id: str | None = None                    # corellm's: for session-aware policies
-    cache_salt: str | None = None
+    priority: StrictInt = _checked(0, **_I64)
+    session_id: str | None = _checked(None, **_TEXT_256)  # corellm's: session-aware policies
+    cache_salt: str | None = _checked(None, minLength=1)
     # Echoed in the id of every response (and every chunk of every sample of a stream): bounded
     # like user and session_id, so a client cannot multiply its own bytes into the output.
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
 
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False                         # not implemented: only false accepted
-    best_of: StrictInt | None = None                 # accepted when equal to n
-    suffix: str | None = None                        # not implemented: only null accepted
+    # Each prompt is tokenized by the processor, which rejects an empty one.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        json_schema_extra={"anyOf": [
+            {"type": "string", "minLength": 1}, _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]})
+    max_tokens: StrictInt | None = _checked(16, minimum=1, **_I64)
+    logprobs: StrictInt | None = _checked(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: StrictBool = _checked(False, enum=[False])         # not implemented: only false
+    best_of: StrictInt | None = _checked(None, minimum=1)    # accepted when equal to n
+    suffix: str | None = _checked(None, enum=[None])         # not implemented: only null
 
 
 class TextPart(_Strict):
@@ -92,16 +140,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None              # deprecated by OpenAI, still sent by many
-    max_completion_tokens: StrictInt | None = None
+    # Deprecated by OpenAI, still sent by many; unbounded here, as max_completion_tokens
+    # overrides it (then it is not checked).
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = _checked(None, minimum=1, **_I64)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None    # only {"type": "text"}
-    tools: list[Any] | None = None                   # not implemented: only null / []
-    tool_choice: Any = None                          # only "none" / "auto"
+    top_logprobs: StrictInt | None = _checked(None, minimum=0, maximum=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = _checked(    # only {"type": "text"}
+        None, properties={"type": {"enum": ["text"]}})
+    tools: list[Any] | None = _checked(None, maxItems=0)   # not implemented: only null / []
+    tool_choice: Any = _checked(None, enum=["none", "auto"])
     parallel_tool_calls: StrictBool | None = None    # meaningless without tools
     add_generation_prompt: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = _checked(None, **_NOT_RESERVED)
 
 
 # --------------------------------------------------------------------------- vLLM's extras
@@ -120,12 +171,14 @@ class TokenizeChatRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    add_special_tokens: StrictBool = False           # only false: the template writes them
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None                   # not implemented: only null / []
+    # only false: the template writes them
+    add_special_tokens: StrictBool = _checked(False, enum=[False])
+    chat_template_kwargs: dict[str, Any] | None = _checked(None, **_NOT_RESERVED)
+    tools: list[Any] | None = _checked(None, maxItems=0)   # not implemented: only null / []
     return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[StrictInt] = Field(json_schema_extra={"items": {"type": "integer",
+                                                                 "minimum": 0}})

@@ -50,6 +50,10 @@ from corellm.outputs import CompletionOutput, RequestOutput
 from corellm.sampling_params import SamplingParams
 
 from .metrics import EngineMetrics
+from .openapi import (ERROR_TYPES, HEALTH_ERRORS, HOST_ERROR, REQUEST_ERRORS, ChatCompletion,
+                      ChatCompletionChunk, Completion, CompletionChunk, DetokenizeResponse,
+                      ModelList, TokenizeResponse, Version, json_body, responses)
+from .openapi import install as install_openapi
 from .options import API_KEY_ENV, OpenAIServerOptions
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
@@ -65,9 +69,7 @@ class APIError(HTTPException):
     """Becomes an OpenAI-style error response. An ``HTTPException``, so FastAPI lets it through
     when body parsing raises it."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 415: "invalid_request_error",
-             500: "internal_server_error", 503: "service_unavailable"}
+    TYPES = ERROR_TYPES
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -929,6 +931,8 @@ def _tokenize_body_schema() -> dict[str, Any]:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schema.pop("$defs", None)
         variants.append(schema)
+    # A body with a messages key, even null, is read as a chat (OpenAIServing.tokenize).
+    variants[0]["not"] = {"required": ["messages"]}
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"anyOf": variants}}}}}
 
@@ -975,29 +979,38 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                             code="internal_error").response()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(json_body(
+        "The completion; with stream: true, its chunks as server-sent events.", Completion,
+        stream=CompletionChunk), REQUEST_ERRORS))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await run(request, serving.completions(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses(json_body(
+        "The chat completion; with stream: true, its chunks as server-sent events.",
+        ChatCompletion, stream=ChatCompletionChunk), REQUEST_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await run(request, serving.chat(body))
 
-    @app.post("/tokenize", openapi_extra=_tokenize_body_schema())
+    @app.post("/tokenize", openapi_extra=_tokenize_body_schema(), responses=responses(
+        json_body("The token ids.", TokenizeResponse), REQUEST_ERRORS))
     async def tokenize(request: Request) -> Response:
         return await run(request, serving.tokenize(await request.json()))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(
+        json_body("The text of the tokens.", DetokenizeResponse), REQUEST_ERRORS))
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         return await run(request, serving.detokenize(body))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=responses(
+        json_body("The served model.", ModelList), HOST_ERROR))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": serving.created,
             "owned_by": "corellm", "max_model_len": serving.max_model_len}]}
 
-    @app.get("/health")
+    # response_class: a 200 without a body, which FastAPI would document as JSON.
+    @app.get("/health", response_class=Response, responses=responses(
+        {"description": "The engine is alive and its loop answers."}, HEALTH_ERRORS))
     async def health() -> Response:
         try:
             await engine.check_health(options.health_timeout_s)
@@ -1006,15 +1019,20 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
             return APIError(503, f"engine unavailable: {reason}", code="engine_dead").response()
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses=responses(
+        json_body("The corellm version.", Version), HOST_ERROR))
     async def version() -> dict[str, str]:
         return {"version": corellm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=responses(
+        {"description": "Prometheus' text format."}, HOST_ERROR))
     async def prometheus() -> Response:
         body, content_type = await metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
+    # /v1/* and the tokenizer routes need the key when one is set, as _Guard checks them.
+    install_openapi(app, None if api_key is None else
+                    lambda path: path.startswith("/v1") or path in _KEYED_ROUTES)
     return app
 
 
