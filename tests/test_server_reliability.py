@@ -385,8 +385,9 @@ def test_openapi_describes_the_answers(server):
 
 
 def test_openapi_is_a_valid_openapi_document(server):
-    validator = pytest.importorskip("openapi_spec_validator")      # not a test dependency
-    validator.validate(httpx.get(server.url + "/openapi.json").json())
+    import openapi_spec_validator
+
+    openapi_spec_validator.validate(httpx.get(server.url + "/openapi.json").json())
 
 
 def test_openapi_with_an_api_key_documents_401():
