@@ -322,6 +322,36 @@ def test_a_core_that_does_not_stop_in_time_is_killed(llama_path, tmp_path, monke
     assert (tmp_path / "stops.log").read_text().count("\n") == 1     # the hook had started
 
 
+def test_the_stop_log_states_the_real_exit_code(monkeypatch, caplog):
+    """The watch thread and a stop both wait for the core to exit. When the watch thread reaps
+    it but has not yet stored its status (here: held up 0.5 s after its waitpid, as by a wait
+    for the GIL), the stop must still log the real exit code, not None."""
+    import multiprocessing
+
+    from corellm.engine.core_client import _CoreProcess
+
+    real_waitpid = os.waitpid
+
+    def waitpid(pid: int, options: int) -> tuple[int, int]:
+        result = real_waitpid(pid, options)
+        if result[0] == pid and threading.current_thread().name == "corellm-core-watch":
+            time.sleep(0.5)
+        return result
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    core = _CoreProcess()
+    core.proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,),
+                                                             daemon=True)
+    core.proc.start()
+    deaths: list[str] = []
+    core.watch(deaths.append)
+    with caplog.at_level(logging.INFO, logger="corellm.engine.core_client"):
+        core.stop(lambda budget: os.kill(core.proc.pid, signal.SIGTERM), timeout=BOUND_S)
+    assert f"stopped (exit code {-signal.SIGTERM})" in caplog.text, caplog.text
+    assert core.proc.exitcode == -signal.SIGTERM
+    assert not deaths and not os.path.exists(core.ipc_dir)
+    core.ctx.term()
+
+
 # --------------------------------------------------------------------------- the IPC directory
 def test_ipc_dir_removal_is_idempotent_and_thread_safe():
     from corellm.engine.core_client import _CoreProcess
