@@ -6,6 +6,10 @@ Three threads: the main one runs the loop; one receives and decodes client messa
 queue; one encodes and sends outputs from a queue, overlapping serialization with the next
 step (ZeroMQ and msgspec release the GIL while they copy).
 
+After ``IDLE_TRIM_S`` without a step, the main thread returns the C heap's free memory to the
+OS once (glibc's ``malloc_trim``): what a busy core keeps for reuse (the step temporaries, kept
+in the heap by the CPU platform's allocator tuning) is not held through an idle spell.
+
 A fourth watches the parent (the client's process). If it dies (``kill -9``), the core removes
 the IPC directory, leaves its loop after the current step, runs ``engine.shutdown(error)`` (the
 stop hooks see an error naming the lost parent) and exits with code 1, without waiting for the
@@ -15,17 +19,19 @@ sockets whose peer is gone; after ``PARENT_LOST_EXIT_S`` it exits anyway.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -41,6 +47,26 @@ PARENT_LOST_EXIT_S = 1.0
 PARENT_POLL_S = 1.0
 # Wakes the busy loop (never sent by a client).
 _WAKE = b"_wake"
+# Seconds without a step after which the core trims its heap (once per idle spell). Longer than
+# the pauses within a burst of requests, so a busy server does not page its temporaries back
+# in after every pause; the trim takes up to ~0.1 s with a large heap, and a request arriving
+# meanwhile waits for it.
+IDLE_TRIM_S = 5.0
+
+
+def heap_trimmer() -> Callable[[], object] | None:
+    """``malloc_trim(0)`` of glibc (free pages anywhere in the heaps go back to the OS), or
+    None where the C library is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (ValueError, OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
 
 
 class ParentProcessLost(RuntimeError):
@@ -61,6 +87,7 @@ class EngineCoreProc:
         # where /metrics and other listeners read them.
         self._stats: list[StepStats] = []
         engine.add_stats_listener(self._stats.append)
+        self._trim_heap = heap_trimmer()
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(input_addr,), daemon=True,
                              name="corellm-core-input"),
@@ -110,6 +137,8 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ the loop
     def run_busy_loop(self) -> None:
         engine = self.engine
+        # When the last step ended; None once the heap was trimmed since.
+        last_step: float | None = time.monotonic()
         while not self._stop:
             # Block only when there is nothing to step.
             self._handle_inputs(block=not engine.has_unfinished_requests())
@@ -117,8 +146,13 @@ class EngineCoreProc:
                 break
             if engine.has_unfinished_requests():
                 outputs = engine.step()
+                last_step = time.monotonic()
                 if outputs or self._stats:
                     self._send_outputs(outputs)
+            elif last_step is not None and time.monotonic() - last_step >= IDLE_TRIM_S:
+                last_step = None
+                if self._trim_heap is not None:
+                    self._trim_heap()
 
     def _handle_inputs(self, block: bool) -> None:
         if block:
