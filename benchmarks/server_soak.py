@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import logger, pyplot, write_json  # noqa: E402
 from benchmarks.server_abuse import worst_allowed_body  # noqa: E402
 from corellm.bench.env import environment  # noqa: E402
+from corellm.bench.metrics import percentile  # noqa: E402
 from corellm.bench.runner import ServerProcess  # noqa: E402
 
 log = logger("server_soak")
@@ -70,10 +71,7 @@ WORDS = ("river stone light paper window garden music winter orange silver marke
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    return percentile(sorted(values), q) if values else None
 
 
 def rss_mb(pid: int | None) -> float | None:
