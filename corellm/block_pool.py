@@ -10,8 +10,11 @@ A block is in exactly one of three states:
   ``EvictionPolicy``, which chooses the one to evict (its hash forgotten) when a fresh block is
   needed and no uncached free block is left. ``LRUEviction``, the default, evicts the least
   recently freed;
-* **free, uncached**: reference count 0, no hash: free for anyone, and handed out first, in the
-  order they became uncached.
+* **free, uncached**: reference count 0, no hash: free for anyone, and handed out first, the
+  most recently freed first. Where the pool's memory is mapped on first touch (the CPU
+  platform's), reusing the blocks just freed keeps its resident memory at the most blocks ever
+  held at once; handing out the longest-free block first would walk through, and make resident,
+  the whole pool however few blocks are in use.
 
 Only full blocks are ever hashed, and a block is hashed only after its KV entries were written
 (the manager calls ``cache_block`` after the step that computed them), so a cached block is never
@@ -30,7 +33,7 @@ import hashlib
 import os
 from abc import ABC, abstractmethod
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 BlockHash = bytes
@@ -192,7 +195,8 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.eviction = eviction
-        self._free: deque[int] = deque(range(num_blocks))           # free, uncached
+        # Free, uncached: a stack, the next block to hand out last (block 0 first, at the start).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_evictable = 0                                      # free, cached
         self._cached: dict[BlockHash, int] = {}                      # hash -> block
         self.num_evictions = 0
@@ -218,8 +222,9 @@ class BlockPool:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks, each with reference count 1: uncached free blocks first, then
-        blocks the eviction policy gives up, whose hashes are forgotten (evicted)."""
+        """``n`` fresh blocks, each with reference count 1: uncached free blocks first (the most
+        recently freed first), then blocks the eviction policy gives up, whose hashes are
+        forgotten (evicted)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
         free, lru, ref_cnt, block_hash = self._free, self._lru, self.ref_cnt, self.block_hash
@@ -228,7 +233,7 @@ class BlockPool:
         try:
             for _ in range(n):
                 if free:
-                    b = free.popleft()
+                    b = free.pop()
                 else:
                     b = lru.popitem(last=False)[0] if lru is not None else self._evict_checked()
                     del self._cached[block_hash[b]]
@@ -320,7 +325,8 @@ class BlockPool:
 
     def reset_cache(self) -> bool:
         """Forget every hash. Only possible while no block is held; returns whether it was.
-        The cached blocks join the uncached free ones in the policy's iteration order."""
+        The cached blocks join the uncached free ones, on top (their memory is resident): the
+        last in the policy's iteration order is handed out first."""
         if any(self.ref_cnt):
             return False
         # No block is held, so every cached block is evictable: the policy holds them all.

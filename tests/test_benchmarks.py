@@ -272,3 +272,45 @@ def test_server_abuse_benchmark(llama_path, tmp_path):
     assert rows["group-sigterm"]["drained"] == 8 and rows["group-sigterm"]["errored"] == 0
     assert rows["group-sigterm"]["exit_status"] == 0
     assert out_png.stat().st_size > 0
+
+
+def test_server_soak_benchmark(llama_path, tmp_path):
+    """benchmarks/server_soak.py, a few seconds of every client kind: each gets its expected
+    answer (413, 400, a dropped stream...), RSS of both processes is sampled, and the report
+    says PASS or FAIL for the flatness criterion (here with a tolerance no run can miss)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import engine_config
+
+    cfg = tmp_path / "server.json"
+    cfg.write_text(json.dumps(engine_config(llama_path, model={"max_model_len": 256},
+                                            kv_cache={"num_blocks": 1024})))
+    out_json, out_png, server_log = (tmp_path / "soak.json", tmp_path / "soak.png",
+                                     tmp_path / "server.log")
+    kinds = ("one_token", "short", "stream_chat", "max_limit", "oversized", "malformed",
+             "slow_headers", "disconnect")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "server_soak.py"), "--config", str(cfg), "--duration", "8",
+         "--warmup", "3", "--final-window", "3", "--sample-s", "1", "--idle-s", "0",
+         "--rss-tolerance-mb", "100000", "--slow-lines", "1", "--max-limit-tokens", "2",
+         "--clients", ",".join(f"{k}=1" for k in kinds), "--server-log", str(server_log),
+         "--json", str(out_json), "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "flatness (peak RSS in the last 3 s of load within 100000 MiB" in proc.stdout
+    assert "PASS" in proc.stdout and "server log: 0 error line(s)" in proc.stdout
+    results = json.loads(out_json.read_text())
+    for kind in kinds:
+        k = results["kinds"][kind]
+        assert k["ok"] > 0 and k["failed"] == 0, (kind, k)
+    assert set(results["kinds"]["oversized"]["outcomes"]) == {"413"}
+    assert set(results["kinds"]["malformed"]["outcomes"]) == {"400"}
+    assert set(results["kinds"]["disconnect"]["outcomes"]) == {"dropped"}
+    assert results["kinds"]["one_token"]["p50_ms"] <= results["kinds"]["one_token"]["p99_ms"]
+    assert results["flat"] and set(results["memory"]) == {"api", "engine"}
+    assert len(results["samples"]) >= 5
+    assert all(s["api_rss_mb"] > 0 and s["engine_rss_mb"] > 0 for s in results["samples"])
+    assert results["health_at_end"] == 200 and not results["stuck_clients"]
+    assert "stopped (exit code 0)" in server_log.read_text()
+    assert out_png.stat().st_size > 0

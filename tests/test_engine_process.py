@@ -322,6 +322,87 @@ def test_a_core_that_does_not_stop_in_time_is_killed(llama_path, tmp_path, monke
     assert (tmp_path / "stops.log").read_text().count("\n") == 1     # the hook had started
 
 
+def test_the_stop_log_states_the_real_exit_code(monkeypatch, caplog):
+    """The watch thread and a stop both wait for the core to exit. When the watch thread reaps
+    it but has not yet stored its status (here: held up 0.5 s after its waitpid, as by a wait
+    for the GIL), the stop must still log the real exit code, not None."""
+    import multiprocessing
+
+    from corellm.engine.core_client import _CoreProcess
+
+    real_waitpid = os.waitpid
+
+    def waitpid(pid: int, options: int) -> tuple[int, int]:
+        result = real_waitpid(pid, options)
+        if result[0] == pid and threading.current_thread().name == "corellm-core-watch":
+            time.sleep(0.5)
+        return result
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    core = _CoreProcess()
+    core.proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,),
+                                                             daemon=True)
+    core.proc.start()
+    deaths: list[str] = []
+    core.watch(deaths.append)
+    with caplog.at_level(logging.INFO, logger="corellm.engine.core_client"):
+        core.stop(lambda budget: os.kill(core.proc.pid, signal.SIGTERM), timeout=BOUND_S)
+    assert f"stopped (exit code {-signal.SIGTERM})" in caplog.text, caplog.text
+    assert core.proc.exitcode == -signal.SIGTERM
+    assert not deaths and not os.path.exists(core.ipc_dir)
+    core.ctx.term()
+
+
+# --------------------------------------------------------------------------- memory
+def test_the_core_trims_its_heap_once_per_idle_spell(tmp_path, monkeypatch):
+    """What a busy core keeps in its heap for reuse goes back to the OS once it has been idle
+    for IDLE_TRIM_S: once per idle spell (the first one being the start-up's), never between
+    steps."""
+    from corellm.engine import core_proc, ipc
+
+    trims: list[float] = []
+    monkeypatch.setattr(core_proc, "IDLE_TRIM_S", 0.3)
+    monkeypatch.setattr(core_proc, "heap_trimmer",
+                        lambda: lambda: trims.append(time.monotonic()))
+    busy = threading.Event()
+    last_step = [0.0]
+
+    class Engine:
+        def add_stats_listener(self, listener) -> None:
+            pass
+
+        def has_unfinished_requests(self) -> bool:
+            return busy.is_set()
+
+        def step(self) -> list:
+            time.sleep(0.01)
+            last_step[0] = time.monotonic()
+            return []
+
+    proc = core_proc.EngineCoreProc(Engine(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    loop = threading.Thread(target=proc.run_busy_loop)
+    loop.start()
+
+    def idle_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:               # wake the loop as new input would
+            proc.inputs.put((core_proc._WAKE, None))
+            time.sleep(0.02)
+    try:
+        idle_for(0.6)
+        assert len(trims) == 1                      # after start-up
+        busy.set()
+        idle_for(0.6)                               # stepping all along: no trim
+        assert len(trims) == 1
+        busy.clear()
+        idle_for(1.0)
+        assert len(trims) == 2 and trims[1] - last_step[0] >= 0.3
+    finally:
+        proc.inputs.put((ipc.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        proc.close()
+    assert not loop.is_alive()
+
+
 # --------------------------------------------------------------------------- the IPC directory
 def test_ipc_dir_removal_is_idempotent_and_thread_safe():
     from corellm.engine.core_client import _CoreProcess

@@ -83,6 +83,29 @@ def test_pool_hands_out_uncached_blocks_before_evicting_lru():
     pool.check_invariants()
 
 
+def test_pool_reuses_the_blocks_just_freed():
+    """The CPU pool is mapped on first touch: blocks handed out are memory made resident. Short
+    requests coming and going must keep reusing the same few blocks, not walk the whole pool
+    (a queue of free blocks made a server's 1 GiB pool resident within minutes)."""
+    pool = BlockPool(1000)
+    manager = PagedKVCacheManager(1000, 4, enable_prefix_caching=False)
+    touched: set[int] = set()
+    live: list[Request] = []
+    for i in range(2000):               # at most 3 requests of up to 3 blocks held at once
+        r = make_request(f"r{i}", list(range(1 + i % 12)))
+        touched.update(manager.allocate_slots(r, r.num_tokens))
+        live.append(r)
+        if len(live) == 3:
+            manager.free(live.pop(i % 3))
+        blocks = pool.allocate(1 + i % 3)
+        touched.update(b + 1000 for b in blocks)
+        pool.free(blocks)
+    assert len([b for b in touched if b < 1000]) <= 9
+    assert len([b for b in touched if b >= 1000]) == 3
+    manager.pool.check_invariants()
+    assert BlockPool(4).allocate(2) == [0, 1]      # a fresh pool's: the lowest blocks first
+
+
 def test_pool_keeps_one_copy_per_hash_and_resets_only_when_idle():
     pool = BlockPool(3)
     x, y, _ = pool.allocate(3)

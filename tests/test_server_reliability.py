@@ -551,6 +551,12 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error_event(llama_path, tmp_p
         print(f"\nSIGTERM to exit: {elapsed:.2f} s (drain {drain} s)")
         assert code == 0, "".join(srv.log[-30:])
         assert elapsed < drain + 10
+        # the engine core's exit status as reaped, whichever thread reaped it
+        _wait(lambda: any("stopped (exit code" in line for line in srv.log), 10,
+              "the engine core's exit status in the log")
+        assert not any("exit code None" in line for line in srv.log), "".join(srv.log[-30:])
+        assert any("engine core process" in line and "stopped (exit code 0)" in line
+                   for line in srv.log), "".join(srv.log[-30:])
         for i, events in results.items():
             assert events[-1] == "[DONE]", (i, events[-3:])
             last = events[-2]

@@ -123,6 +123,11 @@ class _CoreProcess:
         # the lock orders the two, and start() gives up once killed.
         self._lock = threading.Lock()
         self._killed = False
+        # Once the watch runs, every wait for the process's exit status goes through _reap,
+        # under this lock: of two threads in waitpid at once, one reaps the process and the
+        # other gets no status (ECHILD), and would report exit code None, until the first has
+        # stored it.
+        self._reap_lock = threading.Lock()
 
     def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo:
         from corellm.engine.core_proc import run_engine_core
@@ -169,11 +174,12 @@ class _CoreProcess:
         directory is removed as soon as the process has ended, either way."""
         def wait_for_exit() -> None:
             assert self.proc is not None
-            self.proc.join()
+            wait([self.proc.sentinel])          # without reaping it: that is _reap's, locked
+            code = self._reap()
             self.remove_ipc_dir()
             if not self.closing:
                 reason = self.dead_reason or (f"engine core process (pid {self.proc.pid}) exited "
-                                              f"with code {self.proc.exitcode}")
+                                              f"with code {code}")
                 logger.error("%s", reason)
                 on_death(reason)
         threading.Thread(target=wait_for_exit, daemon=True, name="corellm-core-watch").start()
@@ -185,12 +191,21 @@ class _CoreProcess:
         except ValueError:             # not started
             return False
 
+    def _reap(self, timeout: float | None = None) -> int | None:
+        """Reap the process, waiting up to ``timeout`` seconds; its exit code, or None while it
+        runs. Whichever thread reaps it, the others then read the status it stored."""
+        assert self.proc is not None
+        with self._reap_lock:
+            self.proc.join(timeout)
+            return self.proc.exitcode
+
     def _wait_exit(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the process to exit; True once it has."""
+        """Wait up to ``timeout`` seconds for the process to exit, and reap it; True once it
+        has exited."""
         assert self.proc is not None
         if not wait([self.proc.sentinel], max(0.0, timeout)):
             return False
-        self.proc.join(1)              # reap it (the watch thread may beat us to it)
+        self._reap(1)
         return True
 
     def stop(self, send_shutdown: Callable[[float], None] | None,

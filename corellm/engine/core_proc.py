@@ -13,6 +13,10 @@ detokenizing many streams) then slows the engine to its own pace instead of queu
 without bound, so a request that arrives is answered after at most that many batches, not
 after everything produced before it.
 
+After ``IDLE_TRIM_S`` without a step, the main thread returns the C heap's free memory to the
+OS once (glibc's ``malloc_trim``): what a busy core keeps for reuse (the step temporaries, kept
+in the heap by the CPU platform's allocator tuning) is not held through an idle spell.
+
 A fourth watches the parent (the client's process). If it dies (``kill -9``), the core removes
 the IPC directory, leaves its loop after the current step, runs ``engine.shutdown(error)`` (the
 stop hooks see an error naming the lost parent) and exits with code 1, without waiting for the
@@ -22,17 +26,19 @@ sockets whose peer is gone; after ``PARENT_LOST_EXIT_S`` it exits anyway.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -48,6 +54,26 @@ PARENT_LOST_EXIT_S = 1.0
 PARENT_POLL_S = 1.0
 # Wakes the busy loop (never sent by a client).
 _WAKE = b"_wake"
+# Seconds without a step after which the core trims its heap (once per idle spell). Longer than
+# the pauses within a burst of requests, so a busy server does not page its temporaries back
+# in after every pause; the trim took up to 0.14 s on a 1.6 GB heap, and a request arriving
+# meanwhile waits for it.
+IDLE_TRIM_S = 5.0
+
+
+def heap_trimmer() -> Callable[[], object] | None:
+    """``malloc_trim(0)`` of glibc (free pages anywhere in the heaps go back to the OS), or
+    None where the C library is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (ValueError, OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
 
 
 class ParentProcessLost(RuntimeError):
@@ -71,6 +97,7 @@ class EngineCoreProc:
         # where /metrics and other listeners read them.
         self._stats: list[StepStats] = []
         engine.add_stats_listener(self._stats.append)
+        self._trim_heap = heap_trimmer()
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(input_addr,), daemon=True,
                              name="corellm-core-input"),
@@ -121,6 +148,8 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ the loop
     def run_busy_loop(self) -> None:
         engine = self.engine
+        # When the last step ended; None once the heap was trimmed since.
+        last_step: float | None = time.monotonic()
         while not self._stop:
             # Block only when there is nothing to step, or the client is behind.
             self._handle_inputs(block=not engine.has_unfinished_requests()
@@ -129,8 +158,14 @@ class EngineCoreProc:
                 break
             if engine.has_unfinished_requests() and not self._client_behind():
                 outputs = engine.step()
+                last_step = time.monotonic()
                 if outputs or self._stats:
                     self._send_outputs(outputs)
+            elif last_step is not None and not engine.has_unfinished_requests() \
+                    and time.monotonic() - last_step >= IDLE_TRIM_S:
+                last_step = None
+                if self._trim_heap is not None:
+                    self._trim_heap()
 
     def _client_behind(self) -> bool:
         return self.max_outputs_ahead is not None and self._ahead >= self.max_outputs_ahead
