@@ -10,9 +10,10 @@ Scenarios (the load each one puts on the server):
   ``frontend.limits``).
 - ``request-id``: a 900 KB ``request_id`` on a streamed ``n: 128`` x 16-token request; every
   chunk of every sample echoes the id unless it is bounded.
-- ``worst-allowed``: the largest request the default limits allow: 128 streamed samples of 64
-  tokens, 64 stop strings of 256 characters, 8 logprobs. 128 samples exceed the default 64
-  seats; the row also gives the large request's own time.
+- ``worst-allowed``: the largest request the default limits allow: 128 streamed samples to the
+  end of the context (within ``max_generated_tokens``), 64 stop strings of 256 characters, 8
+  logprobs. 128 samples exceed the default 64 seats. Probing starts once it streams and the
+  request is dropped when the probes end; the row gives its own pace meanwhile.
 - ``slowloris``: 1,100 connections that send their request head a few bytes a second, against
   a server whose open-file limit is 1,024 (a common default); the row gives the log the server
   wrote meanwhile.
@@ -153,11 +154,29 @@ def scenario_idle(url: str, model: str, server: ServerProcess | None,
 
 
 def _heavy(url: str, model: str, body: dict[str, Any], args: argparse.Namespace,
-           ) -> dict[str, Any]:
+           streaming_events: int = 0) -> dict[str, Any]:
+    """Probe while ``body`` runs. With ``streaming_events``, probing starts once the request
+    has streamed that many events (every sample queued and running) and the request is dropped
+    when the probes are done: the row then gives its own pace meanwhile."""
     out: dict[str, Any] = {}
-    done = background(lambda: stream_request(url, {**body, "model": model}, args.timeout, out))
-    time.sleep(0.3)                   # let it reach the server
+    stop = threading.Event() if streaming_events else None
+    done = background(lambda: stream_request(url, {**body, "model": model}, args.timeout, out,
+                                              stop))
+    deadline = time.monotonic() + args.timeout
+    while out.get("events", 0) < streaming_events and not done.is_set() \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)                   # let it reach the server (and the engine's batch)
+    t0, events0 = time.perf_counter(), out.get("events", 0)
     row = probe_while(url, model, lambda: not done.is_set(), args)
+    if stop is not None:
+        pace = (out.get("events", 0) - events0) / (time.perf_counter() - t0)
+        stop.set()
+        done.wait(args.timeout)
+        row["load"] = (f"{out.get('status')}, streaming {pace:.0f} events/s while probed "
+                       f"(dropped after the probes)")
+        row["load_events_per_s"] = pace
+        return row
     done.wait(args.timeout)
     mb = out.get("bytes", 0) / 1e6
     row["load"] = (f"{out.get('status')} in {out.get('seconds', 0):.1f} s, "
@@ -184,10 +203,16 @@ def scenario_request_id(url: str, model: str, server: ServerProcess | None,
 
 def scenario_worst_allowed(url: str, model: str, server: ServerProcess | None,
                            args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0].get(
+        "max_model_len", 1024)
     stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
-    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": 64, "n": 128,
-                               "ignore_eos": True, "stop": stops, "logprobs": 8,
-                               "stream": True}, args)
+    # 128 samples x max_tokens within max_generated_tokens (131072), to the end of the context
+    max_tokens = min(131072 // 128, max_model_len - 8)
+    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": max_tokens,
+                               "n": 128, "ignore_eos": True, "stop": stops, "logprobs": 8,
+                               "stream": True}, args, streaming_events=129)
 
 
 def scenario_slowloris(url: str, model: str, server: ServerProcess | None,
@@ -306,8 +331,9 @@ RUN: dict[str, Callable[..., dict[str, Any]]] = {
 
 # --------------------------------------------------------------------------- servers
 class Revision:
-    """A checkout of ``rev`` in a temporary git worktree, importable ahead of the installed
-    corellm (its ``plugins/`` folder as the ``corellm_plugins`` package)."""
+    """A checkout of ``rev`` in a temporary git worktree, imported ahead of the installed
+    corellm by a server started there (its ``plugins/`` folder as the ``corellm_plugins``
+    package)."""
 
     def __init__(self, rev: str) -> None:
         self.rev = rev
@@ -327,14 +353,17 @@ class Revision:
         self.tmp.cleanup()
 
 
-def run_scenario(name: str, label: str, env: dict[str, str] | None,
+def run_scenario(name: str, label: str, rev: Revision | None,
                  args: argparse.Namespace) -> dict[str, Any]:
     server = None
     if args.url:
         url = args.url
     else:
-        server = ServerProcess(args.config, env=env, max_open_files=SLOWLORIS_FILE_LIMIT
-                               if name == "slowloris" else None)
+        config = None if args.config is None else str(Path(args.config).resolve())
+        server = ServerProcess(config, env=rev.env if rev else None,
+                               cwd=rev.path if rev else None,
+                               max_open_files=SLOWLORIS_FILE_LIMIT if name == "slowloris"
+                               else None)
         server.start()
         url = server.url
     try:
@@ -426,7 +455,7 @@ def main() -> int:
         for i, name in enumerate(names):
             log(f"[{i + 1}/{len(names)}] {name}")
             if before is not None:
-                rows.append(run_scenario(name, before.label, before.env, args))
+                rows.append(run_scenario(name, before.label, before, args))
             rows.append(run_scenario(name, "this tree", None, args))
     finally:
         if before is not None:

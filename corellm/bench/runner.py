@@ -486,13 +486,15 @@ class ServerProcess:
     def __init__(self, config: str | Path | None, timeout: float = 300.0,
                  log_file: str | None = None, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, max_open_files: int | None = None,
-                 ) -> None:
+                 cwd: str | Path | None = None) -> None:
         """``env``: variables added to this process's environment for the server;
-        ``max_open_files``: its open-file limit (soft and hard), as a host's ulimit sets it."""
+        ``max_open_files``: its open-file limit (soft and hard), as a host's ulimit sets it;
+        ``cwd``: its working directory (``python -m`` imports from there first)."""
         self.cmd = [sys.executable, "-m", "corellm", "serve", "--host", "127.0.0.1",
                     "--port", "0", *(["--config", str(config)] if config else []), *extra_args]
         self.env = {**os.environ, **env} if env else None
         self.max_open_files = max_open_files
+        self.cwd = cwd
         self.log_bytes = 0          # bytes of log the server has written
         self.timeout = timeout
         self.log_file = open(log_file, "w") if log_file else None
@@ -537,7 +539,7 @@ class ServerProcess:
 
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True, env=self.env,
+                                     start_new_session=True, env=self.env, cwd=self.cwd,
                                      preexec_fn=set_limits if limit is not None else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
