@@ -39,15 +39,41 @@ def message_text(content: Any, field: str) -> str:
                               f"{type(content).__name__}")
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Message], *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template: str | None = None,
-                chat_template_kwargs: Mapping[str, Any] | None = None,
-                field: str = "messages") -> list[int]:
-    """Apply the chat template (the tokenizer's, or ``chat_template``) and tokenize.
+# How deeply chat_template_kwargs may nest. transformers copies every template argument into
+# plain data recursively before rendering, a few frames per level: a value nested a few hundred
+# levels deep (well inside what JSON parsing allows) would exhaust Python's recursion limit there.
+MAX_TEMPLATE_KWARGS_DEPTH = 64
+
+
+def _nesting_depth(value: Any, limit: int) -> int:
+    """How deeply lists, tuples and mappings nest in ``value``; counting stops past ``limit``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def render_chat_text(tokenizer: Any, messages: Sequence[Message], *,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template: str | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     field: str = "messages") -> str:
+    """The chat template's text for ``messages`` (the tokenizer's template, or
+    ``chat_template``).
 
     Errors are ``InvalidRequestError`` naming ``field``: no template, malformed messages, or a
-    template that refused them (Jinja ``raise_exception``).
+    template that refused them (Jinja ``raise_exception``); or naming ``chat_template_kwargs``:
+    a reserved key, or values nested too deeply.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -60,6 +86,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *,
     if reserved:
         raise InvalidRequestError("chat_template_kwargs", f"{reserved[0]!r} cannot be set "
                                   "through chat_template_kwargs")
+    if _nesting_depth(chat_template_kwargs, MAX_TEMPLATE_KWARGS_DEPTH) \
+            > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise InvalidRequestError("chat_template_kwargs", "values nest more than "
+                                  f"{MAX_TEMPLATE_KWARGS_DEPTH} levels deep")
     if add_generation_prompt and continue_final_message:
         raise InvalidRequestError(field, "add_generation_prompt and continue_final_message "
                                   "cannot both be true")
@@ -70,7 +100,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *,
         conversation.append({**m, "content": message_text(m.get("content"),
                                                           f"{field}[{i}].content")})
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
@@ -78,5 +108,18 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *,
         raise
     except Exception as exc:         # jinja errors: the template refused these messages
         raise InvalidRequestError(field, f"the chat template failed: {exc}") from None
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message], *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template: str | None = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                field: str = "messages") -> list[int]:
+    """Apply the chat template (``render_chat_text``: the same arguments, the same errors) and
+    tokenize."""
+    text = render_chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message,
+                            chat_template=chat_template,
+                            chat_template_kwargs=chat_template_kwargs, field=field)
     # The template writes the special tokens (BOS) itself.
     return tokenizer.encode(text, add_special_tokens=False)

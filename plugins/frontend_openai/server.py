@@ -2,11 +2,13 @@
 its own process, served by uvicorn.
 
 Nothing a single request asks for may stall the others: what it may ask for is bounded
-(``frontend.limits``), tokenization and chat templates run on a worker thread, and outputs are
-processed in short slices (``AsyncLLM``), so the event loop answers ``/health`` and other
-clients while the largest allowed request runs. On SIGTERM/SIGINT the server drains: new
-requests get 503, running ones may finish within ``frontend.drain_timeout_s``, the rest end with
-an error event naming the shutdown, then every process exits.
+(``frontend.limits``, and a text is refused by its length when it cannot fit the context),
+parsing large bodies, chat templates and tokenization run on worker threads that take the
+cheapest job first (``preprocess.FairExecutor``), and outputs are processed in short slices
+(``AsyncLLM``), so the event loop answers ``/health`` and other clients while the largest
+allowed request runs. On SIGTERM/SIGINT the server drains: new requests get 503, running ones
+may finish within ``frontend.drain_timeout_s``, the rest end with an error event naming the
+shutdown, then every process exits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -40,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 import corellm
 from corellm.components import BuildContext
 from corellm.engine.async_llm import AsyncLLM, RequestStream
-from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat
+from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat_text
 from corellm.engine.ipc import EngineDeadError
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import CorellmError, InvalidRequestError, RequestAbortedError
@@ -54,7 +56,8 @@ from .openapi import (ERROR_TYPES, HEALTH_ERRORS, HOST_ERROR, REQUEST_ERRORS, Ch
                       ChatCompletionChunk, Completion, CompletionChunk, DetokenizeResponse,
                       ModelList, TokenizeResponse, Version, json_body, responses)
 from .openapi import install as install_openapi
-from .options import API_KEY_ENV, OpenAIServerOptions
+from .options import API_KEY_ENV, OpenAIServerOptions, RequestLimits
+from .preprocess import FairExecutor, TextBound
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
 
@@ -216,6 +219,33 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# Routes whose bodies carry chat messages.
+_CHAT_ROUTES = frozenset({"/v1/chat/completions", "/tokenize"})
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on
+# the preprocessing pool, at a cost of a unit (about a microsecond) per this many bytes.
+INLINE_PARSE_BYTES = 64 << 10
+JSON_BYTES_PER_COST = 50
+
+
+def check_message_count(data: dict[str, Any], limits: RequestLimits) -> None:
+    """``messages`` within ``frontend.limits.max_messages``, a list content counting each of its
+    parts: checked on the parsed JSON, before pydantic validates each message (30,000 messages
+    took 0.2 s of the event loop to validate, and the chat template another 0.3 s)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    limit = limits.max_messages
+    count = len(messages)
+    if count <= limit:
+        count = sum(len(m["content"]) if isinstance(m, dict) and isinstance(
+            m.get("content"), list) and m["content"] else 1 for m in messages)
+    if count > limit:
+        what = f"{count} messages" if count == len(messages) else \
+            f"{count} messages and content parts (a list content counts each part)"
+        raise APIError(400, f"messages: {what} exceed the limit of {limit} "
+                            "(frontend.limits.max_messages)", param="messages")
+
+
 class _JSONRequest(Request):
     """A request whose body is read with the size limit and parsed by ``parse_json_body``
     (FastAPI calls ``body()`` and ``json()`` when it builds a typed body)."""
@@ -227,8 +257,24 @@ class _JSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = parse_json_body(await self.body())
+            raw = await self.body()
+            serving = self.app.state.serving
+            if len(raw) <= INLINE_PARSE_BYTES:
+                self._json = self._parse(raw, serving.limits)
+            else:
+                # json.loads takes 20 ms for 1 MiB of small objects. On the loop, twenty such
+                # bodies held every other client's request for their sum; on the pool they wait
+                # behind smaller jobs (twenty clients sending 1 MiB bodies of four kinds: a
+                # one-token completion took 0.1-0.3 s, 0.3-1.0 s with bodies parsed on the loop).
+                self._json = await serving.off_loop(self._parse, raw, serving.limits,
+                                                    cost=len(raw) / JSON_BYTES_PER_COST)
         return self._json
+
+    def _parse(self, raw: bytes, limits: RequestLimits) -> dict[str, Any]:
+        data = parse_json_body(raw)
+        if self.scope["path"] in _CHAT_ROUTES:
+            check_message_count(data, limits)
+        return data
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -275,6 +321,11 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- the serving logic
+# What a chat message costs the template beyond its text, in characters' worth of tokenizing
+# (preprocess.FairExecutor's unit: about a microsecond).
+CHAT_COST_PER_MESSAGE = 16
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, options: OpenAIServerOptions, model_name: str) -> None:
         self.engine = engine
@@ -284,15 +335,19 @@ class OpenAIServing:
         self.max_model_len = engine.model_info.max_model_len
         self.limits = options.limits
         self.created = int(time.time())
-        # Tokenization and chat templates run here, one at a time, off the event loop.
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="corellm-tokenize")
+        # Texts too long to fit the context are refused by their length, before tokenizing.
+        self.text_bound = TextBound(self.tokenizer, self.max_model_len)
+        # Large bodies are parsed, chat templates rendered and texts tokenized here, off the
+        # event loop, cheapest job first.
+        self._preprocess = FairExecutor("corellm-preprocess")
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` (tokenizer work) on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, cost: float) -> Any:
+        """Run ``fn`` (tokenizer work) on the preprocessing pool; ``cost``: its estimated work,
+        in ``FairExecutor``'s unit (about a microsecond: a character to tokenize)."""
+        return await self._preprocess.run(partial(fn, *args), cost)
 
     def close(self) -> None:
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._preprocess.shutdown()
 
     # ------------------------------------------------------------------ limits
     def check_limits(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
@@ -395,7 +450,19 @@ class OpenAIServing:
             raise _invalid(exc, {"max_tokens": max_tokens_field,
                                  "logprobs": logprobs_field}) from None
 
+    def check_text_length(self, text: str, field: str, what: str = "") -> None:
+        """Refuse ``text`` when it has more characters than fit in the context, before the
+        tokenizer spends time on it (about a second for 1 MiB)."""
+        excess = self.text_bound.excess(text)
+        if excess:
+            raise APIError(400, f"{field}: {what}{excess} characters cannot fit in this "
+                                f"model's maximum context length of {self.max_model_len} tokens "
+                                f"(model.max_model_len): no token of this tokenizer stands for "
+                                f"more than {self.text_bound.per_token} characters", param=field)
+
     def tokenize_prompt(self, prompt: str | list[int], field: str) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_text_length(prompt, field)
         try:
             _, ids = self.engine.processor.tokenize(
                 prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
@@ -448,9 +515,10 @@ class OpenAIServing:
             raise APIError(400, "logprobs: must be >= 0", param="logprobs")
         self.check_limits(req, len(prompts), req.logprobs, "logprobs")
         many = len(prompts) > 1
-        token_ids = await self.off_loop(lambda: [
-            self.tokenize_prompt(p, f"prompt[{i}]" if many else "prompt")
-            for i, p in enumerate(prompts)])
+        # One job per prompt, chained: other clients' small jobs run between them.
+        token_ids = await self._preprocess.run_all(
+            [partial(self.tokenize_prompt, p, f"prompt[{i}]" if many else "prompt")
+             for i, p in enumerate(prompts)], [self.text_cost(len(p)) for p in prompts])
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, "max_tokens")
                   for ids in token_ids]
         self.check_generated_tokens(params, "max_tokens", defaulted=req.max_tokens is None)
@@ -536,10 +604,28 @@ class OpenAIServing:
                     continue_final_message: bool = False) -> list[int]:
         messages = [{"role": m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in req.messages]
-        ids = render_chat(self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=continue_final_message,
-                          chat_template_kwargs=req.chat_template_kwargs)
+        text = render_chat_text(self.tokenizer, messages,
+                                add_generation_prompt=req.add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                chat_template_kwargs=req.chat_template_kwargs)
+        self.check_text_length(text, "messages", "the chat template's output: ")
+        # The template writes the special tokens (BOS) itself.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenize_prompt(ids, "messages")
+
+    def text_cost(self, chars: int) -> int:
+        """About what tokenizing a text of ``chars`` characters costs (a microsecond a
+        character): no more than the longest text that can fit, longer ones are refused."""
+        bound = self.text_bound.max_chars
+        return chars if bound is None else min(chars, bound)
+
+    def chat_cost(self, messages: Sequence[Any]) -> int:
+        """About what rendering and tokenizing ``messages`` costs: their text, and for each
+        message the template's work on it (about 14 us a message, and 1 us a character to
+        tokenize, on a 2-core AMD EPYC)."""
+        chars = sum(len(m.content) if isinstance(m.content, str)
+                    else sum(len(p.text) for p in m.content or ()) for m in messages)
+        return self.text_cost(chars) + CHAT_COST_PER_MESSAGE * len(messages)
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         self.check_model(req.model)
@@ -547,7 +633,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_limits(req, 1, logprobs, "top_logprobs")
-        ids = await self.off_loop(self.render_chat, req)
+        ids = await self.off_loop(self.render_chat, req, cost=self.chat_cost(req.messages))
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = req.max_tokens, "max_tokens"
@@ -617,12 +703,14 @@ class OpenAIServing:
             req = _parse(TokenizeChatRequest, data)
             self.check_model(req.model)
             ids = await self.off_loop(lambda: self.render_chat(
-                self._chat_for_tokenize(req), continue_final_message=req.continue_final_message))
+                self._chat_for_tokenize(req), continue_final_message=req.continue_final_message),
+                cost=self.chat_cost(req.messages))
         elif "prompt" in data:
             req = _parse(TokenizeCompletionRequest, data)
             self.check_model(req.model)
+            # Not bounded by the context: counting a long text's tokens is what this is for.
             ids = await self.off_loop(lambda: self.tokenizer.encode(
-                req.prompt, add_special_tokens=req.add_special_tokens))
+                req.prompt, add_special_tokens=req.add_special_tokens), cost=len(req.prompt))
         else:
             raise APIError(400, "prompt: field required (or messages, to tokenize a chat)",
                            param="prompt")
@@ -657,7 +745,8 @@ class OpenAIServing:
             if not 0 <= t < vocab:
                 raise APIError(400, f"tokens[{i}]: token id {t} is outside the vocabulary "
                                     f"[0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": await self.off_loop(self.tokenizer.decode, req.tokens)})
+        return JSONResponse({"prompt": await self.off_loop(self.tokenizer.decode, req.tokens,
+                                                           cost=len(req.tokens))})
 
     # ------------------------------------------------------------------ streaming plumbing
     def _sse(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
