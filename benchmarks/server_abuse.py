@@ -201,18 +201,22 @@ def scenario_request_id(url: str, model: str, server: ServerProcess | None,
                                "request_id": "r" * 900_000}, args)
 
 
+def worst_allowed_body(max_model_len: int) -> dict[str, Any]:
+    """The largest request the default frontend.limits allow: 128 streamed samples to the end
+    of the context within max_generated_tokens (131072), 64 stop strings of 256 characters,
+    8 logprobs (1024 alternatives over 128 samples)."""
+    stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
+    return {"prompt": "The meaning of life", "max_tokens": min(131072 // 128, max_model_len - 8),
+            "n": 128, "ignore_eos": True, "stop": stops, "logprobs": 8, "stream": True}
+
+
 def scenario_worst_allowed(url: str, model: str, server: ServerProcess | None,
                            args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0].get(
         "max_model_len", 1024)
-    stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
-    # 128 samples x max_tokens within max_generated_tokens (131072), to the end of the context
-    max_tokens = min(131072 // 128, max_model_len - 8)
-    return _heavy(url, model, {"prompt": "The meaning of life", "max_tokens": max_tokens,
-                               "n": 128, "ignore_eos": True, "stop": stops, "logprobs": 8,
-                               "stream": True}, args, streaming_events=129)
+    return _heavy(url, model, worst_allowed_body(max_model_len), args, streaming_events=129)
 
 
 def scenario_slowloris(url: str, model: str, server: ServerProcess | None,

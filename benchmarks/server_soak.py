@@ -27,9 +27,9 @@ for errors and for an exit code of None.
     CORELLM_DEFAULT_MODEL=random python3 benchmarks/server_soak.py --json soak.json --plot soak.png
     python3 benchmarks/server_soak.py --url http://127.0.0.1:8000 --pids API_PID,ENGINE_PID
 
-A server started here gets ``scheduler.max_num_seqs`` 160 (as in ``server_abuse.py``), so the
-timed requests are not queued behind a ``max_limit`` request's 128 samples. With ``--url`` the
-RSS columns need ``--pids`` (the processes must be on this machine).
+A server started here runs the default configuration (or ``--config``); the timed requests
+share the batch with the ``max_limit`` requests' 128 samples as the scheduler's seat share
+allows. With ``--url`` the RSS columns need ``--pids`` (the processes must be on this machine).
 """
 
 from __future__ import annotations
@@ -276,8 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     server = None
     if not args.url:
-        server = ServerProcess(args.config, log_file=args.server_log,
-                               extra_args=["--set", "scheduler.max_num_seqs=160"])
+        server = ServerProcess(args.config, log_file=args.server_log)
         server.start()
     api_pid, engine_pid = (server.pid, server.engine_pid) if server else \
         (args.pids + [None, None])[:2]
