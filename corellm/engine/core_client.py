@@ -473,7 +473,10 @@ class AsyncMPClient(_MPClientBase):
             except Exception:            # never let one bad message silence the engine
                 logger.exception("dropping an undecodable %r message from the engine core", kind)
                 if kind == ipc.OUTPUTS:  # nor hold it back waiting for this batch's credit
-                    await self._send(ipc.CREDIT, 1)
+                    try:
+                        await self._send(ipc.CREDIT, 1)
+                    except EngineDeadError:
+                        pass             # its death reaches the waiters another way
 
     def _on_death(self, reason: str) -> None:
         first = self.process.dead_reason is None
