@@ -3,7 +3,7 @@ head, and a log that a flood of connections cannot flood.
 
 A connection costs the process an open file. Left to asyncio, the listening socket is accepted
 from until the file limit is reached; then ``accept()`` fails with EMFILE, asyncio logs each
-failure with its traceback (some 1,600 a second, measured) and nothing new gets in, not even
+failure with its traceback (in a tight loop) and nothing new gets in, not even
 ``/health``, for as long as the held connections stay open. Here the listening socket is served
 by a ``Listener`` that holds at most ``frontend.max_connections`` connections, which by default
 is what the file limit leaves once the engine's own files are open. At the cap it makes room by

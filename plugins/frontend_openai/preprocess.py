@@ -54,14 +54,10 @@ class FairExecutor:
     A job runs to its end once started. Two threads run them: one takes any job, the other only
     jobs of at most ``SMALL_COST`` (about 4 ms), so a small job never waits for a large one that
     is running (a 1 MiB prompt that fits the context of a large model, or a 1 MiB /tokenize
-    prompt, takes the tokenizer a second). Measured on a 2-core AMD EPYC shared with other work
-    (load average 5) under twenty clients sending 1 MiB /tokenize prompts: a one-token
-    completion took 0.1-0.3 s, and 1.9-2.7 s with a single thread. Not more threads, and no
-    large jobs on the second: parsing JSON and rendering Jinja hold the GIL (only the Rust
-    tokenizer's encode releases it), so two large jobs at once take no less time than one after
-    the other, and each thread that holds the GIL delays every step of the event loop. Under
-    twenty clients sending 1 MiB chat bodies (load average 6-9), a one-token completion took up
-    to 2.0-3.3 s with two threads taking any job, 1.5-1.7 s with one.
+    prompt, takes the tokenizer a second). Not more threads, and no large jobs on the second:
+    parsing JSON and rendering Jinja hold the GIL (only the Rust tokenizer's encode releases
+    it), so two large jobs at once take no less time than one after the other, and each thread
+    that holds the GIL delays every step of the event loop.
     """
 
     AGING = 1 / 8
