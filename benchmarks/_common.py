@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: workload parsing, timing with CPU-utilization checks,
 and output agreement. Not part of the corellm package; the environment record and the load
-average come from the ``corellm bench`` harness (``corellm.bench.env``), re-exported here."""
+average come from the ``corellm bench`` harness (``bench.env``), re-exported here."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from corellm.bench.env import environment, loadavg  # noqa: F401  (re-exported)
-from corellm.bench.workload_cli import parse_range  # noqa: F401  (re-exported)
-from corellm.bench.runner import prompt_token_space
+from corellm_plugins.bench.env import environment, loadavg  # noqa: F401  (re-exported)
+from corellm_plugins.bench.workload_cli import parse_range  # noqa: F401  (re-exported)
+from corellm_plugins.bench.runner import prompt_token_space
 
 
 def logger(tag: str):

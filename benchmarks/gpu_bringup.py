@@ -567,7 +567,7 @@ def cmd_register_source(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- driver
 def _range(text: str) -> tuple[int, int]:
-    from corellm.bench.workload_cli import parse_range
+    from corellm_plugins.bench.workload_cli import parse_range
     return parse_range(text)
 
 

@@ -50,8 +50,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import logger  # noqa: E402
-from corellm.bench.env import environment  # noqa: E402
-from corellm.bench.runner import ServerProcess  # noqa: E402
+from corellm_plugins.bench.env import environment  # noqa: E402
+from corellm_plugins.bench.runner import ServerProcess  # noqa: E402
 
 log = logger("server_abuse")
 REPO = Path(__file__).resolve().parents[1]

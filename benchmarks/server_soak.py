@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import logger, pyplot, write_json  # noqa: E402
 from benchmarks.server_abuse import worst_allowed_body  # noqa: E402
-from corellm.bench.env import environment  # noqa: E402
-from corellm.bench.metrics import percentile  # noqa: E402
-from corellm.bench.runner import ServerProcess  # noqa: E402
+from corellm_plugins.bench.env import environment  # noqa: E402
+from corellm_plugins.bench.metrics import percentile  # noqa: E402
+from corellm_plugins.bench.runner import ServerProcess  # noqa: E402
 
 log = logger("server_soak")
 

@@ -47,7 +47,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def summary_of(result: Any) -> dict[str, float]:
-    from corellm.bench.metrics import by_priority, summarize
+    from corellm_plugins.bench.metrics import by_priority, summarize
     s = summarize(result.records, result.duration, percentiles=(50, 90, 99))
     out = {k: s[k] for k, *_ in METRICS}
     classes = by_priority(result.records)
@@ -62,7 +62,7 @@ def summary_of(result: Any) -> dict[str, float]:
 
 def run_pair(label: str, cfg: dict[str, Any], profile: str, workload: Any, repeats: int,
              ) -> dict[str, Any]:
-    from corellm.bench.runner import RunOptions, Target, run_engine
+    from corellm_plugins.bench.runner import RunOptions, Target, run_engine
     sim_cfg = {**cfg, "executor": {"name": "sim", "profile": profile}}
     out: dict[str, Any] = {}
     for kind, c in (("real", cfg), ("sim", sim_cfg)):
@@ -99,9 +99,9 @@ def main() -> int:
     p.add_argument("--plot")
     args = p.parse_args()
     warn_if_busy(log)
-    from corellm.bench.calibrate import calibrate
-    from corellm.bench.workload import build_workload
-    from corellm.bench.runner import config_model_dir, prompt_token_space
+    from corellm_plugins.bench.calibrate import calibrate
+    from corellm_plugins.bench.workload import build_workload
+    from corellm_plugins.bench.runner import config_model_dir, prompt_token_space
 
     configs = {"fcfs": load_yaml(WORKLOADS / "fcfs.yaml"),
                "priority": load_yaml(WORKLOADS / "priority.yaml")}

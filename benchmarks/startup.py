@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from corellm.bench.env import environment, loadavg
+from corellm_plugins.bench.env import environment, loadavg
 
 
 def machine_header() -> str:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from corellm.errors import ConfigError, CorellmError
+
+logger = logging.getLogger("corellm")
 
 
 # vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
@@ -324,7 +327,52 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+BUILTIN_COMMANDS = ("generate", "serve", "plugins", "config")
+
+
+def _add_plugin_commands(sub: Any, plugins: Sequence[object]) -> None:
+    """Every command the ``corellm_commands`` hook registers. A command that cannot be built (a
+    broken, unavailable, ambiguous or reserved one) is still listed, and running it prints why,
+    so one bad plugin never takes the other commands down."""
+    from corellm.errors import PluginError
+    from corellm.plugins import call_factory, load_registry
+
+    registry = load_registry(plugins=plugins)
+    for name in registry.choices("command"):
+        if name in BUILTIN_COMMANDS:
+            entry = registry.providers["command"][name][0]
+            logger.warning("%s is left out: %r is a built-in command's name",
+                           entry.describe(), name)
+            continue
+        try:
+            entry = registry.get("command", name)
+        except PluginError as exc:
+            _unusable_command(sub, name, exc)
+            continue
+        parser = sub.add_parser(name, help=entry.spec.summary, description=entry.spec.summary,
+                                allow_abbrev=False)
+        try:
+            call_factory(entry, f"command {name!r}", parser)
+            if parser.get_default("func") is None:
+                raise PluginError(f"{entry.describe()} sets no function to run: its factory "
+                                  "must call parser.set_defaults(func=...)")
+        except CorellmError as exc:
+            # Replace the half-built parser: listed, and running it says why it cannot run.
+            del sub._name_parser_map[name]
+            sub._choices_actions[:] = [a for a in sub._choices_actions if a.dest != name]
+            _unusable_command(sub, name, exc)
+
+
+def _unusable_command(sub: Any, name: str, error: CorellmError) -> None:
+    def refuse(_: argparse.Namespace) -> int:
+        raise error
+    parser = sub.add_parser(name, help=f"(unusable: {error})", add_help=False)
+    parser.set_defaults(func=refuse, unusable_command=True)   # its arguments are not checked
+
+
+def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
+    """The command line: the built-in commands and every plugin's (``corellm_commands``);
+    ``plugins`` are extra in-process plugin objects, as ``load_registry`` takes them."""
     parser = argparse.ArgumentParser(prog="corellm", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"corellm {__import__('corellm').__version__}")
@@ -355,8 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, frontend=True)
     serve.set_defaults(func=cmd_serve)
 
-    from corellm.bench.cli import add_bench_subcommand
-    add_bench_subcommand(sub)
+    _add_plugin_commands(sub, plugins)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
     plugins.add_argument("--json", action="store_true")
@@ -379,10 +426,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, plugins: Sequence[object] = ()) -> int:
     # This process is ours: let CPU workers tune the allocator (the CPU platform's memory.py).
     os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser(plugins)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "unusable_command", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except CorellmError as exc:

@@ -350,6 +350,25 @@ class PlatformSpec(ComponentSpec):
     interface_version: tuple[int, int] = (1, 0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CommandSpec(ComponentSpec):
+    """A sub-command of the ``corellm`` command line: ``corellm NAME``.
+
+    ``factory(parser)`` declares the command's arguments on the ``argparse.ArgumentParser``
+    corellm made for it (``prog`` is ``corellm NAME``; ``summary`` is its line in ``corellm
+    --help`` and its description unless the factory sets another) and names the function that
+    runs it: ``parser.set_defaults(func=run)`` with ``run(args) -> int``, the exit status. It may
+    add nested sub-commands, each setting its own ``func``. Heavy imports belong inside ``run``:
+    every ``corellm`` invocation builds every command's parser. A ``CorellmError`` that ``run``
+    raises is printed as ``corellm: error: ...`` with exit status 2, as the built-in commands'
+    errors are. The built-in commands' names (``generate``, ``serve``, ``plugins``, ``config``)
+    cannot be taken.
+    """
+
+    kind: ClassVar[str] = "command"
+    section: ClassVar[str] = "command"
+
+
 SECTION_SPECS: dict[str, type[ComponentSpec]] = {
     spec.section: spec
     for spec in (PlatformSpec, SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec,

@@ -7,7 +7,7 @@ A plugin is a module (or object) with functions named after these hooks and deco
     [project.entry-points.corellm]
     my_policy = "my_package.plugin"
 
-Registration hooks (``corellm_platforms`` ... ``corellm_frontends``) are called once, when the
+Registration hooks (``corellm_platforms`` ... ``corellm_commands``) are called once, when the
 plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
 Every implementation is called and all results are collected (none is "first wins"). Two plugins
 may provide one name: selecting it picks an installed plugin over a built-in, and is an error
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendSpec,
+    from corellm.components import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
                                     KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
                                     SchedulerSpec)
     from corellm.config import EngineConfig
@@ -147,6 +147,23 @@ def corellm_frontends() -> Iterable[FrontendSpec]:
     Called once when the registry is built. Return an iterable of ``FrontendSpec``. The factory
     receives options (a subclass of ``FrontendOptions``) and a ``BuildContext``; it returns a
     ``corellm.interfaces.Frontend``.
+    """
+
+
+@hookspec
+def corellm_commands() -> Iterable[CommandSpec]:
+    """Register sub-commands of the ``corellm`` command line (``corellm NAME``).
+
+    Called once when the command line is built. Return an iterable of ``CommandSpec``; its
+    factory declares the command's arguments on the parser corellm made for it and sets the
+    function that runs it (``parser.set_defaults(func=run)``)::
+
+        @hookimpl
+        def corellm_commands():
+            yield CommandSpec(name="trace", factory=add_trace_arguments,
+                              summary="record a step trace of one config")
+
+    ``corellm bench`` is registered this way by the built-in ``bench`` plugin.
     """
 
 

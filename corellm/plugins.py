@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from corellm import hookspecs
 from corellm.components import (AttentionBackendSpec, BuildContext, ComponentOptions,
-                                ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec,
+                                CommandSpec, ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec,
                                 ModelSpec, PlatformSpec, SamplerSpec, SchedulerSpec, section_of)
 from corellm.deprecation import acting_plugin
 from corellm.errors import ConfigError, CorellmError, OptionError, PluginError
@@ -51,7 +51,7 @@ BUILTIN_DISTRIBUTION = "corellm"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 1)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 2)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have
@@ -64,6 +64,7 @@ REGISTRATION_HOOKS: dict[str, type[ComponentSpec]] = {
     "corellm_samplers": SamplerSpec,
     "corellm_models": ModelSpec,
     "corellm_frontends": FrontendSpec,
+    "corellm_commands": CommandSpec,
 }
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_.\-]*$")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from corellm.bench.metrics import (RequestRecord, distribution, meets_slos, parse_goodput,
-                                   percentile, summarize)
-from corellm.bench.report import (build_results, compare, format_report, verdict,
-                                  welch_t_test, write_plot)
-from corellm.bench.runner import (RunOptions, Target, parse_target, run_ab, run_target,
-                                  unique_labels)
-from corellm.bench.workload import BenchRequest, Workload
+from corellm_plugins.bench.metrics import (RequestRecord, distribution, meets_slos, parse_goodput,
+                                           percentile, summarize)
+from corellm_plugins.bench.report import (build_results, compare, format_report, verdict,
+                                          welch_t_test, write_plot)
+from corellm_plugins.bench.runner import (RunOptions, Target, parse_target, run_ab, run_target,
+                                          unique_labels)
+from corellm_plugins.bench.workload import BenchRequest, Workload
 from tests.conftest import engine_config
 
 

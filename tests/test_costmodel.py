@@ -1,4 +1,4 @@
-"""The simulated executor's step-time cost models (corellm/costmodel.py): StepShape features,
+"""The simulated executor's step-time cost models (plugins/bench/costmodel.py): StepShape features,
 the fitted model recovering known coefficients from synthetic timings, the roofline model's
 hand-checked numbers and fit, ModelShape parameter counts against transformers, the device
 table, and the profile file (round trip, load errors, compatibility checks). No model runs."""
@@ -12,9 +12,9 @@ import types
 import numpy as np
 import pytest
 
-from corellm.costmodel import (DEVICES, STEP_FIELDS, CostModel, DeviceSpec, FittedCostModel,
-                               ModelShape, Profile, RooflineCostModel, StepShape,
-                               cost_model_from_json)
+from corellm_plugins.bench.costmodel import (
+    DEVICES, STEP_FIELDS, CostModel, DeviceSpec, FittedCostModel, ModelShape, Profile,
+    RooflineCostModel, StepShape, cost_model_from_json)
 from corellm.errors import ConfigError
 
 KNOTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)

@@ -15,9 +15,9 @@ import torch
 
 from corellm import LLM, SamplingParams, hookimpl, hookspecs
 from corellm.block_pool import BlockPool
-from corellm.components import (AttentionBackendSpec, ExecutorSpec, FrontendOptions, FrontendSpec,
-                                KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
-                                SchedulerSpec)
+from corellm.components import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendOptions,
+                                FrontendSpec, KVCacheManagerSpec, ModelSpec, PlatformSpec,
+                                SamplerSpec, SchedulerSpec)
 from corellm.config import load_config
 from corellm.errors import PluginError
 from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
@@ -446,6 +446,45 @@ def test_corellm_frontends():
     from corellm.errors import ConfigError
     with pytest.raises(ConfigError, match="frontend.greting: unknown option; did you mean greeting"):
         load_config({"frontend": {"name": "echo", "greting": "x"}}, registry=reg)
+
+
+# --------------------------------------------------------------------------- commands
+class CommandPlugin:
+    """A ``corellm hello`` command, plus the ways a command plugin can go wrong."""
+
+    def corellm_commands(self):
+        def configure(parser):
+            parser.add_argument("--name", default="world")
+            parser.set_defaults(func=lambda args: print(f"hello {args.name}") or 7)
+
+        def fails(_):
+            raise PluginError("no such thing")
+
+        yield CommandSpec(name="hello", factory=configure, summary="say hello")
+        yield CommandSpec(name="serve", factory=configure, summary="takes a built-in's name")
+        yield CommandSpec(name="shaky", factory=fails, summary="cannot build its parser")
+        yield CommandSpec(name="idle", factory=lambda parser: None, summary="sets no func")
+
+
+def test_corellm_commands(capsys, caplog):
+    from corellm.cli import build_parser, main
+    help_text = build_parser([CommandPlugin()]).format_help()
+    assert "hello" in help_text and "say hello" in help_text and "bench" in help_text
+    assert "serve an OpenAI-compatible API" in help_text       # the built-in kept its name
+    assert "command 'serve' of plugin 'CommandPlugin" in caplog.text
+    assert "is a built-in command's name" in caplog.text
+    assert main(["hello", "--name", "pluggy"], plugins=[CommandPlugin()]) == 7
+    assert capsys.readouterr().out == "hello pluggy\n"
+    # A command that cannot be built is listed, and running it says why; the others still run.
+    assert main(["shaky", "--anything"], plugins=[CommandPlugin()]) == 2
+    assert "no such thing" in capsys.readouterr().err
+    assert main(["idle"], plugins=[CommandPlugin()]) == 2
+    assert "set_defaults(func=...)" in capsys.readouterr().err
+    assert load_registry(plugins=[CommandPlugin()]).get("command", "hello").spec.summary == \
+        "say hello"
+    assert main(["plugins", "--json"]) == 0                # the built-in bench command
+    rows = json.loads(capsys.readouterr().out)["components"]
+    assert any(r["kind"] == "command" and r["name"] == "bench" for r in rows)
 
 
 # --------------------------------------------------------------------------- observers

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from corellm.bench.runner import RunOptions, Target, drive_engine, run_engine
-from corellm.bench.workload import build_workload
+from corellm_plugins.bench.runner import RunOptions, Target, drive_engine, run_engine
+from corellm_plugins.bench.workload import build_workload
 from corellm.clock import WALL_CLOCK, Clock
-from corellm.costmodel import FittedCostModel, ModelShape, Profile, model_fingerprint
+from corellm_plugins.bench.costmodel import FittedCostModel, ModelShape, Profile, model_fingerprint
 from corellm.engine.llm import LLM
 from corellm.errors import ConfigError
 from corellm.model_config import checkpoint_name, load_arch_config
@@ -238,7 +238,7 @@ def test_virtual_time_prices_each_step(llama_path, tmp_path):
         model = llm.engine.executor.cost_model
     finally:
         llm.shutdown()
-    from corellm.costmodel import StepShape
+    from corellm_plugins.bench.costmodel import StepShape
     prefill = model.predict(StepShape.from_lists([50], [0], 1))
     decodes = [model.predict(StepShape.from_lists([1], [50 + k], 1)) for k in range(3)]
     r = records[0]

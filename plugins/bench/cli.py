@@ -70,7 +70,7 @@ request_rate = checked(float, lambda v: v > 0, "requests/s > 0 or inf")
 
 
 def _slo(text: str) -> str:
-    from corellm.bench.metrics import parse_goodput
+    from .metrics import parse_goodput
     try:
         parse_goodput([text])
     except ValueError as exc:
@@ -90,7 +90,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def _metric_list(text: str) -> list[str]:
-    from corellm.bench.metrics import LATENCY_METRICS
+    from .metrics import LATENCY_METRICS
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in LATENCY_METRICS]
     if not names or bad:
@@ -169,28 +169,23 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``corellm bench`` (and ``corellm bench workload`` when available)."""
-    p = subparsers.add_parser(
-        "bench", help="benchmark configs or servers on one seeded workload (A/B)",
-        description=__doc__, epilog=EPILOG, formatter_class=HelpFormatter)
+def configure_bench(p: argparse.ArgumentParser) -> None:
+    """The ``corellm bench`` command on the parser corellm made for it (``corellm_commands``),
+    with its ``workload`` and ``calibrate`` sub-commands."""
+    p.description, p.epilog, p.formatter_class = __doc__, EPILOG, HelpFormatter
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
-    try:
-        from corellm.bench.workload_cli import add_workload_subcommand
-    except ImportError:       # the workload tools are not needed to run a benchmark
-        return p
-    from corellm.bench.calibrate import add_calibrate_subcommand
+    from .calibrate import add_calibrate_subcommand
+    from .workload_cli import add_workload_subcommand
     sub = p.add_subparsers(dest="bench_command", metavar="{workload,calibrate}",
                            title="sub-commands (without one, `corellm bench` runs a benchmark)")
     add_workload_subcommand(sub)
     add_calibrate_subcommand(sub)
-    return p
 
 
 # ----------------------------------------------------------------------------- running
 def build_targets(args: argparse.Namespace) -> list[Any]:
-    from corellm.bench.runner import Target, default_label, parse_target, unique_labels
+    from .runner import Target, default_label, parse_target, unique_labels
 
     specs = []
     for text in args.config:
@@ -211,7 +206,7 @@ def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
                    ) -> tuple[Any, int]:
     """A function seed -> Workload, and the base seed. With ``max_model_len`` a workload whose
     sessions outgrow the context is refused before anything runs."""
-    from corellm.bench import workload as wl
+    from . import workload as wl
 
     if args.workload:
         spec = wl.load_workload_spec(args.workload)
@@ -256,11 +251,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from corellm.bench.env import environment, loadavg
-    from corellm.bench.metrics import parse_goodput
-    from corellm.bench.report import build_results, format_report, write_json, write_plot
-    from corellm.bench.runner import (RunOptions, config_max_model_len, config_model_dir, log,
-                                      prompt_token_space, run_ab)
+    from .env import environment, loadavg
+    from .metrics import parse_goodput
+    from .report import build_results, format_report, write_json, write_plot
+    from .runner import (RunOptions, config_max_model_len, config_model_dir, log,
+                         prompt_token_space, run_ab)
 
     goodput = parse_goodput(args.goodput or [])
     targets = build_targets(args)

@@ -13,7 +13,7 @@ Targets:
   (preemptions, prefix cache) are scraped from ``/metrics`` before and after the run;
 * a config served by ``corellm serve`` started here (``Target(config=..., start_server=True)``).
 
-Arrivals follow the workload contract (``corellm.bench.workload``): a first turn is due
+Arrivals follow the workload contract (``corellm_plugins.bench.workload``): a first turn is due
 ``delay_s`` after the run starts; a follow-up is due ``delay_s`` (think time) after its previous
 turn finished, with prompt = previous prompt + previous output + its new message. Offline the
 previous output is the exact token ids. A server does not return token ids, so the runner
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from corellm.bench.metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
-                                   by_priority, by_tenant, summarize, vllm_request_lists)
-from corellm.bench.workload import BenchRequest, Workload
+from .metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
+                      by_priority, by_tenant, summarize, vllm_request_lists)
+from .workload import BenchRequest, Workload
 
 
 def log(msg: str) -> None:

@@ -1,7 +1,7 @@
 """The simulated executor: no model, a calibrated step time, virtual time.
 
 ``executor: {name: sim, profile: PATH}`` replaces the forward pass with the step time a cost
-model predicts from the step plan (``corellm.costmodel``): the profile is measured on real
+model predicts from the step plan (``costmodel``): the profile is measured on real
 hardware by ``corellm bench calibrate`` or derived from a device's published peaks (a roofline).
 Everything else is the real engine: the configured scheduler and policy, the KV-cache manager
 and its prefix cache, preemption, the output path and ``corellm bench``. Each step the engine's
@@ -19,16 +19,14 @@ tokens are synthetic (one fixed, non-special id), so requests end by ``max_token
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field
 
-from corellm import hookimpl
 from corellm.block_pool import num_blocks_for_budget
 from corellm.clock import VirtualClock
-from corellm.components import BuildContext, ExecutorOptions, ExecutorSpec
-from corellm.costmodel import Profile, StepShape, model_fingerprint
+from corellm.components import BuildContext, ExecutorOptions
+from .costmodel import Profile, StepShape, model_fingerprint
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
 from corellm.model_config import checkpoint_name, resolve_dtype_name
@@ -131,9 +129,3 @@ class SimExecutor(Executor):
                                  sampled_token_ids=[self.token_id] * len(req_ids),
                                  timings={"forward": seconds})
 
-
-@hookimpl
-def corellm_executors() -> Iterator[ExecutorSpec]:
-    yield ExecutorSpec(name="sim", factory=SimExecutor, options=SimOptions,
-                       summary="No model: step times predicted by a calibrated cost model, on "
-                               "virtual time (A/B tests at scale, hardware what-ifs).")

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from corellm.bench.metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
-                                   by_priority, percentile_key)
-from corellm.bench.runner import RunResult, Target, log
-from corellm.bench.workload import Workload
+from .metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
+                      by_priority, percentile_key)
+from .runner import RunResult, Target, log
+from .workload import Workload
 
 ALPHA = 0.05
 _TITLES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}

@@ -11,7 +11,7 @@ scheduler limits) through a designed set of workloads, each through the same off
   decoding for a few steps;
 * **mixed**: requests arriving while others decode (prefill chunks and decodes in one step).
 
-Every step's plan (``corellm.costmodel.StepShape``: tokens, decodes, attention work) is recorded
+Every step's plan (``costmodel.StepShape``: tokens, decodes, attention work) is recorded
 with the time from the end of the previous step to the end of this one when the loop was busy
 (so the runner's own per-step work between steps is priced too), or the step alone after an idle
 wait. ``FittedCostModel.fit`` fits them; the profile records the model, dtype, device and corellm
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corellm.bench.workload import BenchRequest, Workload
-from corellm.costmodel import (DEVICES, FittedCostModel, ModelShape, Profile, RooflineCostModel,
-                               StepShape, model_fingerprint)
+from .workload import BenchRequest, Workload
+from .costmodel import (DEVICES, FittedCostModel, ModelShape, Profile, RooflineCostModel,
+                        StepShape, model_fingerprint)
 
 PROFILE_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -137,7 +137,7 @@ def measure(llm: Any, design: Design, *, progress: bool = True,
             ) -> tuple[list[StepShape], list[float], list[str]]:
     """Run the design through ``llm`` (an in-process ``LLM``); returns one shape, one time and
     the workload's name per step."""
-    from corellm.bench.runner import RunOptions, drive_engine
+    from .runner import RunOptions, drive_engine
 
     engine = llm.engine
     recorder = _PlanRecorder(engine.executor)
@@ -185,7 +185,7 @@ def measure(llm: Any, design: Design, *, progress: bool = True,
 
 
 def device_description() -> dict[str, Any]:
-    from corellm.bench.env import environment
+    from .env import environment
     env = environment()
     if env.get("gpus"):
         return {"kind": env.get("accelerator_kind", "cuda"), "name": env["gpus"][0]}
@@ -280,7 +280,7 @@ def fit_report(model: Any, shapes: Sequence[StepShape], seconds: Sequence[float]
 def roofline_profile(config: Any, device_key: str, *, dtype: str | None = None,
                      efficiencies: Mapping[str, float] | None = None) -> Profile:
     """A what-if profile: ``config``'s model (its ``config.json``; no weights are read) on the
-    device ``device_key`` of ``corellm.costmodel.DEVICES``, priced by a roofline."""
+    device ``device_key`` of ``corellm_plugins.bench.costmodel.DEVICES``, priced by a roofline."""
     import corellm
     from corellm.engine.llm import build_config
     from corellm.model_config import resolve_dtype_name
@@ -356,7 +356,7 @@ examples:
 
 
 def add_calibrate_subcommand(subparsers: Any) -> Any:
-    from corellm.bench.cli import HelpFormatter
+    from .cli import HelpFormatter
     p = subparsers.add_parser(
         "calibrate", help="measure step times and fit the sim executor's cost model",
         description=__doc__, epilog=CLI_EPILOG, formatter_class=HelpFormatter)

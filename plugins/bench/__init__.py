@@ -1,0 +1,35 @@
+"""``corellm bench`` and the simulator it A/B-tests on: tools beside the engine, not in it.
+
+A plugin like any third-party one. It registers the ``bench`` command (``corellm_commands``:
+seeded workloads against engine configs or live servers, side by side; ``bench workload`` and
+``bench calibrate``) and the ``sim`` executor (``corellm_executors``: no model, step times from a
+cost model calibrated on real hardware, on virtual time). Modules:
+
+* ``cli``, ``workload_cli``, ``calibrate``: the command and its sub-commands;
+* ``workload``: workload specs (YAML) and the seeded requests they build;
+* ``runner``: driving a target (an in-process engine or a server) through a workload;
+* ``metrics``, ``report``: per-request records, their statistics, the A/B table, JSON and plot;
+* ``env``: the machine record every result carries;
+* ``costmodel``, ``sim``: the step-time models and the ``sim`` executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from corellm import hookimpl
+from corellm.components import CommandSpec, ExecutorSpec
+
+@hookimpl
+def corellm_commands() -> Iterator[CommandSpec]:
+    from .cli import configure_bench
+    yield CommandSpec(name="bench", factory=configure_bench,
+                      summary="benchmark configs or servers on one seeded workload (A/B)")
+
+
+@hookimpl
+def corellm_executors() -> Iterator[ExecutorSpec]:
+    from .sim import SimExecutor, SimOptions
+    yield ExecutorSpec(name="sim", factory=SimExecutor, options=SimOptions,
+                       summary="No model: step times predicted by a calibrated cost model, on "
+                               "virtual time (A/B tests at scale, hardware what-ifs).")
