@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from corellm.platforms import host_visible
+from corellm.devices import host_visible
 
 
 class BatchOrder(str, Enum):

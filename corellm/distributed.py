@@ -26,8 +26,8 @@ from corellm.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from corellm.config import ParallelConfig
-    from corellm.model_config import ModelArchConfig
+    from corellm.engine_config import ParallelConfig
+    from corellm.arch import ModelArchConfig
     from corellm.platforms import Platform
 
 TP_KEY = "parallel.tensor_parallel_size"

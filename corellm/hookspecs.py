@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from corellm.components import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
-                                    KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
-                                    SchedulerSpec)
-    from corellm.config import EngineConfig
+    from corellm.specs import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
+                               KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
+                               SchedulerSpec)
+    from corellm.engine_config import EngineConfig
     from corellm.outputs import StepStats
 
 PROJECT_NAME = "corellm"
@@ -48,7 +48,7 @@ def corellm_platforms() -> Iterable[PlatformSpec]:
     receives the validated options (a subclass of ``PlatformOptions``) and returns a
     ``corellm.platforms.Platform``: the device, its memory, its distributed backend, its dtype
     rules, how a step runs (``ModelStepper``) and the kernels it gives models
-    (``corellm.layers.ops.DeviceOps``). ``availability()`` says why it cannot run here;
+    (``corellm.ops.DeviceOps``). ``availability()`` says why it cannot run here;
     ``platform.name: auto`` (the default) picks the available one of the highest
     ``auto_priority``::
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from corellm.clock import WALL_CLOCK, Clock
+# Public here too: the KV-cache manager's prefix lookup returns it.
+from corellm.policy_view import NO_CACHED_PREFIX, CachedPrefix  # noqa: F401
 from corellm.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -23,8 +25,8 @@ if TYPE_CHECKING:
     from corellm.outputs import (EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
                                  SchedulerStats)
     from corellm.request import Request
+    from corellm.policy_view import SchedulingContext, WaitingQueue
     from corellm.sampling import SamplerOutput, SamplingMetadata
-    from corellm.scheduling.queue import SchedulingContext, WaitingQueue
 
 
 class Scheduler(ABC):
@@ -150,22 +152,6 @@ class SchedulingPolicy(ABC):
         kept for it. Not called when not overridden."""
 
 
-@dataclass(frozen=True)
-class CachedPrefix:
-    """What a prefix-cache lookup found for a waiting request.
-
-    ``block_ids`` hold the KV of the request's first ``num_tokens`` tokens (whole blocks, and
-    always fewer than all its tokens, so at least one token is left to compute and yield logits).
-    ``pending`` says the next block of the request's prefix is being computed by another request
-    in the current step: waiting one step would make the hit longer.
-    """
-
-    block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    pending: bool = False
-
-
-NO_CACHED_PREFIX = CachedPrefix()
 
 
 class KVCacheManager(ABC):
@@ -420,5 +406,17 @@ class CausalLM(ABC):
         the backend and allocates each its KV cache). Default: those of the model's
         ``corellm.layers.Attention`` modules; a model attending through other modules
         overrides this."""
-        from corellm.layers.attention import attention_layer_specs
         return attention_layer_specs(self)
+
+
+def attention_layer_specs(model: Any) -> list[AttentionLayerSpec]:
+    """The specs of ``model``'s attention modules (``corellm.layers.Attention`` and any module
+    holding its layer's ``AttentionLayerSpec`` as ``spec``), by layer index."""
+    layers = sorted((m.spec for m in model.modules()
+                     if isinstance(getattr(m, "spec", None), AttentionLayerSpec)),
+                    key=lambda s: s.layer_idx)
+    if [s.layer_idx for s in layers] != list(range(len(layers))) or not layers:
+        raise ValueError(f"{type(model).__name__}: attention layers "
+                         f"{[s.layer_idx for s in layers]}; expected 0..n-1, one each (a model "
+                         "that attends through other modules overrides attention_layers())")
+    return layers

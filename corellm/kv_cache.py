@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from corellm.block_pool import BlockHash, BlockHasher, BlockPool, EvictionPolicy
-from corellm.components import KVCacheOptions
+from corellm.specs import KVCacheOptions
 from corellm.interfaces import NO_CACHED_PREFIX, CachedPrefix, KVCacheManager
 from corellm.request import Request
 

@@ -5,26 +5,27 @@ available here (and why not), which ``torch.device`` a worker of a given local r
 much memory is free there, its ``torch.distributed`` backend, its dtype rules, its default KV
 block size, how a step's inputs reach the device and how the model runs on them
 (``ModelStepper``), and the kernels it gives models (``DeviceOps``: the core's
-``corellm.layers.ops.DeviceOps`` is the plain-torch reference every platform starts from).
+``corellm.ops.DeviceOps`` is the plain-torch reference every platform starts from).
 
 Platforms are plugins like any other component (``corellm_platforms`` in
 ``corellm.hookspecs``), selected by the ``platform`` config section; ``platform: {name: auto}``
 (the default) picks the available platform of the highest ``auto_priority`` when the config is
 loaded, and says why the others were passed over. The core never branches on a device type: the
-one function that knows which device is the host's memory is :func:`host_visible`, here, and
-everything else asks the platform.
+one function that knows which device is the host's memory is ``corellm.devices.host_visible``
+(re-exported here), and everything else asks the platform.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from corellm.devices import HOST_DEVICE_TYPE, host_memory_available, host_visible  # noqa: F401
 from corellm.errors import ConfigError, PluginError
+from corellm.specs import PLATFORM_INTERFACE_VERSION  # noqa: F401  (public here)
 
 if TYPE_CHECKING:
     import ctypes
@@ -33,43 +34,11 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from corellm.components import PlatformOptions
-    from corellm.layers.ops import DeviceOps
-    from corellm.plugins import Registry
+    from corellm.specs import PlatformOptions
+    from corellm.ops import DeviceOps
+    from corellm.registry import Registry
 
 logger = logging.getLogger(__name__)
-
-#: The version of the platform interface (``Platform``, ``DeviceOps``, ``ModelStepper``). A
-#: platform plugin may declare the version it was written for in its spec
-#: (``PlatformSpec.interface_version``); another major version is refused at start-up with the
-#: plugin's name, rather than failing mid-serving on a missing method.
-PLATFORM_INTERFACE_VERSION = (1, 0)
-
-HOST_DEVICE_TYPE = "cpu"
-
-
-def host_visible(device: torch.device) -> bool:
-    """Whether tensors on ``device`` live in the host's memory (the CPU), so host arrays reach
-    them without a copy. The one device-type test of the core: every other module asks this or
-    the platform."""
-    return device.type == HOST_DEVICE_TYPE
-
-
-def host_memory_available() -> int | None:
-    """The host's memory available to new allocations, in bytes: MemAvailable of /proc/meminfo
-    (free memory plus what the kernel can reclaim), else the free pages, else None. For
-    platforms whose devices use the host's memory (the CPU's, the reference)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @dataclass(slots=True)
@@ -216,14 +185,14 @@ class Platform(ABC):
     def ops(self) -> DeviceOps:
         """The kernels this platform gives models (``corellm.layers.bind_ops`` hands them to
         every core layer). The reference: plain torch."""
-        from corellm.layers.ops import REFERENCE_OPS
+        from corellm.ops import REFERENCE_OPS
         return REFERENCE_OPS
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Called once after the weights are loaded, before the first step: give the layers
         this platform's ops (the reference does only that); a platform may also repack
         weights for its kernels here (``DeviceOps.prepare``)."""
-        from corellm.layers.ops import bind_ops
+        from corellm.ops import bind_ops
         ops = self.ops
         bind_ops(model, ops)
         ops.prepare(model)
@@ -306,7 +275,7 @@ def available_platforms(registry: Registry) -> list[Platform]:
 def build_platform(options: PlatformOptions, registry: Registry) -> Platform:
     """The platform the (validated, resolved) ``platform`` section names, made by its plugin's
     factory; a plugin whose factory returns something else is a PluginError naming it."""
-    from corellm.plugins import call_factory
+    from corellm.registry import call_factory
     entry = registry.get("platform", options.name)
     platform = call_factory(entry, "platform", options)
     if not isinstance(platform, Platform):

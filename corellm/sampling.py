@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corellm.layers.ops import REFERENCE_OPS, DeviceOps
+from corellm.ops import REFERENCE_OPS, DeviceOps
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from corellm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from corellm.config import EngineConfig
-    from corellm.model_config import ModelArchConfig
+    from corellm.engine_config import EngineConfig
+    from corellm.arch import ModelArchConfig
     from corellm.platforms import Platform
     from corellm.plugins import Registry
 

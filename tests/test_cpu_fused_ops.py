@@ -1,6 +1,6 @@
 """The CPU platform's fused element-wise kernels (plugins/platform_cpu/cpu_ops.c, run by
 ``corellm_plugins.platform_cpu.ops.CpuDeviceOps``) against the reference ops of the same layers
-(``corellm.layers.ops.REFERENCE_OPS``, plain torch): RoPE bit for bit, RMSNorm and
+(``corellm.ops.REFERENCE_OPS``, plain torch): RoPE bit for bit, RMSNorm and
 SiLU-and-multiply to float32 rounding, every row independent of the batch around it, and the
 torch code wherever a kernel does not apply."""
 
@@ -14,7 +14,7 @@ import torch
 
 from corellm import LLM, SamplingParams
 from corellm.layers import RMSNorm, SiluAndMul
-from corellm.layers.ops import REFERENCE_OPS, bind_ops
+from corellm.ops import REFERENCE_OPS, bind_ops
 from corellm.layers.rotary import RotaryEmbedding
 from corellm_plugins.platform_cpu import kernels, native
 from corellm_plugins.platform_cpu.ops import CpuDeviceOps

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import types
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +38,7 @@ QUOTED = {
     "A platform": [
         *(REPO / "examples" / "corellm-platform-reference" / "corellm_platform_reference")
         .glob("*.py"), REPO / "tests" / "test_example_platform.py",
-        *(REPO / "corellm" / name for name in ("platforms.py", "layers/ops.py",
+        *(REPO / "corellm" / name for name in ("platforms.py", "devices.py", "ops.py",
                                                 "layers/layers.py"))],
     # The example, and the core's sampling module, interface and default sampler it composes.
     "A sampler": [REPO / "examples" / "corellm-banned-tokens" / "corellm_ban_tokens"
@@ -84,6 +85,21 @@ def test_guide_quotes_the_code_verbatim(title):
     for block in blocks:
         assert any(contains_lines(src, block) for src in sources), \
             f"'{title}' quotes code that is not in {[str(p) for p in QUOTED[title]]}:\n{block}"
+
+
+def test_command_example_runs(capsys):
+    """"A command": the guide's plugin, registered in-process, is a `corellm trace` command
+    with its help, its flags and its exit status."""
+    from corellm.cli import main
+
+    blocks = python_blocks(section("A command"))
+    assert len(blocks) == 1
+    plugin = types.ModuleType("trace_plugin")
+    exec(compile(blocks[0], "docs/plugins.md", "exec"), plugin.__dict__)
+    with pytest.raises(SystemExit):
+        main(["--help"], plugins=[plugin])
+    assert "record a step trace of one config" in capsys.readouterr().out
+    assert main(["trace", "--config", "x.yaml", "--steps", "3"], plugins=[plugin]) == 0
 
 
 def test_metrics_sink_example_runs(tmp_path):

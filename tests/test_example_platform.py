@@ -43,7 +43,7 @@ REFERENCE = "reference"
 SUMMARY = "The CPU with corellm's plain torch ops only: the starting point of a device port."
 # The corellm modules a third-party package may import (the example's own list, checked below).
 PUBLIC = {"corellm", "corellm.components", "corellm.platforms", "corellm.layers",
-          "corellm.layers.ops"}
+          "corellm.ops"}
 
 
 def _forget_example_modules() -> dict:
@@ -107,7 +107,7 @@ def assert_reference_path(llm) -> None:
     """The engine runs on the reference platform's plain torch path: the core's ops on every
     core layer and in the sampler, no layer with kernel state, the eager stepper, and an
     attention backend that found no platform to build its C kernels."""
-    from corellm.layers.ops import REFERENCE_OPS, OpsModule
+    from corellm.ops import REFERENCE_OPS, OpsModule
     from corellm.platforms import ModelStepper
 
     runner = llm.engine.executor.worker.runner
@@ -288,7 +288,7 @@ def test_the_example_imports_only_public_names():
                 if name.split(".")[0] in ("corellm", "corellm_plugins"):
                     assert name in PUBLIC, f"{f.name} imports {name}"
                     imported.add(name)
-    assert {"corellm.platforms", "corellm.layers.ops"} <= imported
+    assert {"corellm.platforms", "corellm.ops"} <= imported
 
 
 def test_entry_module_does_not_import_torch():
@@ -305,7 +305,7 @@ def test_entry_module_does_not_import_torch():
 _ENGINE_SCRIPT = '''
 import json, sys
 from corellm import LLM, SamplingParams
-from corellm.layers.ops import REFERENCE_OPS
+from corellm.ops import REFERENCE_OPS
 
 llm = LLM(json.loads(sys.argv[1]))
 runner = llm.engine.executor.worker.runner

@@ -22,7 +22,7 @@ from corellm.config import load_config
 from corellm.errors import PluginError
 from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
                                 SchedulingPolicy)
-from corellm.layers.ops import DeviceOps
+from corellm.ops import DeviceOps
 from corellm.platforms import ModelStepper, Platform
 from corellm.plugins import load_registry
 from corellm.sampling import SamplerOutput

@@ -1,14 +1,20 @@
-"""The architecture's boundaries, checked on the source: the core never imports a plugin, plugins
-never import each other, every plugin folder is packaged and registered as an entry point."""
+"""The architecture's boundaries, checked on the source: the core's modules import only down its
+layers and never in a circle, the core never imports a plugin, plugins never import each other,
+every plugin folder is packaged and registered as an entry point, no source file holds more than
+one file's worth of concerns, and the core's size is what docs/architecture.md says."""
 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIRS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists())
+
+
+MAX_LINES = 600
 
 
 def imports_of(path: Path) -> set[str]:
@@ -19,6 +25,165 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
     return names
+
+
+# --------------------------------------------------------------------------- the core's layers
+# corellm/'s modules by layer, lowest first (docs/architecture.md, "The core in layers"). An entry
+# is a module or a package (relative to corellm/), most specific entry wins. A module imports
+# only from its own layer and the layers below, and no import cycle exists at all. Every import
+# counts: at module level, under TYPE_CHECKING, inside functions, and the __init__ of every
+# package an imported module sits in (Python runs it first). The package's facade,
+# corellm/__init__.py, is left out: it re-exports from every layer, lazily.
+CORE_LAYERS: dict[str, list[str]] = {
+    "foundation": ["errors", "clock", "cache", "deprecation", "devices"],
+    "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling"],
+    "interfaces": ["attention", "policy_view", "interfaces"],
+    "component specs": ["specs"],
+    "config": ["engine_config"],
+    "registry": ["hookspecs", "registry", "plugins"],
+    "composition": ["platforms", "distributed", "gguf", "demo", "model_config", "setup",
+                    "components", "config"],
+    "libraries": ["block_pool", "kv_cache", "scheduling", "wrappers", "layers"],
+    "engine": ["engine", "worker", "cli", "__main__"],
+}
+
+
+def module_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module (dotted, under the package's name) -> the package's modules it imports, by every
+    kind of import, plus the packages whose __init__ those imports run. The facade (the
+    package's own __init__) is neither a source nor a target."""
+    top = package_dir.name
+    files = {}
+    for f in package_dir.rglob("*.py"):
+        parts = list(f.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = f
+
+    def known(name: str) -> str | None:         # the longest module prefix of a dotted name
+        parts = name.split(".")
+        while parts and ".".join(parts) not in files:
+            parts.pop()
+        return ".".join(parts) if parts else None
+
+    graph: dict[str, set[str]] = {}
+    for mod, f in files.items():
+        if mod == top:
+            continue
+        package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from a import b` imports a.b when b is a module, else just a
+                names = [f"{base}.{a.name}" if known(f"{base}.{a.name}") == f"{base}.{a.name}"
+                         else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = known(name)
+                if target is None:
+                    continue
+                parts = target.split(".")
+                for k in range(2, len(parts) + 1):   # its packages' __init__ run first
+                    enclosing = ".".join(parts[:k])
+                    if enclosing in files and not f"{mod}.".startswith(f"{enclosing}."):
+                        targets.add(enclosing)
+        targets.discard(mod)
+        targets.discard(top)
+        graph[mod] = targets
+    return graph
+
+
+def layer_problems(graph: dict[str, set[str]], layers: dict[str, list[str]]) -> list[str]:
+    """Every module no layer names, every import that goes up a layer, and every cycle."""
+    order = {f"corellm.{entry}": (i, name) for i, (name, entries) in enumerate(layers.items())
+             for entry in entries}
+
+    def layer(mod: str) -> tuple[int, str] | None:
+        parts = mod.split(".")
+        for k in range(len(parts), 1, -1):
+            if ".".join(parts[:k]) in order:
+                return order[".".join(parts[:k])]
+        return None
+
+    problems = [f"{m}: in no layer" for m in sorted(graph) if layer(m) is None]
+    for mod, targets in sorted(graph.items()):
+        here = layer(mod)
+        for target in sorted(targets):
+            there = layer(target)
+            if here and there and there[0] > here[0]:
+                problems.append(f"{mod} ({here[1]}) imports {target} ({there[1]}), a layer up")
+    # cycles: the strongly connected components of more than one module
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                problems.append("import cycle: " + " -> ".join(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return problems
+
+
+def test_the_layer_check_catches_upward_imports_and_cycles(tmp_path):
+    pkg = tmp_path / "corellm"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from corellm.high import x\n")    # the facade: ignored
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n"
+                                "if TYPE_CHECKING:\n    from corellm.high import H\n")
+    (pkg / "high.py").write_text("def f():\n    from corellm import low\n")
+    (pkg / "sub" / "__init__.py").write_text("from corellm.high import H\n")
+    (pkg / "sub" / "leaf.py").write_text("x = 1\n")
+    (pkg / "user.py").write_text("from .sub.leaf import x\n")    # runs sub/__init__ too
+    graph = module_graph(pkg)
+    assert graph["corellm.user"] == {"corellm.sub", "corellm.sub.leaf"}
+    assert graph["corellm.high"] == {"corellm.low"}
+    problems = layer_problems(graph, {"low": ["low", "user", "sub.leaf"], "high": ["high", "sub"]})
+    assert "corellm.low (low) imports corellm.high (high), a layer up" in problems
+    assert "corellm.user (low) imports corellm.sub (high), a layer up" in problems
+    assert "import cycle: corellm.high -> corellm.low" in problems
+    assert not layer_problems({"corellm.a": {"corellm.b"}, "corellm.b": set()},
+                              {"one": ["b"], "two": ["a"]})
+
+
+def test_the_core_imports_only_down_its_layers():
+    problems = layer_problems(module_graph(ROOT / "corellm"), CORE_LAYERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_source_file_over_600_lines():
+    """One concern per file: a file past this has several (split it by concern)."""
+    long = [f"{f.relative_to(ROOT)}: {n} lines" for d in ("corellm", "plugins")
+            for f in sorted((ROOT / d).rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > MAX_LINES]
+    assert not long, "\n".join(long)
 
 
 def test_core_never_imports_a_plugin():
@@ -57,8 +222,8 @@ def test_plugin_modules_import_without_torch_heavy_work():
 
 
 # --------------------------------------------------------------------------- device code
-# The exact rule of "no core module branches on the device type": outside corellm/platforms.py
-# (the platform interface, whose host_visible() is the one device-type test the core has), no
+# The exact rule of "no core module branches on the device type": outside corellm/devices.py
+# (whose host_visible() is the one device-type test the core has), no
 # module of corellm/
 #   1. compares the ``.type`` of anything named like a device (``device.type == ...``,
 #      ``x.device.type in (...)``, ``self.dev.type != ...``);
@@ -72,7 +237,7 @@ DEVICE_TYPES = {"cpu", "cuda", "xpu", "mps", "hip", "npu"}
 DEVICE_APIS = ("torch.cuda", "torch.xpu", "torch.mps", "torch.backends.cuda",
                "torch.backends.cudnn", "torch.backends.mkl", "torch.backends.mkldnn",
                "torch.backends.mps", "torch.ops.mkl", "torch.ops.mkldnn")
-PLATFORM_INTERFACE = ROOT / "corellm" / "platforms.py"
+PLATFORM_INTERFACE = ROOT / "corellm" / "devices.py"
 
 
 def _names_a_device(node: ast.AST) -> bool:
@@ -130,10 +295,77 @@ def test_the_core_holds_no_device_code():
         if f == PLATFORM_INTERFACE:
             continue
         problems += [f"{f.relative_to(ROOT)}:{line}" for line in device_branches(f.read_text())]
-    assert not problems, "device branches outside corellm/platforms.py:\n" + "\n".join(problems)
+    assert not problems, "device branches outside corellm/devices.py:\n" + "\n".join(problems)
 
 
 def test_the_core_imports_no_platform_plugin():
     for f in (ROOT / "corellm").rglob("*.py"):
         bad = {m for m in imports_of(f) if m.startswith("corellm_plugins.platform_")}
         assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+# --------------------------------------------------------------------------- the docs agree
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def core_lines_by_layer() -> tuple[dict[str, int], int, int]:
+    """Lines of corellm/'s files per layer of CORE_LAYERS, the total and the number of files."""
+    order = {entry: name for name, entries in CORE_LAYERS.items() for entry in entries}
+    per_layer = dict.fromkeys(CORE_LAYERS, 0)
+    total = files = 0
+    for f in (ROOT / "corellm").rglob("*.py"):
+        n = len(f.read_text().splitlines())
+        total, files = total + n, files + 1
+        parts = list(f.relative_to(ROOT / "corellm").with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        for k in range(len(parts), 0, -1):
+            if ".".join(parts[:k]) in order:
+                per_layer[order[".".join(parts[:k])]] += n
+                break
+    return per_layer, total, files
+
+
+def test_architecture_doc_states_the_layers_and_the_core_size():
+    """docs/architecture.md's layer table names CORE_LAYERS' modules, and its line counts (per
+    layer and in all) are within 10% of the files': update the table when they drift."""
+    text = ARCHITECTURE.read_text()
+    table = text.split("<!-- layers:", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    measured, total, files = core_lines_by_layer()
+    stated = {}
+    for row in table:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        modules = [m.rstrip("/") for m in re.findall(r"`([^`]+)`", cells[1])]
+        stated[cells[0]] = (modules, int(cells[3].replace(",", "")))
+    assert list(stated) == list(CORE_LAYERS)
+    for layer, (modules, lines) in stated.items():
+        assert modules == CORE_LAYERS[layer], f"{layer}: the table says {modules}"
+        assert abs(lines - measured[layer]) <= 0.1 * measured[layer], \
+            f"{layer}: the table says {lines} lines, the files have {measured[layer]}"
+    said = re.search(r"The core is \*\*([\d,]+) lines\*\* in (\d+) files", text)
+    assert said, "docs/architecture.md must say the core's size"
+    assert abs(int(said[1].replace(",", "")) - total) <= 0.1 * total, \
+        f"the doc says {said[1]} lines, the core has {total}"
+    assert abs(int(said[2]) - files) <= 0.1 * files, f"the doc says {said[2]} files, not {files}"
+
+
+def test_architecture_doc_lists_every_builtin_plugin():
+    """The built-in plugin table of docs/architecture.md has one row per entry point, and each
+    row names every component the plugin registers."""
+    from corellm.plugins import load_registry
+
+    text = ARCHITECTURE.read_text()
+    table = text.split("| plugin (entry point) | component | what it is |", 1)[1]
+    rows = {}
+    for row in table.split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        rows[cells[0].strip("`")] = set(re.findall(r"`([^`]+)`", cells[1]))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert set(rows) == set(project["project"]["entry-points"]["corellm"])
+    registry = load_registry()
+    for table_ in registry.providers.values():
+        for name, providers in table_.items():
+            for entry in providers:
+                if entry.plugin.name in rows:
+                    assert name in rows[entry.plugin.name], \
+                        f"{entry.describe()} is missing from its row of docs/architecture.md"

@@ -169,10 +169,8 @@ def naive_penalties(logits, prompts, outputs, presence, frequency, repetition):
 
 def penalty_md(n, prompts, outputs, presence, frequency, repetition, **kw):
     """SamplingMetadata with the penalty fields as the model runner fills them."""
-    from types import SimpleNamespace
-
     from corellm.sampling_params import SamplingParams
-    from corellm.worker.model_runner import CachedRequestState, ModelRunner
+    from corellm.worker.request_state import CachedRequestState, add_penalties
 
     states = [CachedRequestState(str(i), list(p) + list(o), len(p), [], 0,
                                  SamplingParams(presence_penalty=presence[i],
@@ -182,9 +180,7 @@ def penalty_md(n, prompts, outputs, presence, frequency, repetition, **kw):
     m = md(n, **kw)
     rows = [i for i, s in enumerate(states) if s.params.has_penalties]
     if rows:
-        runner = SimpleNamespace(model_info=SimpleNamespace(vocab_size=V),
-                                 device=torch.device("cpu"))
-        ModelRunner._add_penalties(runner, m, states, rows)
+        add_penalties(m, states, rows, V, torch.device("cpu"))
     return m
 
 

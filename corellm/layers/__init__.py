@@ -11,7 +11,7 @@ from corellm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColum
 from corellm.layers.loading import (as_tensor, load_weights, materialize, narrow_weight,
                                     weight_shape)
 from corellm.layers.model import DecoderForCausalLM
-from corellm.layers.ops import REFERENCE_OPS, DeviceOps, OpsModule, bind_ops
+from corellm.ops import REFERENCE_OPS, DeviceOps, OpsModule, bind_ops
 from corellm.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = ["ACTIVATIONS", "REFERENCE_OPS", "Attention", "ColumnParallelLinear",

@@ -37,16 +37,6 @@ def _attention_modules(model: nn.Module) -> list[Attention]:
                   key=lambda a: a.spec.layer_idx)
 
 
-def attention_layer_specs(model: nn.Module) -> list[AttentionLayerSpec]:
-    """The specs of ``model``'s ``Attention`` modules, by layer index."""
-    layers = [a.spec for a in _attention_modules(model)]
-    if [s.layer_idx for s in layers] != list(range(len(layers))) or not layers:
-        raise ValueError(f"{type(model).__name__}: attention layers "
-                         f"{[s.layer_idx for s in layers]}; expected 0..n-1, one each (a model "
-                         "that attends through other modules overrides attention_layers())")
-    return layers
-
-
 def bind_kv_caches(model: nn.Module, kv_caches: Sequence[torch.Tensor]) -> None:
     """Hand every ``Attention`` module of ``model`` its layer's cache tensor (``kv_caches[i]``
     to the layer with ``layer_idx == i``): the whole of most models' ``bind_kv_caches``."""

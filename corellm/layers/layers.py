@@ -12,7 +12,7 @@ from torch import nn
 from corellm.errors import CheckpointError
 from corellm.layers.linear import LinearBase, MergedColumnParallelLinear
 from corellm.layers.loading import load_shard  # noqa: F401 - re-exported (corellm.layers)
-from corellm.layers.ops import OpsModule
+from corellm.ops import OpsModule
 
 
 class RMSNorm(OpsModule, nn.Module):

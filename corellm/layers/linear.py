@@ -29,7 +29,7 @@ from torch import nn
 
 from corellm.distributed import SINGLE, ParallelContext, divide, kv_head_split
 from corellm.layers.loading import narrow_weight, weight_shape
-from corellm.layers.ops import OpsModule
+from corellm.ops import OpsModule
 
 
 def _check(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

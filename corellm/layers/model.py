@@ -12,7 +12,7 @@ from corellm.distributed import SINGLE, ParallelContext, kv_head_split
 from corellm.interfaces import CausalLM
 from corellm.layers.attention import bind_kv_caches
 from corellm.layers.linear import ParallelLMHead
-from corellm.model_config import ModelArchConfig
+from corellm.arch import ModelArchConfig
 
 
 class DecoderForCausalLM(nn.Module, CausalLM):

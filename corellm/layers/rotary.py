@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
-from corellm.layers.ops import OpsModule
-from corellm.model_config import ROPE_TYPES
+from corellm.ops import OpsModule
+from corellm.arch import ROPE_TYPES
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:

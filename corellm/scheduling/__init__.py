@@ -10,7 +10,7 @@ from collections.abc import Callable
 from corellm.components import BuildContext, SchedulerOptions, SchedulerSpec
 from corellm.interfaces import SchedulingPolicy
 from corellm.scheduling.batch_scheduler import BatchScheduler
-from corellm.scheduling.queue import SchedulingContext, WaitingQueue
+from corellm.policy_view import SchedulingContext, WaitingQueue
 
 __all__ = ["BatchScheduler", "SchedulingContext", "SchedulingPolicy", "WaitingQueue",
            "policy_scheduler"]

@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
-from corellm.components import SchedulerOptions
+from corellm.specs import SchedulerOptions
 from corellm.errors import PluginError
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
-from corellm.scheduling.queue import SchedulingContext, WaitingQueue
+from corellm.policy_view import SchedulingContext, WaitingQueue
 
 
 def _overrides(policy: SchedulingPolicy, name: str) -> bool:

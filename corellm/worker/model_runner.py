@@ -9,144 +9,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
-from collections.abc import Sequence
-from itertools import chain
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from corellm.attention import (AttentionBuildLimits, BatchOrder, CommonAttentionMetadata,
                                KVCacheSpec)
-from corellm.components import AttentionOptions, BuildContext
+from corellm.components import BuildContext
 from corellm.config import EngineConfig
 from corellm.distributed import SINGLE, ParallelContext
 from corellm.deprecation import acting_plugin
 from corellm.errors import CheckpointError, ConfigError, CorellmError, PluginError
 from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
-from corellm.model_config import ModelArchConfig, iter_weights
+from corellm.model_config import iter_weights
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, StepInputs
-from corellm.plugins import RegisteredComponent, Registry
+from corellm.plugins import Registry
 from corellm.setup import EngineSetup
-from corellm.sampling import SamplingMetadata, find_banned
-from corellm.sampling_params import SamplingParams
+from corellm.worker.attention_choice import predicted_attention_layers, select_attention_backend
+from corellm.worker.request_state import CachedRequestState, sampling_metadata
+from corellm.sampling import find_banned
 
 logger = logging.getLogger(__name__)
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-_U64 = (1 << 64) - 1
-
-
-@dataclass
-class SelectedAttention:
-    entry: RegisteredComponent
-    options: AttentionOptions
-    why: str                     # how it was chosen, for the start-up log line
-    backend: Any = None          # the instance, once made
-
-
-_OLD_INTERFACE = ("It was written for an attention interface older than plugin API 1.0, "
-                  "which replaced kv_cache_shape(...) with kv_cache_spec(layer, num_blocks, "
-                  "block_size, dtype) -> KVCacheSpec and build_metadata(common) with "
-                  "make_metadata_builder(limits) (docs/plugins.md, \"An attention backend\"; "
-                  "CHANGELOG.md)")
-
-
-def select_attention_backend(config: EngineConfig, registry: Registry, setup: EngineSetup,
-                             ctx: BuildContext, layers: Sequence[AttentionLayerSpec] = (),
-                             ) -> SelectedAttention:
-    """The backend to run: the first of the setup's candidates (``EngineSetup.
-    attention_candidates``: the named backend, or ``auto``'s by priority for the platform's
-    device) that accepts every one of ``layers`` in the setup's dtype (the layers the
-    checkpoint's config predicts, so a head size the best backend lacks falls back to the next
-    one), made with ``ctx``."""
-    auto = config.attention.name == "auto"
-    skipped = list(setup.attention_skipped)
-    device, dtype = ctx.device, ctx.dtype
-    for name in setup.attention_candidates:
-        entry = registry.get("attention", name)
-        options = config.attention if not auto else entry.spec.options(name=name)
-        why = (f"attention.name: auto -> {name} on {device}" if auto
-               else f"attention.name: {name}")
-        cand = SelectedAttention(entry, options, why)
-        cand.backend = _make_backend(cand, ctx)
-        refusal = None
-        if auto and layers:
-            refusal = next((r for layer in layers
-                            if (r := cand.backend.supports(layer, dtype, device))), None)
-        if refusal is None:
-            if skipped:
-                cand.why += f" (not {'; not '.join(skipped)})"
-            return cand
-        skipped.append(f"{name}: {refusal}")
-    raise ConfigError([("attention.name", f"auto: no installed attention backend can run this "
-                                          f"model on {device}"
-                                          + "".join(f"; {s}" for s in skipped))])
-
-
-def _make_backend(selected: SelectedAttention, ctx: BuildContext) -> Any:
-    """The backend from its factory; a class still written for an attention interface older than
-    plugin API 1.0 (no ``kv_cache_spec``, or a ``build_metadata`` the runner would ignore) is a PluginError
-    that names the plugin and the fix."""
-    owner = selected.entry.describe()
-    try:
-        backend = ctx.build(selected.options)
-    except PluginError as exc:
-        cause = exc.__cause__
-        if not (isinstance(cause, TypeError) and "abstract" in str(cause)):
-            raise
-        raise PluginError(f"{owner}: {cause}. {_OLD_INTERFACE}") from cause
-    if hasattr(backend, "build_metadata"):
-        raise PluginError(f"{owner}: {type(backend).__name__} defines build_metadata(), which "
-                          f"nothing calls any more. {_OLD_INTERFACE}")
-    return backend
-
-
-def predicted_attention_layers(arch: ModelArchConfig, parallel: ParallelContext,
-                               max_model_len: int) -> list[AttentionLayerSpec]:
-    """The attention layers a checkpoint's config implies for one rank (its heads, KV heads,
-    head size, windows shorter than ``max_model_len``), before any model is built: what
-    ``auto`` checks its candidates against. The built model's own specs are checked again."""
-    tp = parallel.tp_size
-    heads = max(1, arch.num_attention_heads // tp)
-    kv_heads = max(1, arch.num_key_value_heads // tp)
-    layers = []
-    for i in range(arch.num_hidden_layers):
-        window = arch.layer_sliding_window(i)
-        layers.append(AttentionLayerSpec(
-            i, heads, kv_heads, arch.head_dim, arch.head_dim ** -0.5,
-            sliding_window=window if window is not None and window < max_model_len else None))
-    return layers
-
-
-class CachedRequestState:
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "params", "min_tokens_banned", "prompt_token_set")
-
-    def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
-                 block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
-                 eos_token_id: int | None) -> None:
-        self.req_id = req_id
-        self.token_ids = token_ids
-        self.num_prompt_tokens = num_prompt_tokens
-        self.block_ids = block_ids
-        self.num_computed_tokens = num_computed_tokens
-        self.params = params
-        # Tokens that would stop the request, banned while fewer than min_tokens are generated.
-        banned = list(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            banned.append(eos_token_id)
-        self.min_tokens_banned = banned if params.min_tokens > 0 else []
-        # The distinct prompt token ids (sorted int64), built on first use by a request with a
-        # repetition penalty; the prompt never changes while the state lives.
-        self.prompt_token_set: np.ndarray | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
 
 class ModelRunner:
     """One worker's model, KV cache and sampler, on its ``platform``'s device."""
@@ -401,7 +286,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
-        md = self._sampling_metadata(states)
+        md = sampling_metadata(states, self.model_info.vocab_size, self.device, self.generator)
         # The bans as the engine made them (a sampler may change its metadata): usually none.
         bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
                 if md.banned_token_ids else None)
@@ -426,88 +311,3 @@ class ModelRunner:
         timings["sample"] = time.perf_counter() - t0
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
                                  logprobs=logprobs, timings=timings)
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.params for s in states]
-        n = len(params)
-        greedy = [p.greedy for p in params]
-        all_greedy, all_random = all(greedy), not any(greedy)
-        vocab = self.model_info.vocab_size
-        temperature = top_k = top_p = min_p = None
-        generators: dict[int, torch.Generator] = {}
-        if not all_greedy:
-            temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                       dtype=torch.float32, device=self.device)
-            if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                                     dtype=torch.int64, device=self.device)
-            if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32,
-                                     device=self.device)
-            if any(p.min_p > 0.0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32,
-                                     device=self.device)
-            for i, (state, p, g) in enumerate(zip(states, params, greedy)):
-                if p.seed is not None and not g:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed((p.seed * _SEED_MIX + state.num_output_tokens) & _U64)
-                    generators[i] = gen
-        banned = {i: s.min_tokens_banned for i, s in enumerate(states)
-                  if s.min_tokens_banned and s.num_output_tokens < s.params.min_tokens}
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        md = SamplingMetadata(num_rows=n, all_greedy=all_greedy, all_random=all_random,
-                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              generators=generators, generator=self.generator,
-                              banned_token_ids=banned,
-                              max_num_logprobs=max(wanted) if wanted else None)
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalized:
-            self._add_penalties(md, states, penalized)
-        return md
-
-    def _add_penalties(self, md: SamplingMetadata, states: list[CachedRequestState],
-                       rows: list[int]) -> None:
-        """Fill md's penalty fields; ``rows`` are the rows with a penalty (others stay neutral).
-
-        The (row, token) pairs and output counts are rebuilt every step with vectorized numpy,
-        O(output tokens + distinct prompt tokens) of the penalized rows; each request's distinct
-        prompt tokens are computed once and kept in its state.
-        """
-        dev = self.device
-        params = [s.params for s in states]
-
-        def column(name: str, neutral: float) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            if all(v == neutral for v in values):
-                return None
-            return torch.tensor(values, dtype=torch.float32, device=dev)
-
-        md.presence_penalties = column("presence_penalty", 0.0)
-        md.frequency_penalties = column("frequency_penalty", 0.0)
-        md.repetition_penalties = column("repetition_penalty", 1.0)
-
-        # Keys row * V + token, so one np.unique both deduplicates and orders the pairs.
-        vocab = self.model_info.vocab_size
-        sel = [states[i] for i in rows]
-        lens = np.fromiter((s.num_output_tokens for s in sel), dtype=np.int64, count=len(sel))
-        out_tokens = np.fromiter(chain.from_iterable(s.token_ids[s.num_prompt_tokens:]
-                                                     for s in sel),
-                                 dtype=np.int64, count=int(lens.sum()))
-        keys = [np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lens) + out_tokens]
-        rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
-        if rep_rows:
-            sets = []
-            for i in rep_rows:
-                s = states[i]
-                if s.prompt_token_set is None:
-                    s.prompt_token_set = np.unique(np.asarray(s.token_ids[:s.num_prompt_tokens],
-                                                              dtype=np.int64))
-                sets.append(s.prompt_token_set)
-            plens = np.fromiter((len(t) for t in sets), dtype=np.int64, count=len(sets))
-            keys.append(np.repeat(np.asarray(rep_rows, dtype=np.int64) * vocab, plens)
-                        + np.concatenate(sets))
-        pairs, inverse = np.unique(np.concatenate(keys), return_inverse=True)
-        counts = np.bincount(inverse[:len(out_tokens)], minlength=len(pairs)).astype(np.int32)
-        md.penalty_rows = torch.from_numpy(pairs // vocab).to(dev)
-        md.penalty_token_ids = torch.from_numpy(pairs % vocab).to(dev)
-        md.penalty_output_counts = torch.from_numpy(counts).to(dev)

@@ -135,7 +135,7 @@ def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> b
     vectorized ``exp`` (GCC finds glibc's vector ``expf`` under -ffast-math; a scalar one made
     it 3x slower than torch)."""
     if dtype not in _silu_faster:
-        from corellm.layers.ops import REFERENCE_OPS
+        from corellm.ops import REFERENCE_OPS
         x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0)).to(dtype)
         best = {}
         for name, fn in (("kernel", ops.silu_and_mul), ("torch", REFERENCE_OPS.silu_and_mul)):

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from corellm.layers.ops import DeviceOps
+from corellm.ops import DeviceOps
 from corellm_plugins.platform_cpu.gemm import PackedLinear, _run, native_gemm, pack_linear_weights
 from corellm_plugins.platform_cpu.kernels import CpuOps, _silu_kernel_is_faster, cpu_ops
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from corellm.interfaces import Sampler
-from corellm.layers.ops import DeviceOps
+from corellm.ops import DeviceOps
 from corellm.sampling import (SamplerOutput, SamplingMetadata, apply_banned_tokens, apply_min_p,
                               apply_penalties, apply_top_k_top_p, gather_logprobs, greedy,
                               random_sample)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from corellm.layers.ops import REFERENCE_OPS, DeviceOps, bind_ops
+from corellm.ops import REFERENCE_OPS, DeviceOps, bind_ops
 from corellm.platforms import ModelStepper, Platform, host_memory_available
 
 

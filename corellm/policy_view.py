@@ -1,19 +1,65 @@
-"""What a scheduling policy sees when it decides: the waiting queue and the step's context.
+"""What a scheduling policy sees when it decides: the waiting queue, the step's context and
+what a prefix-cache lookup found.
 
-Both are views the mechanism (``BatchScheduler``) builds and owns. A policy reads them and
-answers; it never changes a request's state or a block.
+The queue and the context are views the mechanism (``corellm.scheduling.BatchScheduler``) builds
+and owns. A policy reads them and answers; it never changes a request's state or a block. They
+sit below the interfaces (``SchedulingPolicy`` and ``KVCacheManager`` are written in their
+terms), so the scheduler they view is seen through the few attributes they read.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from corellm.interfaces import CachedPrefix
     from corellm.request import Request
-    from corellm.scheduling.batch_scheduler import BatchScheduler, _Plan
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """What a prefix-cache lookup found for a waiting request.
+
+    ``block_ids`` hold the KV of the request's first ``num_tokens`` tokens (whole blocks, and
+    always fewer than all its tokens, so at least one token is left to compute and yield logits).
+    ``pending`` says the next block of the request's prefix is being computed by another request
+    in the current step: waiting one step would make the hit longer.
+    """
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    pending: bool = False
+
+
+NO_CACHED_PREFIX = CachedPrefix()
+
+
+class _Prefixes(Protocol):
+    block_size: int
+    num_free_blocks: int
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix: ...
+
+
+class _Owner(Protocol):
+    """The scheduler a ``SchedulingContext`` views (``BatchScheduler``)."""
+
+    running: list[Request]
+    waiting: WaitingQueue
+    max_num_batched_tokens: int
+    kv: _Prefixes
+
+
+class _Round(Protocol):
+    """The scheduling round in progress (the scheduler's plan of the step)."""
+
+    num_scheduled: dict[str, int]
+    admitted: list[Request]
+    budget: int
+    changes: int
+
 
 # A heap item: (policy key, arrival_seq, request). arrival_seq is unique, so comparison never
 # reaches the request, and equal keys are served in arrival order.
@@ -176,8 +222,8 @@ class SchedulingContext:
 
     __slots__ = ("now", "step", "_scheduler", "_plan", "_memo", "_memo_at")
 
-    def __init__(self, now: float, step: int, scheduler: BatchScheduler,
-                 plan: _Plan | None = None) -> None:
+    def __init__(self, now: float, step: int, scheduler: _Owner,
+                 plan: _Round | None = None) -> None:
         self.now = now
         self.step = step
         self._scheduler = scheduler

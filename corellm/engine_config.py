@@ -1,0 +1,209 @@
+"""The configuration's shape: ``EngineConfig`` and the core's own sections (``model``,
+``parallel``, ``plugins``), typed over each plugin section's base options, plus reading config
+files and applying ``--set KEY=VALUE`` overrides.
+
+No plugin is consulted here. ``corellm.config.load_config`` composes a config with the selected
+plugins' options models (it needs the registry) and re-exports everything public in this module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator
+
+from corellm.errors import ConfigError
+from corellm.specs import (AttentionOptions, ComponentOptions, DType, ExecutorOptions,
+                           FrontendOptions, KVCacheOptions, PlatformOptions, SamplerOptions,
+                           SchedulerOptions)
+
+# Keys of the model section that moved to the platform section: old key -> new option (None:
+# the platform's name). They keep working for one release, with a ConfigDeprecationWarning.
+DEPRECATED_MODEL_KEYS: dict[str, str | None] = {
+    "device": None, "cpu_weight_packing": "weight_packing", "cpu_fused_ops": "fused_ops"}
+
+
+class ModelConfig(BaseModel):
+    """The ``model`` section (owned by the core: the model plugin is chosen by the checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(
+        None, description="Hugging Face checkpoint directory (config.json + safetensors). "
+                          "Absent: the built-in demo model.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: model.path.")
+    dtype: DType = Field("auto", description="Weights and activations dtype; auto = the "
+                                             "checkpoint's, float32 for float16 on CPU.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; default: the checkpoint's "
+                                "max_position_embeddings.")
+    seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+    implementation: str | None = Field(
+        None, description="The model implementation to run: a model (ModelSpec) name from "
+                          "`corellm plugins`, qualified as distribution:name when two share "
+                          "it. Absent: the one implementing the checkpoint's architecture (an "
+                          "installed plugin over a built-in one).")
+
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _expand_user(cls, value: str | None) -> str | None:
+        return None if value is None else os.path.expanduser(value)
+
+
+class ParallelConfig(BaseModel):
+    """The ``parallel`` section (owned by the core: the executor, the model factory and the
+    sharded layers all read it, through the workers' ``corellm.distributed.ParallelContext``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks the model is sharded across (attention heads, MLP, "
+                             "vocabulary); needs an executor that runs that many workers.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl on CUDA, gloo on CPU.")
+    init_method: str = Field(
+        "tcp://127.0.0.1:0",
+        description="Rendezvous of the ranks: tcp://HOST:PORT (port 0 = a free one) for the "
+                    "workers an executor spawns on this machine, or env:// for processes "
+                    "started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on one "
+                    "machine or many.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="A collective (or the rendezvous) waiting longer than this "
+                                "fails the step instead of hanging.")
+
+    @field_validator("init_method")
+    @classmethod
+    def _check_init_method(cls, value: str) -> str:
+        if value != "env://" and not re.fullmatch(r"tcp://[^:/]+:\d+", value):
+            raise ValueError("expected tcp://HOST:PORT or env://")
+        return value
+
+    @property
+    def external_launcher(self) -> bool:
+        """The ranks are processes some launcher (torchrun) started, not the executor."""
+        return self.init_method == "env://"
+
+
+class PluginsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    disable: list[str] = Field(default_factory=list,
+                               description="Plugins not to load: entry-point names, or "
+                                           "distribution:entry_point for one distribution's.")
+
+
+class EngineConfig(BaseModel):
+    """The whole engine configuration. Build it with ``load_config``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    # Resolved when the config is loaded: ``auto`` never survives load_config.
+    platform: SerializeAsAny[PlatformOptions] = Field(default_factory=PlatformOptions)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scheduler: SerializeAsAny[SchedulerOptions] = Field(default_factory=SchedulerOptions)
+    kv_cache: SerializeAsAny[KVCacheOptions] = Field(default_factory=KVCacheOptions)
+    attention: SerializeAsAny[AttentionOptions] = Field(default_factory=AttentionOptions)
+    executor: SerializeAsAny[ExecutorOptions] = Field(default_factory=ExecutorOptions)
+    sampler: SerializeAsAny[SamplerOptions] = Field(default_factory=SamplerOptions)
+    frontend: SerializeAsAny[FrontendOptions] | None = None
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        # serialize_as_any: a wrapper's delegate is declared as the section's base options but
+        # holds the delegate's own options object, whose fields belong in the dump.
+        return self.model_dump(mode="json", exclude_none=True, serialize_as_any=True)
+
+
+PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
+    "platform": PlatformOptions,
+    "scheduler": SchedulerOptions, "kv_cache": KVCacheOptions, "attention": AttentionOptions,
+    "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
+}
+SECTIONS = ["model", "platform", "parallel", *(s for s in PLUGIN_SECTIONS if s != "platform"),
+            "plugins"]
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file into a dict, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([("", f"config file {str(path)!r} does not exist")])
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError([("", f"cannot parse: {exc}")], source=str(path)) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"top level must be a mapping, got {type(data).__name__}")],
+                          source=str(path))
+    return data
+
+
+_RADIX_INT = re.compile(r"[-+]?(0[0-9_]+|0[xXoObB][0-9a-fA-F_]+)")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"scheduler.max_num_seqs=32"`` -> ``("scheduler.max_num_seqs", 32)``.
+
+    The value is read as YAML, as in a config file: ``32`` is an int, ``true`` a bool, ``null``
+    None, ``[a, b]`` a list; quote it (``'"32"'``) to keep a string.
+    """
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not eq or not key or any(not p for p in parts):
+        raise ConfigError([("--set", f"{text!r}: expected KEY=VALUE with a dotted key, e.g. "
+                                     "scheduler.max_num_seqs=32")])
+    try:
+        # YAML 1.1 reads 010 as 8 and 0x10 as 16; on a command line that is a trap: keep such
+        # values as text (an int option then reads "010" as 10).
+        value = raw.strip() if _RADIX_INT.fullmatch(raw.strip()) else (
+            yaml.safe_load(raw) if raw.strip() else "")
+    except yaml.YAMLError as exc:
+        raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
+    return key, value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``data`` with each dotted key set, in order (later ones win). Intermediate
+    sections are created; the result is validated by ``load_config`` like any file."""
+    out = _deep_copy(data)
+    for key, value in overrides:
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError([(".".join(parts[:i + 1]),
+                                    f"is {child!r}, not a section, so {key} cannot be set")])
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def did_you_mean(key: str, choices: list[str]) -> str:
+    """``"; did you mean X?"`` for the closest of ``choices`` to a misspelt ``key``, or ``""``."""
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""

@@ -1,0 +1,337 @@
+"""Typed objects that registration hooks yield, and the option models of each section.
+
+Public through ``corellm.components``, which adds the ``BuildContext`` their factories receive.
+A plugin registers a component by yielding a spec, e.g.::
+
+    SchedulerSpec(name="fcfs", factory=make_fcfs, options=FCFSOptions, summary="...")
+
+The factory is called only if the config selects the component, so heavy imports belong inside it.
+Each options model is pydantic with ``extra="forbid"``: its fields are the section's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from corellm.arch import ModelArchConfig
+
+
+# --------------------------------------------------------------------------- option models
+class ComponentOptions(BaseModel):
+    """Base of every section's options: ``name`` selects the plugin, the rest is the plugin's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+
+
+class SchedulerOptions(ComponentOptions):
+    """Options every scheduler understands (the shared batching mechanism's knobs)."""
+
+    name: str = "fcfs"
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step, prefill and decode together.")
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps to fit the token budget.")
+    max_num_seqs_per_request: int | None = Field(
+        None, ge=1, description=(
+            "Seats one client request (its n samples and prompts) keeps while other requests "
+            "wait for one: beyond it, its waiting samples let the others go first and its "
+            "newest running ones are preempted to seat them. Alone, a request may use every "
+            "seat. Left out: half of max_num_seqs; max_num_seqs turns the share off."))
+
+    @property
+    def seats_per_request(self) -> int:
+        """``max_num_seqs_per_request``, or its default: half the seats (at least one)."""
+        share = self.max_num_seqs_per_request
+        return share if share is not None else max(1, self.max_num_seqs // 2)
+
+
+class KVCacheOptions(ComponentOptions):
+    name: str = "paged"
+    block_size: int = Field(16, ge=1, le=1024, description=(
+        "Tokens per KV block. Left out of a config: the platform's default_block_size (128 on "
+        "the CPU, 16 on CUDA: vLLM's defaults; longer runs of a request's K/V read faster on a "
+        "CPU, shorter ones cache prefixes more finely)."))
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; when absent, sized from memory_gib.")
+    memory_gib: float | None = Field(
+        None, gt=0, description=(
+            "KV-cache memory budget (GiB) used when num_blocks is absent. Left out: the "
+            "platform's (1 GiB on the CPU; on CUDA what platform.gpu_memory_utilization "
+            "leaves after the weights and a profiling forward at the largest batch)."))
+
+
+class AttentionOptions(ComponentOptions):
+    """``auto`` (the default) lets each worker pick, for its device, the available backend of
+    the highest ``auto_priority`` (Triton on CUDA when it is installed, torch SDPA elsewhere);
+    naming a backend selects it and its options."""
+
+    name: str = "auto"
+
+
+class ExecutorOptions(ComponentOptions):
+    name: str = "uniproc"
+
+
+class SamplerOptions(ComponentOptions):
+    name: str = "default"
+
+
+class FrontendOptions(ComponentOptions):
+    name: str = "openai"
+
+
+class PlatformOptions(ComponentOptions):
+    """``auto`` (the default) picks, when the config is loaded, the available platform of the
+    highest ``auto_priority`` (CUDA where a GPU is visible, else the CPU); naming a platform
+    selects it. Options given with ``auto`` are checked against the platform it picks."""
+
+    name: str = "auto"
+
+
+class NoOptions(ComponentOptions):
+    """For components with nothing to configure beyond their name."""
+
+
+# Each section's base options class -> the section it configures.
+SECTION_OF_OPTIONS: dict[type[ComponentOptions], str] = {
+    PlatformOptions: "platform", SchedulerOptions: "scheduler", KVCacheOptions: "kv_cache",
+    AttentionOptions: "attention", ExecutorOptions: "executor", SamplerOptions: "sampler",
+    FrontendOptions: "frontend"}
+DELEGATE_MARK = "corellm_delegate"
+DELEGATE_DEFAULT = "corellm_delegate_default"
+
+
+def section_of(options: ComponentOptions | type[ComponentOptions]) -> str:
+    """The config section an options object (or class) belongs to, from its section base."""
+    cls = options if isinstance(options, type) else type(options)
+    for klass in cls.__mro__:
+        section = SECTION_OF_OPTIONS.get(klass)
+        if section is not None:
+            return section
+    raise TypeError(f"{cls.__name__} does not subclass one of the section options bases "
+                    f"({', '.join(b.__name__ for b in SECTION_OF_OPTIONS)})")
+
+
+def delegate_field(section: str, *, default: str | None = None,
+                   description: str | None = None) -> Any:
+    """The ``delegate`` option of a wrapper: the options of the component it wraps, a
+    sub-section of the same kind (``{name: <component>, ...its own options}``) that the config
+    loader validates against the delegate's own options model, with key paths such as
+    ``sampler.delegate.top_k``. Declare it as::
+
+        class TimingOptions(ExecutorOptions):
+            name: str = "timing"
+            delegate: ExecutorOptions = delegate_field("executor")
+
+    and build the delegate in the factory with ``ctx.build_delegate(options)``. Left out of a
+    config, the delegate is the section's default component (``default`` names another); the
+    section's shared keys (those of its base options, such as ``kv_cache.block_size`` or
+    ``scheduler.max_num_seqs``) are the wrapper's, and the delegate inherits them.
+    """
+    bases = {v: k for k, v in SECTION_OF_OPTIONS.items()}
+    if section not in bases:
+        raise ValueError(f"delegate_field: unknown section {section!r}; one of "
+                         f"{', '.join(bases)}")
+    if section == "attention" and default is None:
+        # attention's own default, auto, is chosen per device for the section only
+        raise ValueError("delegate_field: an attention delegate needs a default backend "
+                         "(default='torch_sdpa', say)")
+    base = bases[section]
+
+    def make() -> ComponentOptions:
+        return base() if default is None else base(name=default)
+
+    return Field(default_factory=make, description=description or (
+        f"The {section} component this one wraps, with its own options "
+        f"({{name: ..., ...}}); default: {default or base.model_fields['name'].default}."),
+        json_schema_extra={DELEGATE_MARK: section, DELEGATE_DEFAULT: default})
+
+
+def delegate_fields(options: type[ComponentOptions]) -> dict[str, tuple[str, str | None]]:
+    """The options model's delegate fields (see ``delegate_field``) -> (their section, the
+    component name they default to, or None for the section's default)."""
+    out = {}
+    for name, info in options.model_fields.items():
+        extra = info.json_schema_extra
+        if isinstance(extra, dict) and DELEGATE_MARK in extra:
+            default = extra.get(DELEGATE_DEFAULT)
+            out[name] = (str(extra[DELEGATE_MARK]), None if default is None else str(default))
+    return out
+
+
+# --------------------------------------------------------------------------- specs
+@dataclass(frozen=True, kw_only=True)
+class ComponentSpec:
+    """A component a plugin offers. ``name`` is unique per kind, lower-case."""
+
+    kind: ClassVar[str] = ""
+    section: ClassVar[str] = ""
+    name: str
+    factory: Callable[..., Any]
+    options: type[ComponentOptions] = NoOptions
+    summary: str = ""
+    # Why the component cannot be used here (say, an optional dependency is missing), or None.
+    # It is still listed (``corellm plugins`` shows the reason) and selecting it is a config
+    # error that gives the reason.
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSpec(ComponentSpec):
+    """``factory(options, ctx) -> Scheduler``; ``ctx.kv_cache_manager`` is set."""
+
+    kind: ClassVar[str] = "scheduler"
+    section: ClassVar[str] = "scheduler"
+    options: type[ComponentOptions] = SchedulerOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheManagerSpec(ComponentSpec):
+    """``factory(options, ctx) -> KVCacheManager``; ``ctx.num_kv_blocks`` is set."""
+
+    kind: ClassVar[str] = "kv_cache_manager"
+    section: ClassVar[str] = "kv_cache"
+    options: type[ComponentOptions] = KVCacheOptions
+
+
+def _any_device(device: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBackendSpec(ComponentSpec):
+    """``factory(options, ctx) -> AttentionBackend``; called in each worker.
+
+    ``check_device(device) -> reason or None``: why the backend cannot run on a
+    ``torch.device`` (checked in each worker before the factory is called). ``auto_priority``:
+    ``attention.name: auto`` picks, among the available backends that can run on the device
+    and list its type in ``auto_device_types`` (None: any), the one of the highest priority;
+    None keeps a backend out of ``auto`` (selected by name only).
+    """
+
+    kind: ClassVar[str] = "attention_backend"
+    section: ClassVar[str] = "attention"
+    options: type[ComponentOptions] = AttentionOptions
+    check_device: Callable[[Any], str | None] = _any_device
+    auto_priority: int | None = None
+    auto_device_types: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorSpec(ComponentSpec):
+    """``factory(options, ctx) -> Executor``.
+
+    ``tensor_parallel``: the executor runs ``parallel.tensor_parallel_size`` workers (one per
+    rank); otherwise a size above 1 is a config error, except for a wrapper (options with a
+    ``delegate_field``), which runs as many as its delegate does. ``launcher_worker(config, registry) ->
+    exit status``: what a process of rank > 0 runs when a launcher such as ``torchrun`` started
+    every rank (``parallel.init_method: env://``): ``corellm serve`` and ``corellm generate``
+    call it there instead of building an engine.
+    """
+
+    kind: ClassVar[str] = "executor"
+    section: ClassVar[str] = "executor"
+    options: type[ComponentOptions] = ExecutorOptions
+    tensor_parallel: bool = False
+    launcher_worker: Callable[..., int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerSpec(ComponentSpec):
+    """``factory(options, ctx) -> Sampler``; called in each worker."""
+
+    kind: ClassVar[str] = "sampler"
+    section: ClassVar[str] = "sampler"
+    options: type[ComponentOptions] = SamplerOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendSpec(ComponentSpec):
+    """``factory(options, ctx) -> Frontend``."""
+
+    kind: ClassVar[str] = "frontend"
+    section: ClassVar[str] = "frontend"
+    options: type[ComponentOptions] = FrontendOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(ComponentSpec):
+    """A model implementation, chosen by the checkpoint's ``architectures`` (config.json).
+
+    ``config_class`` parses the checkpoint's config: a ``corellm.model_config.ModelArchConfig``
+    subclass (its ``from_dict``), by default the core's Llama-family ``LlamaArchConfig``.
+    ``factory(arch, ctx) -> CausalLM`` receives that parsed config; ``ctx.device``,
+    ``ctx.dtype``, ``ctx.attention_backend`` and ``ctx.max_model_len`` are set and the factory
+    builds the module on them.
+    """
+
+    kind: ClassVar[str] = "model"
+    section: ClassVar[str] = "model"
+    architectures: Sequence[str] = field(default=())
+    config_class: type[ModelArchConfig] | None = None
+
+
+#: The version of the platform interface (``Platform``, ``DeviceOps``, ``ModelStepper``). A
+#: platform plugin may declare the version it was written for in its spec
+#: (``PlatformSpec.interface_version``); another major version is refused at start-up with the
+#: plugin's name, rather than failing mid-serving on a missing method.
+PLATFORM_INTERFACE_VERSION: tuple[int, int] = (1, 0)
+
+
+def _available(*_: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlatformSpec(ComponentSpec):
+    """A device platform (``corellm.platforms.Platform``): ``factory(options) -> Platform``.
+
+    ``availability() -> reason or None``: why the platform cannot run on this machine (no
+    device, no driver), asked lazily (``platform: auto``, ``corellm plugins``), so a probe that
+    imports torch costs nothing at discovery. ``auto_priority``: ``platform: auto`` picks the
+    available platform of the highest one; None keeps it out of ``auto`` (selected by name
+    only, as a reference or test platform should be). ``interface_version``: the major.minor
+    of ``corellm.platforms.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
+    """
+
+    kind: ClassVar[str] = "platform"
+    section: ClassVar[str] = "platform"
+    options: type[ComponentOptions] = PlatformOptions
+    availability: Callable[[], str | None] = _available
+    auto_priority: int | None = None
+    interface_version: tuple[int, int] = (1, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandSpec(ComponentSpec):
+    """A sub-command of the ``corellm`` command line: ``corellm NAME``.
+
+    ``factory(parser)`` declares the command's arguments on the ``argparse.ArgumentParser``
+    corellm made for it (``prog`` is ``corellm NAME``; ``summary`` is its line in ``corellm
+    --help`` and its description unless the factory sets another) and names the function that
+    runs it: ``parser.set_defaults(func=run)`` with ``run(args) -> int``, the exit status. It may
+    add nested sub-commands, each setting its own ``func``. Heavy imports belong inside ``run``:
+    every ``corellm`` invocation builds every command's parser. A ``CorellmError`` that ``run``
+    raises is printed as ``corellm: error: ...`` with exit status 2, as the built-in commands'
+    errors are. The built-in commands' names (``generate``, ``serve``, ``plugins``, ``config``)
+    cannot be taken.
+    """
+
+    kind: ClassVar[str] = "command"
+    section: ClassVar[str] = "command"
+
+
+SECTION_SPECS: dict[str, type[ComponentSpec]] = {
+    spec.section: spec
+    for spec in (PlatformSpec, SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec,
+                 ExecutorSpec, SamplerSpec, FrontendSpec)
+}
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
