@@ -484,7 +484,7 @@ def _run_in_process_app(llama_path, scenario, health_timeout_s: float = 5.0,
     can see which utility calls (``calls``: method names) the engine client makes."""
     from corellm.engine.async_llm import AsyncLLM
     from corellm_plugins.frontend_openai.options import OpenAIServerOptions
-    from corellm_plugins.frontend_openai.server import build_app
+    from corellm_plugins.frontend_openai.app import build_app
 
     async def main():
         engine = await AsyncLLM.create(engine_config(

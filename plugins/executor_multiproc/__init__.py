@@ -28,7 +28,7 @@ def _factory(options, ctx):
 
 
 def _launcher_worker(config, registry) -> int:
-    from corellm_plugins.executor_multiproc.executor import launcher_worker
+    from corellm_plugins.executor_multiproc.launcher import launcher_worker
     return launcher_worker(config, registry)
 
 

@@ -3,7 +3,7 @@
 The request bodies are the models of ``protocol.py``. The answers are described here: the
 successful bodies of each route (JSON, or server-sent events when ``stream`` is true) and the
 statuses the server really uses for errors, each with OpenAI's error body. FastAPI's own 422
-("validation error") is taken out: every validation error is a 400 (``_OpenAIRoute``).
+("validation error") is taken out: every validation error is a 400 (``body._OpenAIRoute``).
 
 The shapes below only document: the routes build their answers as dicts. What holds the two
 together is the seeded schemathesis run of ``tests/test_server_reliability.py``, which checks
