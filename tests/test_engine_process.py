@@ -239,7 +239,7 @@ def test_shutdown_removes_the_ipc_dir_and_leaves_no_child(llama_path):
 def test_async_shutdown_with_timeout(llama_path):
     import asyncio
 
-    from corellm.engine.core_client import AsyncMPClient
+    from corellm.engine.async_client import AsyncMPClient
     from corellm.engine.llm import build_config
 
     config, _ = build_config(engine_config(llama_path), None, ())
@@ -269,11 +269,11 @@ def test_a_send_blocked_on_a_core_that_dies_ends_with_the_death():
     import asyncio
     import types
 
-    from corellm.engine import core_client
+    from corellm.engine import async_client
     from corellm.engine.ipc import EngineDeadError
 
     async def run() -> tuple[float, float]:
-        client = object.__new__(core_client.AsyncMPClient)
+        client = object.__new__(async_client.AsyncMPClient)
         loop = asyncio.get_running_loop()
         client.loop, client.outputs, client._calls = loop, asyncio.Queue(), {}
         client._call_ids = iter(range(1, 1000))
@@ -292,8 +292,8 @@ def test_a_send_blocked_on_a_core_that_dies_ends_with_the_death():
         return after_death, time.monotonic() - t0
 
     after_death, after_timeout = asyncio.run(run())
-    assert 0.2 <= after_death < core_client.SEND_TIMEOUT_S / 2
-    assert 0.3 <= after_timeout < core_client.SEND_TIMEOUT_S / 2
+    assert 0.2 <= after_death < async_client.SEND_TIMEOUT_S / 2
+    assert 0.3 <= after_timeout < async_client.SEND_TIMEOUT_S / 2
 
 
 def test_a_core_that_does_not_stop_in_time_is_killed(llama_path, tmp_path, monkeypatch, caplog):
@@ -328,7 +328,7 @@ def test_the_stop_log_states_the_real_exit_code(monkeypatch, caplog):
     for the GIL), the stop must still log the real exit code, not None."""
     import multiprocessing
 
-    from corellm.engine.core_client import _CoreProcess
+    from corellm.engine.core_process import _CoreProcess
 
     real_waitpid = os.waitpid
 
@@ -405,7 +405,7 @@ def test_the_core_trims_its_heap_once_per_idle_spell(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- the IPC directory
 def test_ipc_dir_removal_is_idempotent_and_thread_safe():
-    from corellm.engine.core_client import _CoreProcess
+    from corellm.engine.core_process import _CoreProcess
 
     proc = _CoreProcess()
     assert os.path.isdir(proc.ipc_dir)
@@ -457,7 +457,7 @@ def test_the_core_runs_at_most_two_batches_ahead_of_an_async_client(llama_path):
     held, and steps on once the batches are credited."""
     import asyncio
 
-    from corellm.engine.core_client import AsyncMPClient
+    from corellm.engine.async_client import AsyncMPClient
     from corellm.engine.llm import build_config
     from corellm.request import EngineCoreRequest
     from corellm.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from corellm.config import EngineConfig
-from corellm.engine.core_client import AsyncMPClient
+from corellm.engine.async_client import AsyncMPClient
 from corellm.engine.ipc import EngineDeadError
 from corellm.engine.llm import build_config, load_tokenizer
 from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
