@@ -56,7 +56,7 @@ PARENT_POLL_S = 1.0
 _WAKE = b"_wake"
 # Seconds without a step after which the core trims its heap (once per idle spell). Longer than
 # the pauses within a burst of requests, so a busy server does not page its temporaries back
-# in after every pause; the trim took up to 0.14 s on a 1.6 GB heap, and a request arriving
+# in after every pause; a trim of a large heap takes a noticeable time, and a request arriving
 # meanwhile waits for it.
 IDLE_TRIM_S = 5.0
 

@@ -38,7 +38,7 @@ def _plain_fast_tokenizer_class(directory: Path) -> Any:
     """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
 
     ``AutoTokenizer`` resolves the class through the model registry, importing torch and the
-    model families' modules (about 4 s of a 5 s start-up on a 2-core CPU); a tokenizer whose
+    model families' modules (most of a small model's start-up); a tokenizer whose
     ``tokenizer_config.json`` names the generic fast class needs none of that. Anything else
     (model-specific classes, remote code) goes through ``AutoTokenizer``.
     """

@@ -44,8 +44,8 @@ def raw_decoder(tokenizer: Any) -> Any:
     overrides (``_decode`` calls the Rust decode, then cleans up spaces only if asked to), and
     no clean-up asked for. Else None: decode through transformers. The wrapper first converts
     its input element by element (``to_py_obj``): for the two few-token decodes of each
-    generated token that cost more than the decoding, about 3% of a decode-heavy run's wall
-    time on a 2-core CPU."""
+    generated token that costs more than the decoding itself, a visible share of a
+    decode-heavy run's time."""
     if not _TOKENIZERS_BACKEND:
         try:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend

@@ -127,8 +127,9 @@ JSON_BYTES_PER_COST = 50
 
 def check_message_count(data: dict[str, Any], limits: RequestLimits) -> None:
     """``messages`` within ``frontend.limits.max_messages``, a list content counting each of its
-    parts: checked on the parsed JSON, before pydantic validates each message (30,000 messages
-    took 0.2 s of the event loop to validate, and the chat template another 0.3 s)."""
+    parts: checked on the parsed JSON, before pydantic validates each message, because
+    validating tens of thousands of messages (and rendering them) holds the event loop for a
+    noticeable fraction of a second."""
     messages = data.get("messages")
     if not isinstance(messages, list):
         return
@@ -160,10 +161,9 @@ class _JSONRequest(Request):
             if len(raw) <= INLINE_PARSE_BYTES:
                 self._json = self._parse(raw, serving.limits)
             else:
-                # json.loads takes 20 ms for 1 MiB of small objects. On the loop, twenty such
-                # bodies held every other client's request for their sum; on the pool they wait
-                # behind smaller jobs (twenty clients sending 1 MiB bodies of four kinds: a
-                # one-token completion took 0.1-0.3 s, 0.3-1.0 s with bodies parsed on the loop).
+                # Parsing a large body takes milliseconds per MiB: on the loop, many such bodies
+                # at once would hold every other client's request for their sum; on the pool
+                # they wait behind smaller jobs (docs/benchmarks.md, the abuse benchmark).
                 self._json = await serving.off_loop(self._parse, raw, serving.limits,
                                                     cost=len(raw) / JSON_BYTES_PER_COST)
         return self._json

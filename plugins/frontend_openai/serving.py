@@ -328,8 +328,8 @@ class OpenAIServing:
 
     def chat_cost(self, messages: Sequence[Any]) -> int:
         """About what rendering and tokenizing ``messages`` costs: their text, and for each
-        message the template's work on it (about 14 us a message, and 1 us a character to
-        tokenize, on a 2-core AMD EPYC)."""
+        message the template's work on it, in the units of ``text_cost`` (a character), so
+        a request of many short messages is not costed as a cheap one."""
         chars = sum(len(m.content) if isinstance(m.content, str)
                     else sum(len(p.text) for p in m.content or ()) for m in messages)
         return self.text_cost(chars) + CHAT_COST_PER_MESSAGE * len(messages)
