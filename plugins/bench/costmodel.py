@@ -255,8 +255,8 @@ class FittedCostModel(CostModel):
 
         The residuals are *relative*: each row is weighted by ``1 / t_measured``, so the fit
         minimises the sum of squared relative errors. With plain least squares the few big
-        prefill steps (hundreds of ms) would dominate and a 2 ms decode step could be off by
-        50% at no cost, yet decode steps are most of a serving run's steps. Columns are scaled
+        prefill steps would dominate and a short decode step could be off by half at little
+        cost, yet decode steps are most of a serving run's steps. Columns are scaled
         to unit norm before solving (features span ten orders of magnitude) and unscaled
         after. A column that is zero in every sample (e.g. no prefills measured) gets
         coefficient 0 and is listed in ``diagnostics["unfitted"]``; ``diagnostics["rank"]``
