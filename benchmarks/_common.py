@@ -17,7 +17,7 @@ from typing import Any
 
 from corellm_plugins.bench.env import environment, loadavg  # noqa: F401  (re-exported)
 from corellm_plugins.bench.workload_cli import parse_range  # noqa: F401  (re-exported)
-from corellm_plugins.bench.runner import prompt_token_space
+from corellm_plugins.bench.targets import prompt_token_space
 
 
 def logger(tag: str):

@@ -15,12 +15,12 @@ so every request generates exactly its output length) and measures, per point:
 
 each as mean, median, std, p90 and p99 under ``vllm bench serve``'s key names (``mean_ttft_ms``,
 ``p99_itl_ms``, ...). This script is a thin sweep over the ``corellm bench`` harness: the client,
-the server process, the metrics and the offline engine runs are the bench plugin's ``runner``
-and ``metrics`` (``corellm_plugins.bench``), shared with ``corellm bench``. Output tokens are
-counted from the usage chunk, and every request
-must get exactly the expected number: a request that errors, ends early or gets a different
-count is a failure, counted and reported (its latencies are left out of the statistics), never
-dropped silently.
+the server process, the metrics and the offline engine runs are the bench plugin's
+``server_client``, ``server_process``, ``metrics`` and ``engine_driver``
+(``corellm_plugins.bench``), shared with ``corellm bench``. Output tokens are counted from the
+usage chunk, and every request must get exactly the expected number: a request that errors,
+ends early or gets a different count is a failure, counted and reported (its latencies are left
+out of the statistics), never dropped silently.
 
 Load: ``--concurrency 1,4,16,64`` (a closed loop: at most N requests in flight, a new one sent
 as soon as one finishes) and/or ``--request-rate R[,R...]`` (Poisson arrivals, seeded; ``inf``
@@ -73,9 +73,12 @@ from _common import (logger, model_facts, parse_int_list, parse_range, pyplot,  
 from corellm_plugins.bench.cli import HelpFormatter, positive_int  # noqa: E402
 from corellm_plugins.bench.env import environment, loadavg, proc_cpu_seconds  # noqa: E402
 from corellm_plugins.bench.metrics import RequestRecord, summarize  # noqa: E402
-from corellm_plugins.bench.runner import (  # noqa: E402
-    RunOptions, ServerProcess, Target, drive_server, http_clients, run_engine, scrape_counters,
-    server_info, warmup_workload)
+from corellm_plugins.bench.engine_driver import run_engine  # noqa: E402
+from corellm_plugins.bench.server_client import (  # noqa: E402
+    drive_server, http_clients, scrape_counters, server_info)
+from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
+from corellm_plugins.bench.sessions import warmup_workload  # noqa: E402
+from corellm_plugins.bench.targets import RunOptions, Target  # noqa: E402
 from corellm_plugins.bench.workload import BenchRequest, Workload  # noqa: E402
 
 # As under the `corellm` command (and in the other benchmarks): corellm's CPU workers may tune
@@ -474,7 +477,7 @@ def base_config(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from corellm_plugins.bench.runner import prompt_token_space
+    from corellm_plugins.bench.targets import prompt_token_space
 
     if args.offline is None:
         args.offline = args.url is None

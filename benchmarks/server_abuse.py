@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import logger  # noqa: E402
 from corellm_plugins.bench.env import environment  # noqa: E402
-from corellm_plugins.bench.runner import ServerProcess  # noqa: E402
+from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
 
 log = logger("server_abuse")
 REPO = Path(__file__).resolve().parents[1]

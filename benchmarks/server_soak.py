@@ -54,7 +54,7 @@ from benchmarks._common import logger, pyplot, write_json  # noqa: E402
 from benchmarks.server_abuse import worst_allowed_body  # noqa: E402
 from corellm_plugins.bench.env import environment  # noqa: E402
 from corellm_plugins.bench.metrics import percentile  # noqa: E402
-from corellm_plugins.bench.runner import ServerProcess  # noqa: E402
+from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
 
 log = logger("server_soak")
 

@@ -62,7 +62,8 @@ def summary_of(result: Any) -> dict[str, float]:
 
 def run_pair(label: str, cfg: dict[str, Any], profile: str, workload: Any, repeats: int,
              ) -> dict[str, Any]:
-    from corellm_plugins.bench.runner import RunOptions, Target, run_engine
+    from corellm_plugins.bench.engine_driver import run_engine
+    from corellm_plugins.bench.targets import RunOptions, Target
     sim_cfg = {**cfg, "executor": {"name": "sim", "profile": profile}}
     out: dict[str, Any] = {}
     for kind, c in (("real", cfg), ("sim", sim_cfg)):
@@ -101,7 +102,7 @@ def main() -> int:
     warn_if_busy(log)
     from corellm_plugins.bench.calibrate import calibrate
     from corellm_plugins.bench.workload import build_workload
-    from corellm_plugins.bench.runner import config_model_dir, prompt_token_space
+    from corellm_plugins.bench.targets import config_model_dir, prompt_token_space
 
     configs = {"fcfs": load_yaml(WORKLOADS / "fcfs.yaml"),
                "priority": load_yaml(WORKLOADS / "priority.yaml")}

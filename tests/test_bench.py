@@ -13,8 +13,8 @@ from corellm_plugins.bench.metrics import (RequestRecord, distribution, meets_sl
                                            percentile, summarize)
 from corellm_plugins.bench.report import (build_results, compare, format_report, verdict,
                                           welch_t_test, write_plot)
-from corellm_plugins.bench.runner import (RunOptions, Target, parse_target, run_ab, run_target,
-                                          unique_labels)
+from corellm_plugins.bench.runner import run_ab, run_target
+from corellm_plugins.bench.targets import RunOptions, Target, parse_target, unique_labels
 from corellm_plugins.bench.workload import BenchRequest, Workload
 from tests.conftest import engine_config
 

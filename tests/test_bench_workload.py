@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
-from corellm_plugins.bench.workload import (BenchRequest, Workload, WorkloadError, arrival_times,
-                                            build_workload, context_lengths, load_workload_spec,
-                                            spec_from_vllm_args, workload_stats)
+from corellm_plugins.bench.cli import spec_from_vllm_args
+from corellm_plugins.bench.distributions import arrival_times
+from corellm_plugins.bench.workload import (BenchRequest, Workload, build_workload,
+                                            context_lengths, workload_stats)
 from corellm_plugins.bench.workload_cli import add_workload_subcommand
+from corellm_plugins.bench.workload_spec import WorkloadError, load_workload_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "workloads"
 VOCAB = 1000

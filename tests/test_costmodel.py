@@ -1,7 +1,8 @@
-"""The simulated executor's step-time cost models (plugins/bench/costmodel.py): StepShape features,
-the fitted model recovering known coefficients from synthetic timings, the roofline model's
-hand-checked numbers and fit, ModelShape parameter counts against transformers, the device
-table, and the profile file (round trip, load errors, compatibility checks). No model runs."""
+"""The simulated executor's step-time cost models (plugins/bench: costmodel.py, roofline.py,
+model_shape.py, devices.py, profile.py): StepShape features, the fitted model recovering known
+coefficients from synthetic timings, the roofline model's hand-checked numbers and fit,
+ModelShape parameter counts against transformers, the device table, and the profile file (round
+trip, load errors, compatibility checks). No model runs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import types
 import numpy as np
 import pytest
 
-from corellm_plugins.bench.costmodel import (
-    DEVICES, STEP_FIELDS, CostModel, DeviceSpec, FittedCostModel, ModelShape, Profile,
-    RooflineCostModel, StepShape, cost_model_from_json)
+from corellm_plugins.bench.costmodel import STEP_FIELDS, CostModel, FittedCostModel, StepShape
+from corellm_plugins.bench.devices import DEVICES, DeviceSpec
+from corellm_plugins.bench.model_shape import ModelShape
+from corellm_plugins.bench.profile import Profile, cost_model_from_json
+from corellm_plugins.bench.roofline import RooflineCostModel
 from corellm.errors import ConfigError
 
 KNOTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)

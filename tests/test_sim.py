@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from corellm_plugins.bench.runner import RunOptions, Target, drive_engine, run_engine
+from corellm_plugins.bench.engine_driver import drive_engine, run_engine
+from corellm_plugins.bench.targets import RunOptions, Target
 from corellm_plugins.bench.workload import build_workload
 from corellm.clock import WALL_CLOCK, Clock
-from corellm_plugins.bench.costmodel import FittedCostModel, ModelShape, Profile, model_fingerprint
+from corellm_plugins.bench.costmodel import FittedCostModel
+from corellm_plugins.bench.model_shape import ModelShape, model_fingerprint
+from corellm_plugins.bench.profile import Profile
 from corellm.engine.llm import LLM
 from corellm.errors import ConfigError
 from corellm.model_config import checkpoint_name, load_arch_config

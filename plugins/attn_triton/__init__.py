@@ -4,8 +4,8 @@ with no CUDA C++ build, and the reference a third-party kernel plugin is measure
 ``attention: {name: auto}`` picks it on CUDA when ``triton`` is importable. ``triton`` is an
 optional dependency (``pip install 'corellm[triton]'``; CUDA builds of torch bring it): without
 it the backend is listed by ``corellm plugins`` as unavailable, with the reason. On the CPU it
-runs only under ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests: about 100x slower than
-torch SDPA)."""
+runs only under ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests: it runs each kernel
+program in Python on numpy arrays, far too slow to serve with)."""
 
 from __future__ import annotations
 

@@ -5,12 +5,19 @@ seeded workloads against engine configs or live servers, side by side; ``bench w
 ``bench calibrate``) and the ``sim`` executor (``corellm_executors``: no model, step times from a
 cost model calibrated on real hardware, on virtual time). Modules:
 
-* ``cli``, ``workload_cli``, ``calibrate``: the command and its sub-commands;
-* ``workload``: workload specs (YAML) and the seeded requests they build;
-* ``runner``: driving a target (an in-process engine or a server) through a workload;
+* ``cli``, ``workload_cli``, ``calibrate``: the command and its sub-commands (``cli`` also
+  turns ``vllm bench serve``'s flags into a workload spec);
+* ``workload``: the seeded requests a workload spec builds, and their statistics;
+* ``workload_spec``: workload specs (YAML), their validation and errors;
+* ``distributions``: the lengths, durations and arrival patterns a spec draws from;
+* ``runner``: running targets through a workload, side by side; ``targets``: what a run
+  measures, its options and its result; ``sessions``: when each request is due;
+* ``engine_driver``: driving an in-process engine; ``server_client``: driving a live server;
+  ``server_process``: starting ``corellm serve`` for a run;
 * ``metrics``, ``report``: per-request records, their statistics, the A/B table, JSON and plot;
-* ``env``: the machine record every result carries;
-* ``costmodel``, ``sim``: the step-time models and the ``sim`` executor.
+* ``env``: the machine record every result carries; ``progress``: logging on stderr;
+* ``costmodel`` (step shapes, the fitted model), ``roofline``, ``model_shape``, ``devices``,
+  ``profile`` and ``sim``: the step-time models, the profile file and the ``sim`` executor.
 """
 
 from __future__ import annotations

@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from .workload import BenchRequest, Workload
-from .costmodel import (DEVICES, FittedCostModel, ModelShape, Profile, RooflineCostModel,
-                        StepShape, model_fingerprint)
+from .costmodel import FittedCostModel, StepShape
+from .devices import DEVICES
+from .model_shape import ModelShape, model_fingerprint
+from .profile import Profile
+from .roofline import RooflineCostModel
 
 PROFILE_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -137,7 +140,8 @@ def measure(llm: Any, design: Design, *, progress: bool = True,
             ) -> tuple[list[StepShape], list[float], list[str]]:
     """Run the design through ``llm`` (an in-process ``LLM``); returns one shape, one time and
     the workload's name per step."""
-    from .runner import RunOptions, drive_engine
+    from .engine_driver import drive_engine
+    from .targets import RunOptions
 
     engine = llm.engine
     recorder = _PlanRecorder(engine.executor)
@@ -280,7 +284,7 @@ def fit_report(model: Any, shapes: Sequence[StepShape], seconds: Sequence[float]
 def roofline_profile(config: Any, device_key: str, *, dtype: str | None = None,
                      efficiencies: Mapping[str, float] | None = None) -> Profile:
     """A what-if profile: ``config``'s model (its ``config.json``; no weights are read) on the
-    device ``device_key`` of ``corellm_plugins.bench.costmodel.DEVICES``, priced by a roofline."""
+    device ``device_key`` of ``corellm_plugins.bench.devices.DEVICES``, priced by a roofline."""
     import corellm
     from corellm.engine.llm import build_config
     from corellm.model_config import resolve_dtype_name

@@ -18,7 +18,10 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .workload_spec import WorkloadSpec
 
 EPILOG = """\
 targets (each repeatable; NAME=VALUE names a column, default: the file's stem / host:port):
@@ -185,7 +188,7 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- running
 def build_targets(args: argparse.Namespace) -> list[Any]:
-    from .runner import Target, default_label, parse_target, unique_labels
+    from .targets import Target, default_label, parse_target, unique_labels
 
     specs = []
     for text in args.config:
@@ -206,30 +209,92 @@ def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
                    ) -> tuple[Any, int]:
     """A function seed -> Workload, and the base seed. With ``max_model_len`` a workload whose
     sessions outgrow the context is refused before anything runs."""
-    from . import workload as wl
+    from .workload import build_workload
+    from .workload_spec import load_workload_spec
 
     if args.workload:
-        spec = wl.load_workload_spec(args.workload)
+        spec = load_workload_spec(args.workload)
         base = args.seed if args.seed is not None else getattr(spec, "seed", None)
         base = 0 if base is None else base
 
         def make(seed: int) -> Any:
-            return wl.build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
-                                     seed=seed, tokenizer=tokenizer,
-                                     max_model_len=max_model_len)
+            return build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
+                                  seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
         return make, base
 
     base = 0 if args.seed is None else args.seed
 
     def make_random(seed: int) -> Any:
-        spec = wl.spec_from_vllm_args(
+        spec = spec_from_vllm_args(
             input_len=args.input_len or args.random_input_len,
             output_len=args.output_len or args.random_output_len,
             range_ratio=args.random_range_ratio, num_prompts=args.num_prompts,
             request_rate=args.request_rate, burstiness=args.burstiness, seed=seed)
-        return wl.build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
-                                 seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
+        return build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
+                              seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
     return make_random, base
+
+
+def spec_from_vllm_args(*, input_len: int, output_len: int, range_ratio: float,
+                        num_prompts: int, request_rate: float, burstiness: float,
+                        seed: int) -> WorkloadSpec:
+    """The workload ``vllm bench serve --dataset-name random`` sends with these flags.
+
+    vLLM draws each request's input and output length as integers uniform in
+    [floor(len * (1 - r)), ceil(len * (1 + r))] (r = ``--random-range-ratio``, in [0, 1); the
+    output range is raised to at least 1), random token ids for the prompt, and gamma
+    inter-arrival times (shape ``burstiness``, mean 1/rate; ``request_rate = inf`` sends
+    everything at once). Two deliberate differences: vLLM first subtracts the tokens its
+    tokenizer would add (a BOS) from the input length because it sends text; corellm sends the
+    token ids themselves, so the prompt is exactly the drawn length. And the bounds are computed
+    free of float noise (vLLM's ``ceil(100 * 1.1)`` is 111).
+    """
+    from .workload_spec import WorkloadError, load_workload_spec
+
+    problems = []
+    if not 0.0 <= range_ratio < 1.0:
+        problems.append(("random_range_ratio", f"must be in [0, 1), got {range_ratio:g}"))
+    if input_len < 1:
+        problems.append(("random_input_len", f"must be >= 1, got {input_len}"))
+    if output_len < 1:
+        problems.append(("random_output_len", f"must be >= 1, got {output_len}"))
+    if num_prompts < 1:
+        problems.append(("num_prompts", f"must be >= 1, got {num_prompts}"))
+    if not request_rate > 0:
+        problems.append(("request_rate", f"must be > 0 (or inf), got {request_rate:g}"))
+    if not burstiness > 0:
+        problems.append(("burstiness", f"must be > 0, got {burstiness:g}"))
+    if problems:
+        raise WorkloadError(problems)
+
+    def bounds(length: int) -> tuple[int, int]:
+        # Round away float noise (1e-9 of a token) before floor/ceil: 100 * (1 + 0.1) is
+        # 110.00000000000001 in binary floating point, which must stay 110.
+        low = math.floor(round(length * (1.0 - range_ratio), 9))
+        high = math.ceil(round(length * (1.0 + range_ratio), 9))
+        return low, high
+
+    def dist(low: int, high: int) -> dict[str, Any]:
+        return ({"dist": "fixed", "value": low} if low == high
+                else {"dist": "uniform", "low": low, "high": high})
+
+    in_lo, in_hi = bounds(input_len)
+    if in_lo < 1:
+        raise WorkloadError([("random_range_ratio", f"with --random-input-len {input_len} the "
+                                                    f"shortest prompt would be {in_lo} tokens; "
+                                                    "lower the ratio or raise the length")])
+    out_lo, out_hi = bounds(output_len)
+    out_lo, out_hi = max(out_lo, 1), max(out_hi, 1)
+    if math.isinf(request_rate):
+        arrivals: dict[str, Any] = {"pattern": "all_at_once"}
+    elif burstiness == 1.0:
+        arrivals = {"pattern": "poisson", "rate": request_rate}
+    else:
+        arrivals = {"pattern": "gamma", "rate": request_rate, "burstiness": burstiness}
+    return load_workload_spec({
+        "name": "random", "seed": seed, "num_requests": num_prompts,
+        "requests": {"input_len": dist(in_lo, in_hi), "output_len": dist(out_lo, out_hi)},
+        "arrivals": arrivals})
 
 
 def result_path(args: argparse.Namespace, model_name: str, date: _dt.datetime) -> Path | None:
@@ -254,8 +319,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .env import environment, loadavg
     from .metrics import parse_goodput
     from .report import build_results, format_report, write_json, write_plot
-    from .runner import (RunOptions, config_max_model_len, config_model_dir, log,
-                         prompt_token_space, run_ab)
+    from .progress import log
+    from .runner import run_ab
+    from .targets import (RunOptions, config_max_model_len, config_model_dir,
+                          prompt_token_space)
 
     goodput = parse_goodput(args.goodput or [])
     targets = build_targets(args)

@@ -21,7 +21,8 @@ from typing import Any
 
 from .metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
                       by_priority, percentile_key)
-from .runner import RunResult, Target, log
+from .progress import log
+from .targets import RunResult, Target
 from .workload import Workload
 
 ALPHA = 0.05

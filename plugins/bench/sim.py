@@ -1,7 +1,7 @@
 """The simulated executor: no model, a calibrated step time, virtual time.
 
 ``executor: {name: sim, profile: PATH}`` replaces the forward pass with the step time a cost
-model predicts from the step plan (``costmodel``): the profile is measured on real
+model predicts from the step plan (``costmodel``, ``roofline``): the profile is measured on real
 hardware by ``corellm bench calibrate`` or derived from a device's published peaks (a roofline).
 Everything else is the real engine: the configured scheduler and policy, the KV-cache manager
 and its prefix cache, preemption, the output path and ``corellm bench``. Each step the engine's
@@ -26,7 +26,9 @@ from pydantic import Field
 from corellm.block_pool import num_blocks_for_budget
 from corellm.clock import VirtualClock
 from corellm.components import BuildContext, ExecutorOptions
-from .costmodel import Profile, StepShape, model_fingerprint
+from .costmodel import StepShape
+from .model_shape import model_fingerprint
+from .profile import Profile
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
 from corellm.model_config import checkpoint_name, resolve_dtype_name

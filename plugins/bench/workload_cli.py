@@ -242,7 +242,7 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_workload(args: argparse.Namespace) -> int:
     """Handler of ``corellm bench workload``: describe, or generate and write."""
-    from .workload import WorkloadError
+    from .workload_spec import WorkloadError
 
     try:
         if args.wl_describe:
@@ -359,7 +359,7 @@ def _comment(text: str | None, indent: int) -> list[str]:
 def render_yaml(spec: dict[str, Any], header: list[str]) -> str:
     """The spec as YAML, each key preceded by its field description as a comment (so the
     comments are the schema's own documentation and cannot drift from it)."""
-    from .workload import RequestsSpec, SessionsSpec, WorkloadSpec
+    from .workload_spec import RequestsSpec, SessionsSpec, WorkloadSpec
 
     nested = {"requests": RequestsSpec, "sessions": SessionsSpec}
     lines = [f"# {h}" if h else "#" for h in header]
@@ -378,7 +378,8 @@ def render_yaml(spec: dict[str, Any], header: list[str]) -> str:
 
 def generate_yaml(args: argparse.Namespace, *, command: str = "corellm bench workload") -> str:
     """The commented YAML file for the flags, validated by loading and building it back."""
-    from .workload import build_workload, load_workload_spec
+    from .workload import build_workload
+    from .workload_spec import load_workload_spec
 
     spec = spec_dict_from_args(args)
     loaded = load_workload_spec(spec)
@@ -448,8 +449,8 @@ def describe_text(path: str, stats: dict[str, Any], description: str) -> str:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    from .workload import (FilePrompts, build_workload, load_workload_spec,
-                           workload_stats)
+    from .workload import build_workload, workload_stats
+    from .workload_spec import FilePrompts, load_workload_spec
 
     spec = load_workload_spec(args.wl_describe)
     # Which ids a prompt holds changes no statistic, so any vocabulary that admits the file's

@@ -41,8 +41,9 @@ logger = logging.getLogger("corellm.server")
 # refused all need one.
 FILE_RESERVE = 64
 # The soft file limit is raised toward the hard one up to this, not to a container's usual hard
-# limit of 1,048,576: a connection costs the API process about 6 KB (measured with a partial
-# head held), so this bounds what held connections can take to about 400 MB.
+# limit of 1,048,576: each held connection also holds memory in the API process (its transport
+# and a partly read head), so the file limit bounds that memory too, and this one keeps it to
+# what a server can spare (the per-connection figure: docs/server.md).
 FILE_LIMIT_TARGET = 65536
 # Connections accepted per wake-up of the listening socket (asyncio takes the listen backlog,
 # 2048, at once): a burst of connections then cannot run ahead of the cap's bookkeeping.

@@ -34,9 +34,10 @@ class RequestLimits(BaseModel):
         1024, ge=0, description="Most log-probability alternatives per generated position "
                                 "over all samples: (logprobs or top_logprobs) x samples.")
     # Each message costs the chat template's work and its framing tokens (ChatML's are five), so
-    # 2048 messages already spend 10k tokens on framing: more than conversations hold, and at
-    # most about 10 ms of validation and 30 ms of template on a 2-core AMD EPYC (30,000
-    # messages in a 1 MiB body: 0.2 s and 0.3 s, then a second of tokenizing).
+    # 2048 messages already spend 10k tokens on framing: more than conversations hold. Without
+    # a bound, a body under the size limit could hold tens of thousands of tiny messages, whose
+    # validation and templating grow with their count and run before any length check (the
+    # figures: docs/server.md).
     max_messages: int = Field(
         2048, ge=1, description="Most messages in one chat request (/v1/chat/completions, "
                                 "/tokenize); a content given as a list of parts counts each "

@@ -4,8 +4,9 @@ templates, tokenization) on worker threads shared by every client.
 Two things keep one client's bodies from holding up everyone else's:
 
 - **A bound on the text to tokenize** (``TextBound``): a text with more characters than
-  ``max_model_len`` tokens can stand for is refused before it is tokenized. A 1 MiB prompt takes
-  the Rust tokenizer about a second; refused by its length, it costs nothing.
+  ``max_model_len`` tokens can stand for is refused before it is tokenized. Tokenizing a long
+  text is the costliest thing a request does here (figures: docs/server.md); refused by its
+  length, it costs nothing.
 - **A fair queue** (``FairExecutor``): the cheapest job first, with aging, and a worker kept for
   small jobs.
 """
@@ -54,10 +55,10 @@ class FairExecutor:
     A job runs to its end once started. Two threads run them: one takes any job, the other only
     jobs of at most ``SMALL_COST`` (about 4 ms), so a small job never waits for a large one that
     is running (a 1 MiB prompt that fits the context of a large model, or a 1 MiB /tokenize
-    prompt, takes the tokenizer a second). Not more threads, and no large jobs on the second:
-    parsing JSON and rendering Jinja hold the GIL (only the Rust tokenizer's encode releases
-    it), so two large jobs at once take no less time than one after the other, and each thread
-    that holds the GIL delays every step of the event loop.
+    prompt, keeps the tokenizer busy for many small jobs' worth). Not more threads, and no large
+    jobs on the second: parsing JSON and rendering Jinja hold the GIL (only the Rust tokenizer's
+    encode releases it), so two large jobs at once take no less time than one after the other,
+    and each thread that holds the GIL delays every step of the event loop.
     """
 
     AGING = 1 / 8

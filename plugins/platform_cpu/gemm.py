@@ -25,23 +25,25 @@ from corellm_plugins.platform_cpu.native import machine_key
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- GEMM paths
-# Which library runs a small fp32 matmul fastest depends on the CPU, not on its vendor string:
-# on an Intel Xeon with AMX, MKL's packed GEMM was 1.3-2x the plain one for decode batches; on an
-# AMD EPYC (AVX2) oneDNN's prepacked linear is 1.3-2x MKL's packed path from 16 to 256 rows
-# (docs/benchmarks.md). So each weight shape gets a plan, measured at start-up: one preferred
-# path, and for a row bucket where another is clearly faster, that one.
+# Which library runs a small fp32 matmul fastest depends on the CPU (its vector units, matrix
+# extensions and caches), not on its vendor string: MKL's packed GEMM beats the plain one on
+# some CPUs, oneDNN's prepacked linear beats both on others, and the ranking can change with the
+# row count (per-machine figures: docs/benchmarks.md and docs/architecture.md, "GEMM plans").
+# So each weight shape gets a plan, measured at start-up: one preferred path, and for a row
+# bucket where another is clearly faster, that one.
 #   dense   F.linear on the weight as loaded
 #   mkl     torch.ops.mkl._mkl_linear on a copy in MKL's packed layout (fp32)
 #   onednn  torch.ops.mkldnn._linear_pointwise on a copy in oneDNN's blocked layout (fp32, and
 #           bf16 where the CPU has oneDNN's bf16 kernels: AVX-512 or AVX-NE-CONVERT)
 #   native  corellm's own register-blocked kernel (cpu_gemm.c, built on first use) on a copy
-#           packed in panels of two vector widths, fp32 or bf16 (widened to fp32 as it is read);
-#           on an AMD EPYC (AVX2) fp32 was 1.2-1.9x oneDNN from 1 to 64 rows and 1.1-1.2x at
-#           256-2048, and bf16 2-7x upcast (docs/benchmarks.md)
+#           packed in panels of two vector widths, fp32 or bf16 (widened to fp32 as it is read):
+#           one candidate among the others: it can win where the libraries are not tuned for the
+#           CPU, and lose where their kernels use units it does not (AMX)
 #   upcast  bf16 weights only: input and weight converted to fp32 for each call, fp32 GEMM,
 #           output rounded to bf16 (no copy kept). Without native bf16 dot products (AVX2),
-#           torch's bf16 GEMM ran at 18-20 GFLOP/s at every batch size, and this at 57-94 at 64
-#           rows; half the weight bytes still win at one row. So it is measured, per bucket.
+#           torch's bf16 GEMM is slow at every batch size, and widening pays for its conversions
+#           once a batch is large enough to be bound by arithmetic; at one row, reading half
+#           the weight bytes can still win. So it is measured, per bucket.
 # A plan is cached per process and on disk (keyed by CPU, torch, threads, shape and the
 # measuring method's version), so only the first start on a machine pays the measurement.
 # A shared machine has slow phases (every path at half speed for a while), and a plan measured
@@ -49,13 +51,13 @@ logger = logging.getLogger(__name__)
 # measured (a small calibration matmul), and is measured again when the machine is now clearly
 # faster than it was then.
 _PLAN_VERSION = 6
-_CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (~2-5 ms)
+_CALIBRATION = (512, 512, 512)          # m, k, n of the calibration matmul (small: run per process)
 _STALE_SPEEDUP = 1.3                    # re-measure a plan made when the machine was this slower
 _PROBE_ROWS = (1, 4, 16, 64, 256)      # a bucket is (previous probe, probe]; larger -> last
 _PROBE_MAX_FLOP = 2e9                  # larger probes of big shapes are skipped (start-up time)
 _PROBE_COLD_BYTES = 32 << 20           # weight copies per probe: more than a CPU's cache holds
 _PROBE_MAX_COPIES = 16
-_PROBE_RUN_FLOP = 1e8                  # a timed run is this much work (~1 ms) ...
+_PROBE_RUN_FLOP = 1e8                  # a timed run is this much work (long next to a wake-up) ...
 _PROBE_RUN_BYTES = 16 << 20            # ... or reads this much weight, whichever comes first,
 _PROBE_MAX_CALLS = 16                  # ... in at most this many calls
 _PROBE_ROUNDS = 5

@@ -78,8 +78,9 @@ class CpuOps:
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """The index of each row's first maximum of a float32 [rows, n] CPU tensor (NaN counts
         as the maximum), as ``x.max(dim=-1).indices``: one pass, rows split over the threads
-        (torch's reduction ran at about 9 GB/s on a 2-core AMD EPYC for 64 x 32000 logits,
-        single-threaded). None for other inputs."""
+        (with weight packing on, torch's own ops run on one thread, so its reduction would read
+        a step's whole [rows, vocab] logits on one core; figures in docs/architecture.md, "Fused
+        element-wise kernels"). None for other inputs."""
         if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
                 or x.stride(1) != 1 or x.shape[1] == 0
                 or (torch.is_grad_enabled() and x.requires_grad)):
@@ -130,10 +131,10 @@ _silu_faster: dict[torch.dtype, bool] = {}
 
 
 def _silu_kernel_is_faster(ops: CpuOps, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the SiLU-and-multiply kernel beats torch's here for ``dtype`` (measured once
-    per dtype, ~10 ms). It is the one kernel whose speed depends on the compiler: it needs a
-    vectorized ``exp`` (GCC finds glibc's vector ``expf`` under -ffast-math; a scalar one made
-    it 3x slower than torch)."""
+    """Whether the SiLU-and-multiply kernel beats torch's here for ``dtype`` (timed once per
+    dtype, on one small input). It is the one kernel whose speed depends on the compiler: it
+    needs a vectorized ``exp`` (GCC finds glibc's vector ``expf`` under -ffast-math), and with a
+    scalar one it loses to torch, so it is timed here rather than assumed to win."""
     if dtype not in _silu_faster:
         from corellm.ops import REFERENCE_OPS
         x = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(0)).to(dtype)

@@ -2,8 +2,9 @@
 
 glibc serves large allocations with mmap and returns freed memory to the OS (the mmap and trim
 thresholds), so the big temporaries of every forward pass (activations, logits, gathered KV) are
-page-faulted in afresh each step: zeroing the pages cost more than the matmuls that use them
-(a [2048, 4096] fp32 linear ran at 210 GFLOP/s before and 328 after, see docs/benchmarks.md).
+page-faulted in afresh each step, and the kernel zeroes every such page again before the step
+can use it: work that grows with the bytes, not the arithmetic, and that slows the matmuls
+reading those buffers (the before/after figures: docs/benchmarks.md).
 Raising both thresholds keeps freed memory in the heap for reuse, as the tcmalloc/jemalloc
 preloads that CPU inference servers recommend do. Resident memory then stays at its peak.
 
@@ -59,15 +60,15 @@ def zeroed_cpu_tensor(shape: tuple[int, ...] | int, dtype: torch.dtype,
                       huge_pages: bool = False) -> torch.Tensor:
     """A zero-filled CPU tensor on its own anonymous memory mapping, for big long-lived buffers
     (the KV pool, packed weights). The kernel zero-fills pages on first touch, so a large pool
-    costs nothing at start-up (torch.zeros writes every page: 0.6 s per GiB on a 2-core CPU) and
-    only the pages ever used take memory.
+    costs nothing at start-up (torch.zeros writes every page up front, a cost that grows with
+    the pool) and only the pages ever used take memory.
 
     ``huge_pages`` (Linux): the mapping is 2 MiB-aligned and asks for transparent huge pages
     (``MADV_HUGEPAGE``, honoured where THP is ``always`` or ``madvise``), for data streamed
-    from memory in full at every step: packed weights. Their TLB misses drop 512-fold, and on
-    an AMD EPYC (AVX-512) the native GEMM over cold 4096x768 / 768x2048 / 32000x768 fp32
-    weights ran 2-4% faster at 40-64 rows, 5-11% at 16-24 and 4-29% at 1-8
-    (docs/benchmarks.md). The KV pool does not ask: measured end to end, no gain there."""
+    from memory in full at every step: packed weights. Their TLB misses drop 512-fold, which
+    matters most to a GEMM over cold weights at few rows, where reading the weights is the
+    whole cost (figures: docs/architecture.md, "Huge pages"). The KV pool does not ask: a
+    decode reads only its requests' blocks, and end to end huge pages showed no gain there."""
     import mmap
 
     shape = (shape,) if isinstance(shape, int) else tuple(shape)

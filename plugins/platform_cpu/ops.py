@@ -113,7 +113,7 @@ class CpuDeviceOps(DeviceOps):
         return super().rotary(positions, q, k, cos, sin, rotary_dim)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """One native pass over the rows, split over the threads (torch's reduction ran at
-        about 9 GB/s on a 2-core AMD EPYC for 64 x 32000 logits, single-threaded)."""
+        """One native pass over the rows, split over the threads (torch's reduction would run
+        on the one thread weight packing leaves torch; figures in docs/architecture.md)."""
         out = self.kernels.argmax(logits) if self.kernels is not None else None
         return out if out is not None else super().argmax(logits)

@@ -26,8 +26,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     # vLLM's CPU default: a decode reads each request's K/V block by block, and longer runs in
-    # one place read faster (1.3-1.6x for the decode attention of 300-1024-token contexts
-    # against 16-token blocks, docs/benchmarks.md).
+    # one place read faster (memory streams at full bandwidth over long contiguous runs, and a
+    # small scattered block falls short of it; figures in docs/attention.md).
     default_block_size = 128
     shares_devices = True             # tensor-parallel ranks split the cores
     supported_dtypes = ("float32", "bfloat16", "float16")

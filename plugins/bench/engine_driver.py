@@ -1,0 +1,194 @@
+"""Driving an in-process engine through a workload in real (or virtual) time.
+
+``LLM(config)`` validates and builds the engine, and ``drive_engine`` drives ``llm.engine`` (the
+``EngineCore``) itself: each request is processed by ``llm.processor`` and added when its arrival
+time comes, the loop steps while anything runs and sleeps until the next arrival when idle, and
+every output token is timestamped when the step that produced it returns. Offline a follow-up's
+history is the exact output ids. A request that comes due while a step runs has arrived at its
+due time (its latency counts from then, as a server's would); one that waits for a
+``max_concurrency`` slot arrives when the slot frees.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .metrics import RequestRecord
+from .progress import progress_bar
+from .sessions import Sessions, record_for, warmup_workload
+from .targets import COUNTERS, RunOptions, RunResult, Target
+from .workload import Workload
+
+
+@dataclass
+class _Live:
+    index: int
+    request: Any            # the scheduler's Request when the scheduler exposes it, else None
+    output_ids: list[int] = field(default_factory=list)
+
+
+def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str,
+                 desc: str = "run", progress: bool | None = None,
+                 ) -> tuple[list[RequestRecord], float]:
+    """Run a workload through ``llm.engine`` in real time; returns the records (workload order)
+    and the duration. Anything still in the engine when this raises is aborted."""
+    from corellm.errors import InvalidRequestError
+    from corellm.sampling_params import SamplingParams
+
+    engine = llm.engine
+    if engine is None:
+        raise ValueError("drive_engine needs an in-process engine (LLM(engine_process=False))")
+    sessions = Sessions(workload)
+    records = {r.index: record_for(r) for r in workload.requests}
+    limit = options.max_concurrency or math.inf
+    live: dict[str, _Live] = {}
+    ready: collections.deque[tuple[float, int]] = collections.deque()
+    scheduler_requests = getattr(engine.scheduler, "requests", None)
+    prefix = f"bench-{salt}-"
+    bar = progress_bar(len(records), desc, options.progress if progress is None else progress)
+    # The engine's clock: the wall clock, or a simulated executor's virtual time (then sleeps
+    # and steps take no real time, and every timestamp below is virtual).
+    clock = engine.clock
+    t0 = clock.monotonic()
+    wall0 = clock.time()
+    step_start: float | None = None     # set when the previous iteration ran a step
+    free_during_step = 0
+
+    def finish(i: int, now: float, ok: bool, output_ids: list[int]) -> None:
+        bar.update(1)
+        for c in sessions.finished(i, now, ok, output_ids):
+            records[c].error = f"previous turn (request {i}) failed"
+            bar.update(1)
+
+    def dispatch(now: float) -> None:
+        nonlocal step_start
+        sent = 0
+        while ready and len(live) < limit:
+            due, i = ready.popleft()
+            rec = records[i]
+            # Due while a step ran and a slot was free: it arrived at its due time. Waiting for
+            # a slot, or dispatched after an idle sleep: it arrives now.
+            rec.arrival_s = due if step_start is not None and sent < free_during_step else now
+            sent += 1
+            req = sessions.requests[i]
+            ids = sessions.prompt(i)
+            rec.prompt_tokens = len(ids)
+            params = SamplingParams(max_tokens=req.output_len, temperature=options.temperature,
+                                    ignore_eos=True, cache_salt=salt)
+            rid = f"{prefix}{i}"
+            try:
+                _, core = llm.processor.process(rid, {"prompt_token_ids": ids}, params,
+                                                req.priority, user=req.user,
+                                                session_id=req.session_id,
+                                                arrival_time=wall0 + rec.arrival_s)
+            except InvalidRequestError as exc:
+                rec.error = f"invalid request: {exc}"
+                finish(i, now, False, [])
+                continue
+            engine.add_request(core)
+            live[rid] = _Live(i, scheduler_requests.get(rid)
+                              if isinstance(scheduler_requests, Mapping) else None)
+        step_start = None
+
+    try:
+        woke_at = 0.0       # the due time an idle wait slept until
+        while not sessions.done:
+            # Never before the due time slept until: on a virtual clock, t0 + (due - t0) can
+            # round below due, and a loop sleeping the rounding error away never ends.
+            now = max(clock.monotonic() - t0, woke_at)
+            ready.extend(sessions.pop_due(now))
+            dispatch(now)
+            if live:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine has no unfinished requests but {len(live)} "
+                                       "were never finished")
+                step_start = now
+                free_during_step = (len(records) if limit == math.inf
+                                    else int(limit) - len(live))
+                outputs = engine.step()
+                now = clock.monotonic() - t0
+                for out in outputs:
+                    state = live.get(out.request_id)
+                    if state is None:
+                        continue
+                    rec = records[state.index]
+                    if out.new_token_ids:
+                        rec.chunk_times_s.append(now)
+                        rec.output_tokens += len(out.new_token_ids)
+                        state.output_ids.extend(out.new_token_ids)
+                    if out.num_cached_tokens:
+                        rec.cached_tokens = max(rec.cached_tokens or 0, out.num_cached_tokens)
+                    if out.first_scheduled_time and rec.queue_time_s is None:
+                        rec.queue_time_s = out.first_scheduled_time - (wall0 + rec.arrival_s)
+                    if out.finished:
+                        del live[out.request_id]
+                        rec.end_s = now
+                        rec.cached_tokens = rec.cached_tokens or 0
+                        if state.request is not None:
+                            rec.num_preemptions = state.request.num_preemptions
+                        if options.keep_outputs:
+                            rec.output_token_ids = list(state.output_ids)
+                        if out.finish_reason not in ("length", "stop"):
+                            rec.error = f"finish_reason {out.finish_reason}"
+                        elif rec.output_tokens != rec.expected_output_tokens:
+                            rec.error = (f"got {rec.output_tokens} output tokens, expected "
+                                         f"{rec.expected_output_tokens} (finish_reason "
+                                         f"{out.finish_reason})")
+                        finish(state.index, now, rec.ok, state.output_ids)
+            elif not ready:
+                due = sessions.next_due()
+                if due is None:
+                    raise RuntimeError(f"{sessions.outstanding} requests can never be sent")
+                clock.sleep(max(0.0, due - (clock.monotonic() - t0)))
+                woke_at = due
+        duration = clock.monotonic() - t0
+    except BaseException:
+        if live:
+            engine.abort_requests(list(live))
+        raise
+    finally:
+        bar.close()
+    return [records[i] for i in sorted(records)], duration
+
+
+def _stats_delta(before: Any, after: Any) -> dict[str, float]:
+    return {name: getattr(after, attr) - getattr(before, attr)
+            for name, (attr, _) in COUNTERS.items() if hasattr(after, attr)}
+
+
+def run_engine(target: Target, workload: Workload, options: RunOptions, *, repeat: int = 0,
+               seed: int | None = None) -> RunResult:
+    """Build the engine from the target's config, warm it up, run the workload, shut it down.
+    A fresh engine per run: every run starts from the same state (empty prefix cache, nothing
+    left over from the other target), and only one engine's memory is held at a time."""
+    from corellm.engine.llm import LLM
+
+    t0 = time.perf_counter()
+    config = dict(target.config) if isinstance(target.config, Mapping) else target.config
+    llm = LLM(config)
+    load_s = time.perf_counter() - t0
+    salt = f"{target.label}-{repeat}-{uuid.uuid4().hex[:8]}"
+    try:
+        if options.warmup_requests:
+            warm = warmup_workload(workload, options.warmup_requests, options.warmup_output_len)
+            drive_engine(llm, warm, replace(options, max_concurrency=None),
+                         salt=f"{salt}-warmup", progress=False)
+        before = llm.engine.get_stats()
+        cpu0 = time.process_time()
+        records, duration = drive_engine(llm, workload, options, salt=salt,
+                                         desc=f"{target.label} #{repeat + 1}")
+        cpu_s = time.process_time() - cpu0
+        after = llm.engine.get_stats()
+        max_num_seqs = llm.config.scheduler.max_num_seqs
+        scheduler = llm.config.scheduler.name
+    finally:
+        llm.shutdown()
+    return RunResult(target.label, repeat, seed, records, duration, _stats_delta(before, after),
+                     info={"kind": target.kind, "load_s": load_s, "cpu_s": cpu_s,
+                           "scheduler": scheduler, "max_num_seqs": max_num_seqs})

@@ -1,0 +1,204 @@
+"""What a benchmark run measures, how, and what it returns.
+
+``Target`` names what a run measures (an in-process engine from a config, a running server, or a
+server started here), ``RunOptions`` how, and ``RunResult`` what one run of one workload against
+one target recorded, with ``COUNTERS``, the engine counters under one name whichever target
+reported them. Also the model a target's config names: its tokenizer directory, context length
+and the token ids random prompts are drawn from.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .metrics import (DEFAULT_PERCENTILES, LATENCY_METRICS, RequestRecord,
+                      by_priority, by_tenant, summarize, vllm_request_lists)
+
+
+# Engine counters under one name per quantity, whichever target reported them:
+# name -> (EngineStats attribute, Prometheus counter without the "corellm:" prefix).
+COUNTERS: dict[str, tuple[str, str | None]] = {
+    "num_preemptions": ("num_preemptions", "num_preemptions_total"),
+    "prefix_cache_queries": ("prefix_cache_queries", "prefix_cache_queries_total"),
+    "prefix_cache_hits": ("prefix_cache_hits", "prefix_cache_hits_total"),
+    "prompt_tokens": ("num_prompt_tokens", "prompt_tokens_total"),
+    "generation_tokens": ("num_generation_tokens", "generation_tokens_total"),
+    "engine_steps": ("num_steps", "engine_steps_total"),
+    "prefill_tokens": ("num_prefill_tokens", None),
+}
+
+
+# ----------------------------------------------------------------------------- targets
+@dataclass
+class Target:
+    """What a run measures. ``config``: a config file path (or a dict) for an in-process
+    engine, or for the server started here when ``start_server``; ``url``: a running server."""
+
+    label: str
+    config: str | Path | Mapping[str, Any] | None = None
+    url: str | None = None
+    start_server: bool = False
+
+    def __post_init__(self) -> None:
+        if self.url is not None and (self.config is not None or self.start_server):
+            raise ValueError(f"target {self.label!r}: give a url or a config, not both")
+
+    @property
+    def kind(self) -> str:
+        if self.url is not None:
+            return "server"
+        return "started-server" if self.start_server else "engine"
+
+    def describe(self) -> dict[str, Any]:
+        """The target for result files: its label, kind and the config it ran with."""
+        out: dict[str, Any] = {"label": self.label, "kind": self.kind, "url": self.url}
+        if isinstance(self.config, Mapping):
+            out.update(config_file=None, config=dict(self.config))
+        elif self.config is not None:
+            from corellm.config import read_config_file
+            out.update(config_file=str(self.config), config=read_config_file(self.config))
+        else:
+            out.update(config_file=None, config=None if self.url else {})
+        return out
+
+
+def parse_target(text: str, kind: str) -> tuple[str | None, str]:
+    """``NAME=VALUE`` -> (NAME, VALUE); a bare VALUE -> (None, VALUE). For configs an existing
+    file named with '=' stays whole; for URLs the label is what precedes '=' before '://'."""
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        return None, text
+    if kind == "url" and "://" in name:
+        return None, text
+    if kind == "config" and Path(text).exists():
+        return None, text
+    return name, value
+
+
+def default_label(value: str, kind: str) -> str:
+    if kind == "url":
+        return re.sub(r"^[a-z]+://", "", value).rstrip("/")
+    return Path(value).stem
+
+
+def unique_labels(labels: Sequence[str]) -> list[str]:
+    """Labels made distinct (``a``, ``a-2``) so every column of a table names one target."""
+    seen: collections.Counter[str] = collections.Counter()
+    out = []
+    for label in labels:
+        seen[label] += 1
+        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
+    return out
+
+
+@dataclass
+class RunOptions:
+    temperature: float = 0.0
+    warmup_requests: int = 1           # untimed requests sent at once before each run
+    warmup_output_len: int = 16
+    max_concurrency: int | None = None
+    request_timeout: float = 600.0     # seconds per server request
+    server_timeout: float = 300.0      # seconds for a started server to become ready
+    progress: bool = True              # a tqdm bar on stderr per run
+    server_log: str | None = None      # where a started server's output goes
+    keep_outputs: bool = False         # keep each request's output ids (offline) / text (server)
+
+
+@dataclass
+class RunResult:
+    """One run of one workload against one target."""
+
+    target: str
+    repeat: int
+    seed: int | None
+    records: list[RequestRecord]
+    duration: float                                   # run start to last response, seconds
+    counters: dict[str, float] | None = None          # engine counters over the run (deltas)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, *, goodput: Mapping[str, float] | None = None,
+                percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                metrics: Sequence[str] = LATENCY_METRICS) -> dict[str, Any]:
+        """vLLM-named aggregates, with the engine's own preemption and prefix-cache counts
+        (over the whole run) where the target reported them."""
+        out = summarize(self.records, self.duration, goodput=goodput, percentiles=percentiles,
+                        metrics=metrics)
+        c = self.counters or {}
+        if "num_preemptions" in c:
+            out["num_preemptions"] = int(c["num_preemptions"])
+        if c.get("prefix_cache_queries"):
+            out["prefix_cache_hit_rate"] = c["prefix_cache_hits"] / c["prefix_cache_queries"]
+        return out
+
+    def to_json(self, *, goodput: Mapping[str, float] | None = None,
+                percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                metrics: Sequence[str] = LATENCY_METRICS) -> dict[str, Any]:
+        kw = dict(goodput=goodput, percentiles=percentiles, metrics=metrics)
+        out: dict[str, Any] = {"target": self.target, "repeat": self.repeat, "seed": self.seed,
+                               **self.summary(**kw)}
+        out["engine_counters"] = self.counters
+        out["per_priority"] = {k: summarize(v, self.duration, **kw)
+                               for k, v in by_priority(self.records).items()}
+        out["per_tenant"] = {k: summarize(v, self.duration, **kw)
+                             for k, v in by_tenant(self.records).items()}
+        out["info"] = self.info
+        out.update(vllm_request_lists(self.records))
+        out["requests"] = [r.to_json() for r in self.records]
+        return out
+
+
+# --------------------------------------------------------------- the model a config names
+def _config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    from corellm.config import read_config_file
+
+    if isinstance(config, Mapping):
+        return dict(config)
+    return read_config_file(config) if config is not None else {}
+
+
+def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
+                     tokenizer: bool = True) -> Path:
+    """The tokenizer (or, ``tokenizer=False``, checkpoint) directory a config names; the demo
+    model without one."""
+    model = _config_data(config).get("model") or {}
+    path = (tokenizer and model.get("tokenizer")) or model.get("path")
+    if path:
+        return Path(path)
+    from corellm.demo import ensure_demo_model
+    return ensure_demo_model()
+
+
+def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int | None:
+    """The context a config's engine will have: ``model.max_model_len``, else the checkpoint's
+    ``max_position_embeddings``; None when neither says."""
+    model = _config_data(config).get("model") or {}
+    if model.get("max_model_len"):
+        return int(model["max_model_len"])
+    cfg_file = config_model_dir(config, tokenizer=False) / "config.json"
+    if not cfg_file.exists():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    value = cfg.get("text_config", cfg).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def prompt_token_space(model_dir: str | Path) -> tuple[Any, int, set[int]]:
+    """The tokenizer, the vocabulary to draw random prompts from (what both the model and its
+    tokenizer know) and the ids to leave out (bos/eos/pad would change the meaning of a random
+    prompt for no benchmark benefit)."""
+    from corellm.engine.llm import load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    vocab = len(tok)
+    cfg_file = Path(model_dir) / "config.json"
+    if cfg_file.exists():
+        cfg = json.loads(cfg_file.read_text())
+        vocab = min(vocab, cfg.get("text_config", cfg).get("vocab_size", vocab))
+    special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
+    return tok, vocab, special
