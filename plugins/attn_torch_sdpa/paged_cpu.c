@@ -2,7 +2,7 @@
  *
  * Built on first use by the CPU platform (Platform.native_library: cc -O3 -march=native
  * -ffast-math) and called through ctypes with raw pointers: no torch headers, so the build
- * takes about a second. Its loops run on the platform's thread pool (corellm_pool.h).
+ * stays short. Its loops run on the platform's thread pool (corellm_pool.h).
  *
  * Cache layout (the torch_sdpa backend's KVCacheSpec): K and V each [num_blocks, block_size,
  * num_kv_heads, head_size], contiguous. Element types: float32, or bfloat16 stored as uint16
@@ -14,15 +14,14 @@
  * the softmax, then the weighted sum of values. Each cached K/V row is read once per step,
  * where the gather path copies it out and reads it again. With fewer sequences than threads,
  * a work item is one (sequence, KV head) instead, so that a lone long sequence still keeps
- * every thread busy (one sequence of 416-2048 tokens: 1.3-1.5x on 2 threads; with as many
- * sequences as threads, whole rows read in order are faster). The step's new K/V of a
+ * every thread busy (with as many sequences as threads, whole rows read in order are faster). The step's new K/V of a
  * sequence are written to its slot by the work item that reads it, first (its part of the
  * row), so a decode step needs no separate write call; prefill rows are written by
  * corellm_write_kv before the prefill kernel reads them.
  *
  * Tried and measured slower (docs/attention.md): scores for 8 keys at a time with explicit
- * vector code (faster while the cache is hot, 10-20% slower once it is not: the per-token
- * loops below read the rows in order), and software prefetch of the next block.
+ * vector code (faster while the cache is hot, slower once it is not: the per-token loops
+ * below read the rows in order), and software prefetch of the next block.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,15 +38,14 @@ static inline void st_f32(float *p, int64_t i, float x) { p[i] = x; }
 static inline void st_bf16(bf16_t *p, int64_t i, float x) { p[i] = to_bf16(x); }
 
 /* bf16 rows are prefetched this many tokens ahead within a block: a bf16 row is half an fp32
- * one for the same work, so the loop alone kept half as many bytes in flight; on an AMD EPYC
- * (AVX-512) this made bf16 decode attention 1.18x as fast at 512 tokens of context and 1.30x at
- * 1024, the same at 64-300; fp32 rows gained nothing from it (docs/attention.md). */
+ * one for the same work, so the loop alone keeps half as many bytes in flight; prefetching
+ * restores that for long contexts, while fp32 rows gain nothing from it (docs/attention.md). */
 #define DECODE_PF_BF16 4
 
 /* Scores buffer: G * span floats per work item, grown as needed, one per thread of the pool
  * (which lives as long as the process, so it is allocated once, not per call); 64-byte aligned, so that the vectors of the queries and outputs after the scores (each at a multiple
- * of 16 floats) never straddle two cache lines: on an AMD EPYC (Zen 4) the fp32 decode kernel
- * was 1.035-1.08x as fast at 128-512 tokens of context as with malloc's 16-byte alignment. */
+ * of 16 floats) never straddle two cache lines: a vector load across two lines costs two,
+ * and malloc only promises 16-byte alignment. */
 static float *scratch(float **buf, int64_t *cap, int64_t n) {
     if (n > *cap) {
         free(*buf);
@@ -257,8 +255,8 @@ int corellm_write_kv(const char *key, int64_t key_stride, const char *value,
  * over the keys. A tile of rows computes only the key panels its rows can see (causal and
  * window bounds), then a row-wise softmax in fp32 (masked keys get probability 0), then P V.
  * Arithmetic in fp32 for bf16 too (queries widened per tile, output rounded once).
- * Against torch's flash attention, one call per prefill (AMD EPYC, AVX-512, 2 threads): 1.75-2.4x
- * as fast for prompts of 64-512 tokens, 1.36-2.05x at 1024-2048 (docs/attention.md). */
+ * It is chosen over torch's flash attention (one call per prefill) because it reads the blocks
+ * in place and batches every prefill of a step; figures in docs/attention.md. */
 #define PREFILL_ROWS 192    /* a multiple of MR; 60 and 96 re-packed K/V too often (slower) */
 
 /* Each thread's scratch (packed K/V, scores) lives as long as the thread (the pool's threads

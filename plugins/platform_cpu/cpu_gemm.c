@@ -48,8 +48,8 @@
 
 /* Rows per tile: MR (8 with AVX-512) for calls of up to MR_SMALL_M rows (decode batches), where a
  * panel streamed from memory feeds more multiply-adds per byte; 6 for more rows, where the panels
- * are in cache: 8-row tiles were even at 96-384 rows and about 1% slower at 512 and 2048
- * (docs/benchmarks.md). 64 is also the edge of the GEMM plans' row buckets (cpu.py). */
+ * are in cache and the taller tile gains nothing (it measured even to slightly slower there).
+ * 64 is also the edge of the GEMM plans' row buckets (cpu.py). */
 #define MR_SMALL_M 64
 #define MR_LARGE_M 6
 

@@ -8,9 +8,9 @@
  * A tile is up to MR x NR of the output (NR = 2 vector widths; MR = 6 rows with AVX2: 12 vector
  * accumulators, 2 panel vectors and a broadcast input fit its 16 registers; MR = 8 with AVX-512's
  * 32: a panel streamed from memory then feeds 16 multiply-adds per k instead of 12, and 64 rows
- * are 8 whole tiles. On an AMD EPYC (Zen 4) with cold weights, 8 rows were 1.04-1.12x as fast as
- * 6 at 8 rows of x, 1.005-1.02x at 64, and about 1% slower at 512-2048, so the GEMM takes 8-row
- * tiles only for calls of up to 64 rows: docs/benchmarks.md), accumulated over the whole of k in registers, one fused
+ * are 8 whole tiles. That pays while the weights come from memory (few rows of x); once the
+ * panels are in cache the taller tile gains nothing and costs a little, so the GEMM takes 8-row
+ * tiles only for calls of up to 64 rows), accumulated over the whole of k in registers, one fused
  * multiply-add per input element and panel vector (in order of k:
  * each output is one fp32 sum, whatever the other rows), and stored once. The panel b holds
  * NR values per k, contiguous: [k][NR].
