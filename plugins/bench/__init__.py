@@ -17,15 +17,19 @@ cost model calibrated on real hardware, on virtual time). Modules:
 * ``metrics``, ``report``: per-request records, their statistics, the A/B table, JSON and plot;
 * ``env``: the machine record every result carries; ``progress``: logging on stderr;
 * ``costmodel`` (step shapes, the fitted model), ``roofline``, ``model_shape``, ``devices``,
-  ``profile`` and ``sim``: the step-time models, the profile file and the ``sim`` executor.
+  ``profile``, ``options`` and ``sim``: the step-time models, the profile file and the ``sim``
+  executor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from corellm import hookimpl
 from corellm.components import CommandSpec, ExecutorSpec
+
+from .options import SimOptions
 
 @hookimpl
 def corellm_commands() -> Iterator[CommandSpec]:
@@ -34,9 +38,13 @@ def corellm_commands() -> Iterator[CommandSpec]:
                       summary="benchmark configs or servers on one seeded workload (A/B)")
 
 
+def _sim_executor(options: SimOptions, ctx: Any) -> Any:
+    from .sim import SimExecutor
+    return SimExecutor(options, ctx)
+
+
 @hookimpl
 def corellm_executors() -> Iterator[ExecutorSpec]:
-    from .sim import SimExecutor, SimOptions
-    yield ExecutorSpec(name="sim", factory=SimExecutor, options=SimOptions,
+    yield ExecutorSpec(name="sim", factory=_sim_executor, options=SimOptions,
                        summary="No model: step times predicted by a calibrated cost model, on "
                                "virtual time (A/B tests at scale, hardware what-ifs).")

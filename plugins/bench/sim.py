@@ -19,37 +19,24 @@ tokens are synthetic (one fixed, non-special id), so requests end by ``max_token
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
 
 from corellm.block_pool import num_blocks_for_budget
 from corellm.clock import VirtualClock
-from corellm.components import BuildContext, ExecutorOptions
-from .costmodel import StepShape
-from .model_shape import model_fingerprint
-from .profile import Profile
+from corellm.components import BuildContext
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
 from corellm.model_config import checkpoint_name, resolve_dtype_name
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.setup import resolve_setup
 
+from .costmodel import StepShape
+from .model_shape import model_fingerprint
+from .options import SimOptions
+from .profile import Profile
+
 EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-
-class SimOptions(ExecutorOptions):
-    name: str = "sim"
-    profile: str = Field(
-        ..., description="Step-time profile (JSON) from `corellm bench calibrate`, measured "
-                         "on real hardware or derived from a device's peaks (--roofline).")
-    clock: Literal["virtual", "real"] = Field(
-        "virtual", description="virtual: the engine's clock jumps by each predicted step "
-                               "(offline, corellm bench); real: each step sleeps its predicted "
-                               "time, so a server answers at the profiled device's pace.")
-    token_id: int | None = Field(
-        None, ge=0, description="The token every sampled row gets (default: the first id "
-                                "from 1000 up that is no special token of the checkpoint).")
 
 
 def _special_ids(raw: dict) -> set[int]:
