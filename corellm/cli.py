@@ -1,4 +1,8 @@
-"""The ``corellm`` command: generate, plugins, config validate / schema."""
+"""The ``corellm`` command line: the built-in commands (``generate``, ``serve``, ``plugins``,
+``config validate`` / ``config schema``), the commands plugins add through ``corellm_commands``
+(``bench``, from the bench plugin), the global logging options (``--log-format``,
+``--log-level``), and ``Parser``, the argument parser of every command, which names the closest
+flag or command to a misspelt one."""
 
 from __future__ import annotations
 
@@ -8,11 +12,115 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from corellm.errors import ConfigError, CorellmError
+from corellm.logs import FORMATS, LEVELS
 
 logger = logging.getLogger("corellm")
+
+DESCRIPTION = "corellm, a pluggable LLM inference engine. Commands: {commands}."
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, naming the closest match to a misspelt flag or choice:
+    ``corellm generate: error: unrecognized arguments: --max-token (did you mean --max-tokens?)``,
+    ``invalid choice: 'serv'; did you mean serve?``. Every parser of the command line is one:
+    argparse makes sub-parsers (plugin commands' and nested ones too) of their parent's class."""
+
+    _unknown_flags: list[str] = []
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        strings = list(sys.argv[1:] if args is None else args)
+        self._unknown_flags = self._flags_not_known(strings)
+        return super().parse_known_args(strings, namespace)
+
+    def parse_args(self, args: Sequence[str] | None = None,    # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.unrecognized(parsed, extra)
+        return parsed
+
+    def unrecognized(self, parsed: argparse.Namespace, extra: Sequence[str]) -> NoReturn:
+        """Exit with the error for ``extra``, the arguments no parser took, as the sub-command
+        that was given (the innermost one) reports it: with its name, usage and flags."""
+        parser = self._chosen(parsed)
+        parser.error(parser._unrecognized_message(extra, root=self))
+
+    def error(self, message: str) -> NoReturn:
+        # An unknown flag's value is taken for the next positional (`bench --num-prompt 3`:
+        # "invalid choice: '3'"): the flag is the mistake to report.
+        if self._unknown_flags and not message.startswith("unrecognized arguments"):
+            message = self._unrecognized_message(self._unknown_flags)
+        super().error(message)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            from corellm.config import did_you_mean
+            hint = did_you_mean(str(value), [str(c) for c in action.choices])
+            if hint:
+                choices = ", ".join(map(repr, action.choices))
+                raise argparse.ArgumentError(
+                    action, f"invalid choice: {value!r}{hint} (choose from {choices})")
+        super()._check_value(action, value)
+
+    def _subcommands(self) -> argparse._SubParsersAction | None:
+        return next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)),
+                    None)
+
+    def _chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The innermost sub-command parser ``parsed`` went through (found by the ``dest`` each
+        level of sub-commands stores its choice in; a level without one ends the search)."""
+        parser: Parser = self
+        while True:
+            sub = parser._subcommands()
+            name = getattr(parsed, sub.dest, None) if sub is not None else None
+            child = sub.choices.get(name) if sub is not None and name is not None else None
+            if not isinstance(child, Parser):
+                return parser
+            parser = child
+
+    def _flags_not_known(self, strings: Sequence[str]) -> list[str]:
+        """The flags among this parser's own arguments (those before ``--`` or a sub-command's
+        name) that none of its options spells."""
+        sub = self._subcommands()
+        commands = set(sub.choices) if sub is not None else set()
+        unknown = []
+        for text in strings:
+            if text == "--" or text in commands:
+                break
+            if not self._looks_like_flag(text):
+                continue
+            flag = text.split("=", 1)[0]
+            if flag in self._option_string_actions or (
+                    flag[1:2] not in self.prefix_chars and flag[:2] in self._option_string_actions):
+                continue            # known, or a short option with its value attached (-p5)
+            unknown.append(flag)
+        return unknown
+
+    def _looks_like_flag(self, text: str) -> bool:
+        return (len(text) > 1 and text[0] in self.prefix_chars
+                and not self._negative_number_matcher.match(text))
+
+    def _unrecognized_message(self, extra: Sequence[str], root: Parser | None = None) -> str:
+        from corellm.config import did_you_mean
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        words = []
+        for text in extra:
+            words.append(text)
+            if not self._looks_like_flag(text):
+                continue
+            flag = text.split("=", 1)[0]
+            if root is not None and root is not self and flag in root._option_string_actions:
+                words.append(f"(an option of {root.prog} itself: it goes before the command)")
+                continue
+            hint = did_you_mean(flag, options, " (did you mean {}?)")
+            if hint:
+                words.append(hint.strip())
+        return "unrecognized arguments: " + " ".join(words)
 
 
 # vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
@@ -163,11 +271,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
     from corellm.components import BuildContext
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config, registry = _engine_config(args, frontend=True)
     status = _launched_rank(config, registry)
     if status is not None:
@@ -370,13 +475,23 @@ def _unusable_command(sub: Any, name: str, error: CorellmError) -> None:
     parser.set_defaults(func=refuse, unusable_command=True)   # its arguments are not checked
 
 
-def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
+def build_parser(plugins: Sequence[object] = ()) -> Parser:
     """The command line: the built-in commands and every plugin's (``corellm_commands``);
     ``plugins`` are extra in-process plugin objects, as ``load_registry`` takes them."""
-    parser = argparse.ArgumentParser(prog="corellm", description=__doc__)
+    parser = Parser(prog="corellm")
     parser.add_argument("--version", action="version",
                         version=f"corellm {__import__('corellm').__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--log-format", choices=FORMATS,
+                        help="log records as text lines with a timestamp (the default) or as "
+                             "JSON lines (ts, level, logger, msg, pid, exc), in this process "
+                             "and the ones it starts (engine core, workers); also "
+                             "$CORELLM_LOG_FORMAT")
+    parser.add_argument("--log-level", choices=LEVELS, type=str.lower,
+                        help="the least severe records logged (default: info for serve, "
+                             "warning for the other commands); also $CORELLM_LOG_LEVEL")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands",
+                                help="one of these ('corellm COMMAND --help' shows its options)")
 
     gen = sub.add_parser("generate", help="generate completions offline", allow_abbrev=False,
                          description="Generate completions offline (vLLM's LLM.generate, or "
@@ -385,11 +500,19 @@ def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
     gen.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--ignore-eos", action="store_true")
+    s_ = gen.add_argument_group("sampling")
+    s_.add_argument("--max-tokens", type=int, default=64,
+                    help="most tokens generated per prompt (default 64)")
+    s_.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (the default here): greedy, the same text every run; above 0: "
+                         "sampled, more varied the higher")
+    s_.add_argument("--top-p", type=float, default=1.0,
+                    help="sample from the most likely tokens whose probabilities add up to P "
+                         "(default 1: all)")
+    s_.add_argument("--top-k", type=int, default=0,
+                    help="sample from the K most likely tokens (default 0: all)")
+    s_.add_argument("--ignore-eos", action="store_true",
+                    help="go on past the end-of-sequence token, up to --max-tokens")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     gen.add_argument("--no-progress", action="store_true",
                      help="no progress bar (default: shown on a terminal or for several prompts)")
@@ -398,7 +521,7 @@ def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (frontend section)",
                            allow_abbrev=False,
-                           description="Serve an OpenAI-compatible API: `corellm serve MODEL` "
+                           description="Serve an OpenAI-compatible API: 'corellm serve MODEL' "
                                        "takes vLLM's common flags.")
     _add_engine_args(serve, frontend=True)
     serve.set_defaults(func=cmd_serve)
@@ -406,7 +529,9 @@ def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
     _add_plugin_commands(sub, plugins)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
-    plugins.add_argument("--json", action="store_true")
+    plugins.add_argument("--json", action="store_true",
+                         help="print the listing as JSON (plugins, components with their "
+                              "options, conflicts, broken plugins)")
     plugins.add_argument("--config", "-c", help="honour this config file's plugins.disable")
     plugins.add_argument("--disable", action="append", default=[], metavar="PLUGIN",
                          help="an entry point not to load, as plugins.disable (repeatable)")
@@ -416,13 +541,19 @@ def build_parser(plugins: Sequence[object] = ()) -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
 
     config = sub.add_parser("config", help="validate a config file or print its schema")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub = config.add_subparsers(dest="config_command", required=True,
+                                       metavar="SUBCOMMAND", title="sub-commands",
+                                       help="one of these")
     validate = config_sub.add_parser("validate", help="validate FILE against installed plugins")
-    validate.add_argument("file")
+    validate.add_argument("file", metavar="FILE",
+                          help="the config file (YAML, TOML or JSON)")
     validate.add_argument("--show", action="store_true", help="print the resolved config")
     validate.set_defaults(func=cmd_config_validate)
     schema = config_sub.add_parser("schema", help="JSON schema for the installed plugin set")
     schema.set_defaults(func=cmd_config_schema)
+
+    # Built-in and plugin commands alike (one disabled or broken is still listed).
+    parser.description = DESCRIPTION.format(commands=", ".join(sub.choices))
     return parser
 
 
@@ -432,7 +563,8 @@ def main(argv: Sequence[str] | None = None, plugins: Sequence[object] = ()) -> i
     parser = build_parser(plugins)
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "unusable_command", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.unrecognized(args, extra)
+    _configure_logging(args)
     try:
         return args.func(args)
     except CorellmError as exc:
@@ -443,6 +575,17 @@ def main(argv: Sequence[str] | None = None, plugins: Sequence[object] = ()) -> i
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """``--log-format`` and ``--log-level`` for this process and, through the environment, for
+    those it starts. The level the user chose travels; a command's own default does not (a
+    server that ``corellm bench`` starts still logs the INFO line it waits for)."""
+    from corellm.logs import configure_logging, env_level, export_settings
+
+    export_settings(args.log_format, args.log_level)
+    default = logging.INFO if args.command == "serve" else logging.WARNING
+    configure_logging(level=args.log_level or env_level() or default, fmt=args.log_format)
 
 
 if __name__ == "__main__":

@@ -203,7 +203,8 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
-def did_you_mean(key: str, choices: list[str]) -> str:
-    """``"; did you mean X?"`` for the closest of ``choices`` to a misspelt ``key``, or ``""``."""
+def did_you_mean(key: str, choices: list[str], template: str = "; did you mean {}?") -> str:
+    """``"; did you mean X?"`` (or ``template`` filled with X) for the closest of ``choices`` to
+    a misspelt ``key``, or ``""``. Config keys and the command line's flags use it alike."""
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    return template.format(close[0]) if close else ""

@@ -351,3 +351,24 @@ def test_cli_workload_file_and_nested_workload_command(llama_path, tmp_path, cap
     assert res["targets"][0]["label"] == "prio"
     assert set(res["runs"][0]["per_priority"]) == {"0", "1"}
     assert res["total_output_tokens"] == 8 * 3 and png.stat().st_size > 0
+
+
+def test_cli_without_a_model_runs_the_default_one_and_builds_no_demo(llama_path, tmp_path,
+                                                                     monkeypatch, capsys):
+    """No --config (or one without model.path): prompts come from the default model's
+    vocabulary, and the random demo model is built only when it is that default."""
+    from corellm.cli import main
+    from corellm.demo import demo_model_dir
+    from corellm_plugins.bench.runner import config_model_dir
+
+    monkeypatch.setenv("CORELLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CORELLM_DEFAULT_MODEL", str(llama_path))
+    assert config_model_dir(None) == llama_path
+    assert config_model_dir({"scheduler": {"name": "fcfs"}}, tokenizer=False) == llama_path
+    out = tmp_path / "r.json"
+    assert main(["bench", "--num-prompts", "2", "--random-input-len", "8",
+                 "--random-output-len", "2", "--num-warmups", "0", "--no-progress",
+                 "--result-filename", str(out)]) == 0
+    assert json.loads(out.read_text())["model_id"] == llama_path.name
+    assert not demo_model_dir().exists()
+    capsys.readouterr()

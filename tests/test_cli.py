@@ -211,3 +211,208 @@ def test_misspelt_flags_are_not_taken_as_abbreviations(llama_path, capsys):
         main(["serve", str(llama_path), "--max-num-seq", "3"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --max-num-seq" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- help and errors
+def _parsers(parser):
+    """Every parser of the command line: the top one, its sub-commands, theirs, ..."""
+    import argparse
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def test_help_names_every_command_in_plain_text(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    for command in ("generate", "serve", "bench", "plugins", "config"):
+        assert command in description, description
+    assert "``" not in out and "**" not in out
+
+
+def test_every_argument_of_every_command_has_help():
+    import argparse
+
+    from corellm.cli import build_parser
+    parsers = list(_parsers(build_parser()))
+    progs = {p.prog for p in parsers}
+    assert {"corellm generate", "corellm bench workload", "corellm bench calibrate",
+            "corellm config validate"} <= progs
+    missing = [f"{p.prog} {'/'.join(a.option_strings) or a.dest}" for p in parsers
+               for a in p._actions if not a.help or a.help == argparse.SUPPRESS]
+    assert missing == []
+    for p in parsers:               # the descriptions a command's --help shows are plain too
+        assert "``" not in (p.description or ""), p.prog
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--max-token", "5"],
+     "corellm generate: error: unrecognized arguments: --max-token (did you mean --max-tokens?)"),
+    (["serve", "--prot", "8000"],
+     "corellm serve: error: unrecognized arguments: --prot (did you mean --port?)"),
+    # The flag's value would be taken for a sub-command ("invalid choice: '3'"): the flag is
+    # what is reported.
+    (["bench", "--num-prompt", "3"],
+     "corellm bench: error: unrecognized arguments: --num-prompt (did you mean --num-prompts?)"),
+    (["bench", "workload", "--kindd", "chat"],
+     "corellm bench workload: error: unrecognized arguments: --kindd (did you mean --kind?) chat"),
+    (["bench", "calibrate", "--confg=a.yaml", "-o", "p.json"],
+     "corellm bench calibrate: error: unrecognized arguments: --confg (did you mean --config?)"),
+    (["config", "validate", "--shw"],
+     "corellm config validate: error: unrecognized arguments: --shw (did you mean --show?)"),
+    (["serv"], "corellm: error: argument COMMAND: invalid choice: 'serv'; did you mean serve?"),
+    (["config", "valdate", "x.yaml"], "invalid choice: 'valdate'; did you mean validate?"),
+    (["generate", "--dtype", "flaot32"], "invalid choice: 'flaot32'; did you mean float32?"),
+    (["serve", "--log-format", "json"],
+     "--log-format (an option of corellm itself: it goes before the command)"),
+    (["--log-formt", "json", "plugins"],
+     "corellm: error: unrecognized arguments: --log-formt (did you mean --log-format?)"),
+])
+def test_misspelt_flags_and_commands_get_the_closest_match(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_parse_args_suggests_too(capsys):
+    from corellm.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--top-kk", "3"])
+    assert "--top-kk (did you mean --top-k?)" in capsys.readouterr().err
+
+
+def test_no_progress_everywhere_a_progress_bar_is(llama_path):
+    """`--no-progress` on every command with a bar; bench also takes vLLM's --disable-tqdm."""
+    from corellm.cli import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--no-progress"]).disable_tqdm is True
+    assert parser.parse_args(["bench", "--disable-tqdm"]).disable_tqdm is True
+    assert parser.parse_args(["bench"]).disable_tqdm is False
+    assert parser.parse_args(["generate", "--no-progress"]).no_progress is True
+    assert parser.parse_args(["bench", "calibrate", "--config", "a.yaml", "-o", "p.json",
+                              "--no-progress"]).progress is False
+
+
+# --------------------------------------------------------------------------- logs
+def test_log_formatters(capsys):
+    import logging
+    import re
+
+    from corellm.logs import JsonFormatter, TextFormatter
+
+    record = logging.LogRecord("corellm.x", logging.WARNING, __file__, 1, "%d apples", (3,), None)
+    text = TextFormatter().format(record)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} WARNING corellm\.x: 3 apples",
+                        text), text
+    try:
+        raise ValueError("bad\nline")
+    except ValueError:
+        failed = logging.LogRecord("corellm.y", logging.ERROR, __file__, 1, "it failed", (),
+                                   sys.exc_info())
+    line = JsonFormatter().format(failed)
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert obj["level"] == "ERROR" and obj["logger"] == "corellm.y" and obj["msg"] == "it failed"
+    assert obj["pid"] == os.getpid() and "ValueError: bad" in obj["exc"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", obj["ts"])
+    assert "exc" not in json.loads(JsonFormatter().format(record))
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_log_format_and_level_options(tmp_path, fmt):
+    """`corellm --log-format F --log-level info COMMAND`: every record in that format, with its
+    timestamp; warnings only by default."""
+    import re
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("scheduler: {name: fcfs}\n")
+    out = corellm("--log-format", fmt, "--log-level", "info", "config", "validate", str(cfg))
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert any("platform.name: auto" in line for line in lines), out.stderr
+    for line in lines:
+        if fmt == "json":
+            obj = json.loads(line)
+            assert {"ts", "level", "logger", "msg", "pid"} <= set(obj)
+        else:
+            assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} [A-Z]+ \S+: ", line), line
+    quiet = corellm("config", "validate", str(cfg), env={"CORELLM_LOG_FORMAT": fmt})
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+# --------------------------------------------------------------------------- serve's first lines
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_says_where_it_serves_before_answering(tmp_path):
+    """The "serving ... on URL" line (and the temperature hint after it) is written, flushed,
+    before the server answers anything, even a request that connected while the model loaded;
+    with --log-format json every log line of the server and its engine-core process is JSON."""
+    import select
+    import socket
+    import time
+
+    from corellm.demo import ensure_demo_model
+    ensure_demo_model()                 # built here, so the server prints nothing but its logs
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corellm", "--log-format", "json", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+        env={**os.environ, "CORELLM_DEFAULT_MODEL": "random"})
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    output = b""
+
+    def drain(timeout: float) -> None:
+        nonlocal output
+        while select.select([fd], [], [], timeout)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            output += chunk
+            timeout = 0
+
+    try:
+        deadline = time.monotonic() + 180
+        conn = None
+        while conn is None:             # the port listens from start-up, before the model loads
+            assert proc.poll() is None and time.monotonic() < deadline, output.decode()
+            drain(0)
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:
+                time.sleep(0.05)
+        conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+                     .encode())
+        while not select.select([conn], [], [], 0.05)[0]:
+            assert proc.poll() is None and time.monotonic() < deadline, output.decode()
+            drain(0)
+        answer = conn.recv(65536)
+        conn.close()
+        drain(0)                        # what the server had written when the answer came
+        text = output.decode()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        # Every log record is a JSON line; the command line's own notes ("corellm: the
+        # default model is the built-in random-weight demo ...") are not records.
+        records = [json.loads(line) for line in text.splitlines()
+                   if not line.startswith("corellm: ")]
+        msgs = [r["msg"] for r in records]
+        serving = next(i for i, m in enumerate(msgs) if m.startswith("serving 'corellm-demo' on "
+                                                                     f"http://127.0.0.1:{port}"))
+        assert '"temperature": 0 for greedy' in msgs[serving + 1]
+        assert "temperature 1.0 (OpenAI's default)" in msgs[serving + 1]
+        assert {r["logger"] for r in records} >= {"corellm.server", "uvicorn.error"}
+        assert len({r["pid"] for r in records}) == 2        # the engine core logs JSON too
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -337,7 +337,9 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
     holds the two sockets; the core removes it if its parent dies (else the client does).
     ``max_outputs_ahead``: flow control, for a client that credits the batches it processed."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from corellm.logs import configure_logging
+    # The parent's level; the format from CORELLM_LOG_FORMAT, which the spawn inherits.
+    configure_logging(level=log_level)
     # Ctrl-C in a terminal and systemd's KillMode=control-group signal the whole process group.
     # The client coordinates shutdown (a server drains its requests first, then sends SHUTDOWN),
     # so while it lives the core ignores both signals; when it dies the parent watch stops the

@@ -360,10 +360,10 @@ examples:
 
 
 def add_calibrate_subcommand(subparsers: Any) -> Any:
-    from .cli import HelpFormatter
+    from .cli import HelpFormatter, plain
     p = subparsers.add_parser(
         "calibrate", help="measure step times and fit the sim executor's cost model",
-        description=__doc__, epilog=CLI_EPILOG, formatter_class=HelpFormatter)
+        description=plain(__doc__), epilog=CLI_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE",
                    help="the engine config to measure (the sim executor's config must name the "
                         "same model and dtype; it simulates the profile's device wherever it "

@@ -27,7 +27,7 @@ EPILOG = """\
 targets (each repeatable; NAME=VALUE names a column, default: the file's stem / host:port):
   --config fcfs=a.yaml --config priority=b.yaml   in-process engines (A/B)
   --url http://127.0.0.1:8000                     a running server
-  (none)                                          the demo model with the default config
+  (none)                                          the default model and config, in-process
 
 multi-turn workloads against a server: the API returns text, not token ids, so a follow-up's
 history is the previous reply re-tokenized with the model's tokenizer (--tokenizer); offline
@@ -49,6 +49,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
+
+
+def plain(doc: str | None) -> str:
+    """A module docstring as a ``--help`` description: without its reST markup for literals
+    (double backquotes) and bold (double asterisks)."""
+    return (doc or "").replace("``", "").replace("**", "")
 
 
 def checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
@@ -109,12 +115,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
                    help="a running OpenAI-compatible server; repeatable")
     t.add_argument("--start-server", action="store_true",
-                   help="run each --config through `corellm serve` started here (stopped after "
+                   help="run each --config through 'corellm serve' started here (stopped after "
                         "each run) instead of in this process")
     t.add_argument("--tokenizer", metavar="DIR",
                    help="the model's tokenizer directory, for random prompt ids and for "
                         "re-tokenizing a server's replies in multi-turn workloads (default: the "
-                        "first --config's model, else the demo model)")
+                        "first --config's model, else the default model)")
     t.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds per server request")
     t.add_argument("--server-timeout", type=float, default=300.0,
@@ -123,7 +129,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", metavar="FILE.yaml",
-                   help="a workload spec (see `corellm bench workload`); otherwise the random "
+                   help="a workload spec (see 'corellm bench workload'); otherwise the random "
                         "workload of the flags below")
     w.add_argument("--dataset-name", choices=["random"], default="random",
                    help="vLLM's flag; only the synthetic random dataset")
@@ -169,19 +175,22 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--result-dir", metavar="DIR", help="directory for the JSON result")
     r.add_argument("--plot", metavar="FILE.png",
                    help="CDFs of TTFT and E2E latency per target (and per priority class)")
-    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    r.add_argument("--no-progress", "--disable-tqdm", dest="disable_tqdm", action="store_true",
+                   help="no progress bar (--disable-tqdm is vLLM's spelling, accepted as well)")
 
 
 def configure_bench(p: argparse.ArgumentParser) -> None:
     """The ``corellm bench`` command on the parser corellm made for it (``corellm_commands``),
     with its ``workload`` and ``calibrate`` sub-commands."""
-    p.description, p.epilog, p.formatter_class = __doc__, EPILOG, HelpFormatter
+    p.description, p.epilog, p.formatter_class = plain(__doc__), EPILOG, HelpFormatter
     add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
     from .calibrate import add_calibrate_subcommand
     from .workload_cli import add_workload_subcommand
     sub = p.add_subparsers(dest="bench_command", metavar="{workload,calibrate}",
-                           title="sub-commands (without one, `corellm bench` runs a benchmark)")
+                           title="sub-commands (without one, 'corellm bench' runs a benchmark)",
+                           help="write or describe a workload file; fit the sim executor's "
+                                "cost model")
     add_workload_subcommand(sub)
     add_calibrate_subcommand(sub)
 
@@ -316,6 +325,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from corellm.model_config import checkpoint_name
+
     from .env import environment, loadavg
     from .metrics import parse_goodput
     from .report import build_results, format_report, write_json, write_plot
@@ -368,9 +379,9 @@ def _bench(args: argparse.Namespace) -> int:
     results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
                             percentiles=args.metric_percentiles,
                             metrics=args.percentile_metrics, environment=env)
-    results["model_id"] = model_dir.name
+    results["model_id"] = checkpoint_name(model_dir)
     print(format_report(results), flush=True)
-    path = result_path(args, model_dir.name, _dt.datetime.now())
+    path = result_path(args, checkpoint_name(model_dir), _dt.datetime.now())
     if path is not None:
         write_json(results, path)
     if args.plot:

@@ -164,14 +164,15 @@ def _config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any
 
 def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
                      tokenizer: bool = True) -> Path:
-    """The tokenizer (or, ``tokenizer=False``, checkpoint) directory a config names; the demo
-    model without one."""
+    """The tokenizer (or, ``tokenizer=False``, checkpoint) a config names: a directory or a GGUF
+    file; without one, the default model's (``corellm.demo.default_model``: the random demo is
+    built only when it is the model that runs)."""
     model = _config_data(config).get("model") or {}
     path = (tokenizer and model.get("tokenizer")) or model.get("path")
     if path:
         return Path(path)
-    from corellm.demo import ensure_demo_model
-    return ensure_demo_model()
+    from corellm.demo import default_model
+    return default_model()[0]
 
 
 def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int | None:

@@ -181,9 +181,10 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``workload`` on ``subparsers`` (``corellm bench``'s). Its options use dests
     prefixed ``wl_`` so they cannot clash with ``corellm bench``'s own (``--seed``, ...)."""
+    from .cli import plain
     p = subparsers.add_parser(
         "workload", help="write a workload file (--kind ...) or summarize one (--describe)",
-        description=__doc__, epilog=EPILOG, formatter_class=_Help)
+        description=plain(__doc__), epilog=EPILOG, formatter_class=_Help)
     g = p.add_argument_group("generate (the file goes to stdout unless -o)")
     g.add_argument("--kind", dest="wl_kind", choices=sorted(KINDS), default="backlog",
                    help="backlog: all at once, 20%% priority 0 / 80%% priority 1; chat: "
@@ -233,7 +234,7 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="instead of generating: build FILE's workload and print its counts, "
                         "lengths, arrival span, tenants and priority classes")
     d.add_argument("--tokenizer", dest="wl_tokenizer", metavar="DIR",
-                   help="tokenizer for text prompts in FILE (default: the demo model's)")
+                   help="tokenizer for text prompts in FILE (default: the default model's)")
     d.add_argument("--json", dest="wl_json", action="store_true",
                    help="print the summary as JSON")
     p.set_defaults(func=cmd_workload)
@@ -465,8 +466,8 @@ def _describe(args: argparse.Namespace) -> int:
         if args.wl_tokenizer:
             tokenizer = load_tokenizer(args.wl_tokenizer)
         else:
-            from corellm.demo import ensure_demo_model
-            tokenizer = load_tokenizer(str(ensure_demo_model()))
+            from corellm.demo import default_model
+            tokenizer = load_tokenizer(str(default_model()[0]))
         vocab = max(vocab, len(tokenizer))
     workload = build_workload(spec, vocab_size=vocab, seed=args.wl_seed, tokenizer=tokenizer)
     stats = workload_stats(workload)

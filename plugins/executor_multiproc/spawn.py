@@ -53,6 +53,8 @@ def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_metho
     stop (or the engine is gone)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from corellm.logs import configure_logging
+    configure_logging()        # as the corellm command set it: CORELLM_LOG_FORMAT / _LEVEL
     parent = os.getppid()
     os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
     reader = writer = None

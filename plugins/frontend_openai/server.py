@@ -27,12 +27,14 @@ import signal
 import socket
 import sys
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from corellm.components import BuildContext
 from corellm.engine.async_llm import AsyncLLM
 from corellm.errors import CorellmError, RequestAbortedError
 from corellm.interfaces import Frontend
+from corellm.logs import configured as logs_configured
 from corellm.model_config import checkpoint_name
 
 from .app import build_app
@@ -55,14 +57,20 @@ SETTLE_S = 2.0
 ENGINE_STOP_TIMEOUT_S = 5.0
 # Like log records within this time collapse into the first and a count (connections.py).
 LOG_REPEAT_WINDOW_S = 10.0
+# Said once the server is up: small models' sampled answers look broken, and a user who sent
+# no temperature may not know that OpenAI's default of 1 applies.
+TEMPERATURE_HINT = ('requests without "temperature" are sampled at temperature 1.0 (OpenAI\'s '
+                    'default); send "temperature": 0 for greedy, repeatable answers')
 
 
-def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s: float) -> Any:
+def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s: float,
+                    on_serving: Callable[[], None] | None = None) -> Any:
     """uvicorn's server with its own signal capture turned off (``OpenAIServer`` handles
     SIGINT/SIGTERM itself: drain, then stop, for the whole life of the engine), serving ``sock``
     through a ``Listener`` instead of asyncio's server: asyncio accepts until the process runs
     out of files, the ``Listener`` holds at most ``cap`` connections and closes those that do
-    not send a request head within ``header_timeout_s`` (see connections.py)."""
+    not send a request head within ``header_timeout_s`` (see connections.py). ``on_serving`` is
+    called just before the listener takes its first connection."""
     import uvicorn
 
     from .connections import Connection, Listener
@@ -83,6 +91,10 @@ def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s
 
             listener = Listener(sock, cap, connection)
             self.servers.append(listener)             # closed by uvicorn's shutdown
+            # Before the first accept: connections queued while the model loaded are served
+            # at once, and the "serving" line comes before any of their answers.
+            if on_serving is not None:
+                on_serving()
             listener.start()
 
     return Server(config)
@@ -155,19 +167,20 @@ class OpenAIServer(Frontend):
             app = build_app(engine, opts, self.model_name, state)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
             await app.state.metrics.start()       # one get_stats: gauges before the first step
+            # Under the corellm command (corellm.logs), uvicorn's loggers write through its
+            # handler, in its format; elsewhere uvicorn installs its own handlers.
+            own_logs = {"log_config": None} if logs_configured() else {}
             config = uvicorn.Config(
                 app, log_level=opts.log_level, timeout_graceful_shutdown=SETTLE_S,
                 access_log=opts.log_level == "debug", http="h11", ws="none",
-                timeout_keep_alive=opts.keep_alive_timeout_s)   # type: ignore[arg-type]
+                timeout_keep_alive=opts.keep_alive_timeout_s,
+                **own_logs)   # type: ignore[arg-type]
             # After uvicorn.Config, which replaces uvicorn's log handlers.
             repeats = RepeatFilter(LOG_REPEAT_WINDOW_S)
             unfilter = repeats.install()
             flusher = asyncio.create_task(_flush_log_repeats(repeats))
-            server = _uvicorn_server(config, sock, cap, opts.header_timeout_s)
-            task = asyncio.create_task(server.serve())
-            while not server.started and not task.done():
-                await asyncio.sleep(0.05)
-            if server.started:
+
+            def announce() -> None:
                 logger.info("holding up to %d connections (frontend.max_connections; open-file "
                             "limit %s)", cap, _file_limit())
                 host = f"[{opts.host}]" if ":" in opts.host else opts.host
@@ -175,6 +188,13 @@ class OpenAIServer(Frontend):
                             host, port, engine.engine_pid,
                             "; /v1 requires an API key" if opts.api_key
                             or os.environ.get(API_KEY_ENV) else "")
+                logger.info(TEMPERATURE_HINT)
+
+            server = _uvicorn_server(config, sock, cap, opts.header_timeout_s, announce)
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
                 status = await self._until_stopped(engine, state, signals, task)
                 server.should_exit = True
                 if not signals.empty():
