@@ -359,7 +359,7 @@ def test_cli_without_a_model_runs_the_default_one_and_builds_no_demo(llama_path,
     vocabulary, and the random demo model is built only when it is that default."""
     from corellm.cli import main
     from corellm.demo import demo_model_dir
-    from corellm_plugins.bench.runner import config_model_dir
+    from corellm_plugins.bench.targets import config_model_dir
 
     monkeypatch.setenv("CORELLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CORELLM_DEFAULT_MODEL", str(llama_path))
