@@ -1,8 +1,8 @@
 """The ``corellm`` command line: the built-in commands (``generate``, ``serve``, ``plugins``,
 ``config validate`` / ``config schema``), the commands plugins add through ``corellm_commands``
 (``bench``, from the bench plugin), the global logging options (``--log-format``,
-``--log-level``), and ``Parser``, the argument parser of every command, which names the closest
-flag or command to a misspelt one."""
+``--log-level``). Every parser is a ``corellm.cli_parser.Parser``, which names the closest flag
+or command to a misspelt one."""
 
 from __future__ import annotations
 
@@ -12,115 +12,15 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
+from corellm.cli_parser import Parser
 from corellm.errors import ConfigError, CorellmError
 from corellm.logs import FORMATS, LEVELS
 
 logger = logging.getLogger("corellm")
 
 DESCRIPTION = "corellm, a pluggable LLM inference engine. Commands: {commands}."
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse's parser, naming the closest match to a misspelt flag or choice:
-    ``corellm generate: error: unrecognized arguments: --max-token (did you mean --max-tokens?)``,
-    ``invalid choice: 'serv'; did you mean serve?``. Every parser of the command line is one:
-    argparse makes sub-parsers (plugin commands' and nested ones too) of their parent's class."""
-
-    _unknown_flags: list[str] = []
-
-    def parse_known_args(self, args: Sequence[str] | None = None,
-                         namespace: argparse.Namespace | None = None,
-                         ) -> tuple[argparse.Namespace, list[str]]:
-        strings = list(sys.argv[1:] if args is None else args)
-        self._unknown_flags = self._flags_not_known(strings)
-        return super().parse_known_args(strings, namespace)
-
-    def parse_args(self, args: Sequence[str] | None = None,    # type: ignore[override]
-                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        parsed, extra = self.parse_known_args(args, namespace)
-        if extra:
-            self.unrecognized(parsed, extra)
-        return parsed
-
-    def unrecognized(self, parsed: argparse.Namespace, extra: Sequence[str]) -> NoReturn:
-        """Exit with the error for ``extra``, the arguments no parser took, as the sub-command
-        that was given (the innermost one) reports it: with its name, usage and flags."""
-        parser = self._chosen(parsed)
-        parser.error(parser._unrecognized_message(extra, root=self))
-
-    def error(self, message: str) -> NoReturn:
-        # An unknown flag's value is taken for the next positional (`bench --num-prompt 3`:
-        # "invalid choice: '3'"): the flag is the mistake to report.
-        if self._unknown_flags and not message.startswith("unrecognized arguments"):
-            message = self._unrecognized_message(self._unknown_flags)
-        super().error(message)
-
-    def _check_value(self, action: argparse.Action, value: Any) -> None:
-        if action.choices is not None and value not in action.choices:
-            from corellm.config import did_you_mean
-            hint = did_you_mean(str(value), [str(c) for c in action.choices])
-            if hint:
-                choices = ", ".join(map(repr, action.choices))
-                raise argparse.ArgumentError(
-                    action, f"invalid choice: {value!r}{hint} (choose from {choices})")
-        super()._check_value(action, value)
-
-    def _subcommands(self) -> argparse._SubParsersAction | None:
-        return next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)),
-                    None)
-
-    def _chosen(self, parsed: argparse.Namespace) -> Parser:
-        """The innermost sub-command parser ``parsed`` went through (found by the ``dest`` each
-        level of sub-commands stores its choice in; a level without one ends the search)."""
-        parser: Parser = self
-        while True:
-            sub = parser._subcommands()
-            name = getattr(parsed, sub.dest, None) if sub is not None else None
-            child = sub.choices.get(name) if sub is not None and name is not None else None
-            if not isinstance(child, Parser):
-                return parser
-            parser = child
-
-    def _flags_not_known(self, strings: Sequence[str]) -> list[str]:
-        """The flags among this parser's own arguments (those before ``--`` or a sub-command's
-        name) that none of its options spells."""
-        sub = self._subcommands()
-        commands = set(sub.choices) if sub is not None else set()
-        unknown = []
-        for text in strings:
-            if text == "--" or text in commands:
-                break
-            if not self._looks_like_flag(text):
-                continue
-            flag = text.split("=", 1)[0]
-            if flag in self._option_string_actions or (
-                    flag[1:2] not in self.prefix_chars and flag[:2] in self._option_string_actions):
-                continue            # known, or a short option with its value attached (-p5)
-            unknown.append(flag)
-        return unknown
-
-    def _looks_like_flag(self, text: str) -> bool:
-        return (len(text) > 1 and text[0] in self.prefix_chars
-                and not self._negative_number_matcher.match(text))
-
-    def _unrecognized_message(self, extra: Sequence[str], root: Parser | None = None) -> str:
-        from corellm.config import did_you_mean
-        options = [o for o in self._option_string_actions if o.startswith("--")]
-        words = []
-        for text in extra:
-            words.append(text)
-            if not self._looks_like_flag(text):
-                continue
-            flag = text.split("=", 1)[0]
-            if root is not None and root is not self and flag in root._option_string_actions:
-                words.append(f"(an option of {root.prog} itself: it goes before the command)")
-                continue
-            hint = did_you_mean(flag, options, " (did you mean {}?)")
-            if hint:
-                words.append(hint.strip())
-        return "unrecognized arguments: " + " ".join(words)
 
 
 # vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
@@ -295,7 +195,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         except ValidationError as exc:
             raise ConfigError([(".".join(["plugins", *map(str, e["loc"])]), e["msg"])
                                for e in exc.errors()], source=args.config) from None
-    registry = load_registry(disable=disable)
+    registry = load_registry(disable=disable, plugins=getattr(args, "in_process_plugins", ()))
     try:
         auto_platform = choose_platform(registry)[0]
     except CorellmError:
@@ -435,19 +335,31 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 BUILTIN_COMMANDS = ("generate", "serve", "plugins", "config")
 
 
-def _add_plugin_commands(sub: Any, plugins: Sequence[object]) -> None:
+def _add_plugin_commands(sub: Any, plugins: Sequence[object]) -> list[str]:
     """Every command the ``corellm_commands`` hook registers. A command that cannot be built (a
     broken, unavailable, ambiguous or reserved one) is still listed, and running it prints why,
-    so one bad plugin never takes the other commands down."""
+    so one bad plugin never takes the other commands down. Returns the warnings to log once
+    logging is set up."""
     from corellm.errors import PluginError
     from corellm.plugins import call_factory, load_registry
 
-    registry = load_registry(plugins=plugins)
+    # This registry is loaded before logging is configured, and the command loads its own
+    # (with the config's plugins.disable), which reports any broken plugin: this load stays
+    # quiet, and one that fails altogether (a broken plugin under CORELLM_STRICT_PLUGINS) adds
+    # no command rather than taking down --help, --version and `corellm plugins --check`.
+    discovery = logging.getLogger("corellm.plugins")
+    quiet, discovery.disabled = discovery.disabled, True
+    try:
+        registry = load_registry(plugins=plugins)
+    except CorellmError:
+        return []
+    finally:
+        discovery.disabled = quiet
+    notes = []
     for name in registry.choices("command"):
         if name in BUILTIN_COMMANDS:
             entry = registry.providers["command"][name][0]
-            logger.warning("%s is left out: %r is a built-in command's name",
-                           entry.describe(), name)
+            notes.append(f"{entry.describe()} is left out: {name!r} is a built-in command's name")
             continue
         try:
             entry = registry.get("command", name)
@@ -466,6 +378,7 @@ def _add_plugin_commands(sub: Any, plugins: Sequence[object]) -> None:
             del sub._name_parser_map[name]
             sub._choices_actions[:] = [a for a in sub._choices_actions if a.dest != name]
             _unusable_command(sub, name, exc)
+    return notes
 
 
 def _unusable_command(sub: Any, name: str, error: CorellmError) -> None:
@@ -526,7 +439,7 @@ def build_parser(plugins: Sequence[object] = ()) -> Parser:
     _add_engine_args(serve, frontend=True)
     serve.set_defaults(func=cmd_serve)
 
-    _add_plugin_commands(sub, plugins)
+    parser.plugin_notes = _add_plugin_commands(sub, plugins)
 
     plugins = sub.add_parser("plugins", help="list discovered plugins and their options")
     plugins.add_argument("--json", action="store_true",
@@ -565,6 +478,9 @@ def main(argv: Sequence[str] | None = None, plugins: Sequence[object] = ()) -> i
     if extra and not getattr(args, "unusable_command", False):
         parser.unrecognized(args, extra)
     _configure_logging(args)
+    for note in parser.plugin_notes:
+        logger.warning("%s", note)
+    args.in_process_plugins = tuple(plugins)
     try:
         return args.func(args)
     except CorellmError as exc:

@@ -22,8 +22,9 @@ from corellm.engine_config import (DEPRECATED_MODEL_KEYS, PLUGIN_SECTIONS,  # no
                                    PluginsConfig, apply_overrides, did_you_mean,
                                    parse_override, read_config_file)
 from corellm.errors import ConfigDeprecationWarning, ConfigError, PluginError
-from corellm.specs import (SECTION_SPECS, AttentionOptions, ComponentOptions, PlatformOptions,
-                           delegate_fields)
+from corellm.specs import (SECTION_SPECS, AttentionOptions, ComponentOptions,  # noqa: F401
+                           DType, ExecutorOptions, FrontendOptions, KVCacheOptions,
+                           PlatformOptions, SamplerOptions, SchedulerOptions, delegate_fields)
 
 if TYPE_CHECKING:
     from corellm.plugins import Registry

@@ -154,7 +154,8 @@ def corellm_frontends() -> Iterable[FrontendSpec]:
 def corellm_commands() -> Iterable[CommandSpec]:
     """Register sub-commands of the ``corellm`` command line (``corellm NAME``).
 
-    Called once when the command line is built. Return an iterable of ``CommandSpec``; its
+    Called once when the registry is built, as every registration hook is; only the command
+    line calls the specs' factories. Return an iterable of ``CommandSpec``; its
     factory declares the command's arguments on the parser corellm made for it and sets the
     function that runs it (``parser.set_defaults(func=run)``)::
 

@@ -152,8 +152,6 @@ class SchedulingPolicy(ABC):
         kept for it. Not called when not overridden."""
 
 
-
-
 class KVCacheManager(ABC):
     """Owns the mapping from requests to KV-cache blocks (bookkeeping only: the tensors live in
     the workers). Every block a request holds returns to the pool on ``free``.
@@ -410,10 +408,11 @@ class CausalLM(ABC):
 
 
 def attention_layer_specs(model: Any) -> list[AttentionLayerSpec]:
-    """The specs of ``model``'s attention modules (``corellm.layers.Attention`` and any module
-    holding its layer's ``AttentionLayerSpec`` as ``spec``), by layer index."""
+    """The specs of ``model``'s ``corellm.layers.Attention`` modules, by layer index. (Known by
+    the class attribute ``is_attention_layer`` that ``Attention`` sets, which its subclasses
+    inherit: this layer cannot import the layer library.)"""
     layers = sorted((m.spec for m in model.modules()
-                     if isinstance(getattr(m, "spec", None), AttentionLayerSpec)),
+                     if getattr(type(m), "is_attention_layer", False)),
                     key=lambda s: s.layer_idx)
     if [s.layer_idx for s in layers] != list(range(len(layers))) or not layers:
         raise ValueError(f"{type(model).__name__}: attention layers "

@@ -33,7 +33,8 @@ from corellm.errors import PluginError
 # The registry's types are public here too.
 from corellm.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Conflict,  # noqa: F401
                               PluginInfo, RegisteredComponent, Registry, call_factory,
-                              canonical_name, executor_launcher_worker)
+                              canonical_name, executor_launcher_worker, renamed_builtin)
+from corellm.specs import section_of  # noqa: F401  (importable here in 1.1)
 from corellm.specs import (PLATFORM_INTERFACE_VERSION, AttentionBackendSpec, CommandSpec,
                            ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec, ModelSpec,
                            PlatformSpec, SamplerSpec, SchedulerSpec)
@@ -104,8 +105,11 @@ def _named_by(info: PluginInfo, names: set[str]) -> bool:
     name (every distribution's), or as ``distribution:entry_point``."""
     if info.entry_point in names or info.name in names:
         return True
-    return any(q and info.distribution is not None and ep == info.entry_point
-               and canonical_name(q) == canonical_name(info.distribution)
+    return any((q and info.distribution is not None and ep == info.entry_point
+                and canonical_name(q) == canonical_name(info.distribution))
+               or ((not q or info.distribution is not None
+                    and canonical_name(q) == canonical_name(info.distribution))
+                   and renamed_builtin(ep, info))
                for q, _, ep in (n.rpartition(":") for n in names))
 
 

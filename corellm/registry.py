@@ -16,7 +16,7 @@ from typing import Any
 
 import pluggy
 
-from corellm.deprecation import acting_plugin
+from corellm.deprecation import acting_plugin, warn_deprecated
 from corellm.errors import ConfigError, CorellmError, OptionError, PluginError
 from corellm.interfaces import ExecutorError
 from corellm.specs import ComponentOptions, ComponentSpec, delegate_fields
@@ -26,6 +26,22 @@ logger = logging.getLogger("corellm.plugins")
 # The distribution whose plugins are the built-ins: an installed plugin providing the same
 # component name or architecture takes precedence over them (see Registry.get).
 BUILTIN_DISTRIBUTION = "corellm"
+# Built-in entry points that were renamed -> (their name now, the release the old one goes in).
+# The old name keeps selecting (``executor_sim:sim``), disabling and allowing its plugin until
+# then, with a deprecation warning.
+RENAMED_BUILTINS: dict[str, tuple[str, str]] = {"executor_sim": ("bench", "0.5")}
+
+
+def renamed_builtin(name: str, info: PluginInfo) -> bool:
+    """Whether ``name`` is the former name of ``info``'s built-in entry point (warning that it
+    is deprecated when it is)."""
+    renamed = RENAMED_BUILTINS.get(name)
+    if renamed is None or info.distribution != BUILTIN_DISTRIBUTION \
+            or info.entry_point != renamed[0]:
+        return False
+    warn_deprecated(f"the built-in plugin name {name!r}", repr(renamed[0]),
+                    removed_in=renamed[1], stacklevel=3)
+    return True
 
 
 def canonical_name(name: str) -> str:
@@ -57,7 +73,8 @@ class PluginInfo:
         registry name, its entry point's name or its distribution."""
         return (qualifier in (self.name, self.entry_point)
                 or (self.distribution is not None
-                    and canonical_name(qualifier) == canonical_name(self.distribution)))
+                    and canonical_name(qualifier) == canonical_name(self.distribution))
+                or renamed_builtin(qualifier, self))
 
     def describe(self) -> str:
         if self.value is None:

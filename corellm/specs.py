@@ -318,7 +318,7 @@ class CommandSpec(ComponentSpec):
     --help`` and its description unless the factory sets another) and names the function that
     runs it: ``parser.set_defaults(func=run)`` with ``run(args) -> int``, the exit status. It may
     add nested sub-commands, each setting its own ``func``. The parser is a
-    ``corellm.cli.Parser``, as are the nested ones it makes, so a misspelt flag is answered with
+    ``corellm.cli_parser.Parser``, as are the nested ones it makes, so a misspelt flag is answered with
     the closest one; give every argument a ``help``. Heavy imports belong inside ``run``:
     every ``corellm`` invocation builds every command's parser. A ``CorellmError`` that ``run``
     raises is printed as ``corellm: error: ...`` with exit status 2, as the built-in commands'

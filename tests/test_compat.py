@@ -66,6 +66,50 @@ def test_every_public_name_in_the_compatibility_table_exists():
     assert checked > 50
 
 
+# Names plugin API 1.1 could import from these modules and 1.2 defines elsewhere (the core's
+# layers): each must still be importable from its 1.1 module, as the same object.
+MOVED_IN_1_2 = {
+    "corellm.components": ["ComponentOptions", "SchedulerOptions", "PlatformSpec", "CommandSpec",
+                           "delegate_field", "delegate_fields", "section_of", "NoOptions",
+                           "SECTION_SPECS", "BuildContext"],
+    "corellm.config": ["EngineConfig", "ModelConfig", "ParallelConfig", "PluginsConfig",
+                       "load_config", "read_config_file", "parse_override", "apply_overrides",
+                       "did_you_mean", "SchedulerOptions", "KVCacheOptions", "ExecutorOptions",
+                       "SamplerOptions", "FrontendOptions", "DType"],
+    "corellm.plugins": ["Registry", "PluginInfo", "RegisteredComponent", "BrokenPlugin",
+                        "Conflict", "call_factory", "executor_launcher_worker", "load_registry",
+                        "PLUGIN_API_VERSION", "BUILTIN_DISTRIBUTION", "section_of"],
+    "corellm.model_config": ["ModelArchConfig", "LlamaArchConfig", "ConfigReader", "RopeConfig",
+                             "ROPE_TYPES", "parse_arch_config", "checkpoint_name"],
+    "corellm.platforms": ["Platform", "host_visible", "host_memory_available",
+                          "PLATFORM_INTERFACE_VERSION", "build_platform", "choose_platform"],
+    "corellm.interfaces": ["CachedPrefix", "NO_CACHED_PREFIX", "SchedulingPolicy",
+                           "attention_layer_specs"],
+    "corellm.scheduling": ["SchedulingContext", "WaitingQueue", "BatchScheduler"],
+    "corellm.layers": ["DeviceOps", "REFERENCE_OPS", "OpsModule", "bind_ops", "Attention"],
+    "corellm.layers.attention": ["Attention", "attention_layer_specs", "bind_kv_caches"],
+}
+
+
+def test_names_of_plugin_api_1_1_import_from_their_1_1_modules():
+    for module, names in MOVED_IN_1_2.items():
+        mod = importlib.import_module(module)
+        missing = [n for n in names if not hasattr(mod, n)]
+        assert not missing, f"{module} lost {missing}"
+
+
+@pytest.mark.parametrize("old, new, names", [
+    ("corellm.layers.ops", "corellm.ops", ["DeviceOps", "REFERENCE_OPS", "OpsModule", "bind_ops"]),
+    ("corellm.scheduling.queue", "corellm.policy_view", ["SchedulingContext", "WaitingQueue"]),
+])
+def test_a_moved_module_imports_with_a_warning_until_0_5(old, new, names):
+    sys.modules.pop(old, None)
+    with pytest.warns(CorellmDeprecationWarning, match=f"{re.escape(old)}.*removed in corellm 0.5"):
+        moved = importlib.import_module(old)
+    home = importlib.import_module(new)
+    assert all(getattr(moved, n) is getattr(home, n) for n in names)
+
+
 DEPRECATED_USER = """
 from corellm import hookimpl
 from corellm.components import SamplerSpec

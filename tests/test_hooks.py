@@ -471,10 +471,11 @@ def test_corellm_commands(capsys, caplog):
     help_text = build_parser([CommandPlugin()]).format_help()
     assert "hello" in help_text and "say hello" in help_text and "bench" in help_text
     assert "serve an OpenAI-compatible API" in help_text       # the built-in kept its name
-    assert "command 'serve' of plugin 'CommandPlugin" in caplog.text
-    assert "is a built-in command's name" in caplog.text
     assert main(["hello", "--name", "pluggy"], plugins=[CommandPlugin()]) == 7
     assert capsys.readouterr().out == "hello pluggy\n"
+    # logged once logging is set up, naming the plugin
+    assert "command 'serve' of plugin 'CommandPlugin" in caplog.text
+    assert "is a built-in command's name" in caplog.text
     # A command that cannot be built is listed, and running it says why; the others still run.
     assert main(["shaky", "--anything"], plugins=[CommandPlugin()]) == 2
     assert "no such thing" in capsys.readouterr().err
@@ -482,9 +483,29 @@ def test_corellm_commands(capsys, caplog):
     assert "set_defaults(func=...)" in capsys.readouterr().err
     assert load_registry(plugins=[CommandPlugin()]).get("command", "hello").spec.summary == \
         "say hello"
-    assert main(["plugins", "--json"]) == 0                # the built-in bench command
+    assert main(["plugins", "--json"], plugins=[CommandPlugin()]) == 0
     rows = json.loads(capsys.readouterr().out)["components"]
-    assert any(r["kind"] == "command" and r["name"] == "bench" for r in rows)
+    assert any(r["kind"] == "command" and r["name"] == "bench" for r in rows)   # built in
+    assert any(r["kind"] == "command" and r["name"] == "hello" for r in rows)
+
+
+class UnknownHookPlugin:
+    def corellm_no_such_hook(self):
+        pass
+
+
+def test_a_registry_that_cannot_load_leaves_the_command_line_working(monkeypatch, capsys):
+    """Under CORELLM_STRICT_PLUGINS a bad plugin makes the registry fail: the command line still
+    answers --version and --help, and the command that needs the registry says why."""
+    from corellm import __version__
+    from corellm.cli import main
+
+    monkeypatch.setenv("CORELLM_STRICT_PLUGINS", "1")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"], plugins=[UnknownHookPlugin()])
+    assert exit_.value.code == 0 and __version__ in capsys.readouterr().out
+    assert main(["plugins"], plugins=[UnknownHookPlugin()]) == 2
+    assert "corellm_no_such_hook" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- observers

@@ -44,7 +44,7 @@ CORE_LAYERS: dict[str, list[str]] = {
     "composition": ["platforms", "distributed", "gguf", "demo", "model_config", "setup",
                     "components", "config"],
     "libraries": ["block_pool", "kv_cache", "scheduling", "wrappers", "layers"],
-    "engine": ["engine", "worker", "cli", "__main__"],
+    "engine": ["engine", "worker", "cli", "cli_parser", "__main__"],
 }
 
 
@@ -171,6 +171,55 @@ def test_the_layer_check_catches_upward_imports_and_cycles(tmp_path):
     assert "import cycle: corellm.high -> corellm.low" in problems
     assert not layer_problems({"corellm.a": {"corellm.b"}, "corellm.b": set()},
                               {"one": ["b"], "two": ["a"]})
+
+
+def lazy_facade_imports(package_dir: Path) -> list[str]:
+    """``from corellm import NAME`` in the package's modules where NAME is neither a submodule
+    nor bound by the facade when it is imported: such a name (``LLM``) is resolved lazily by the
+    facade, from whichever layer defines it, which module_graph cannot see."""
+    top = package_dir.name
+    facade = ast.parse((package_dir / "__init__.py").read_text())
+    eager = set()
+    for node in facade.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            eager.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign):
+            eager.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    found = []
+    for f in sorted(package_dir.rglob("*.py")):
+        if f == package_dir / "__init__.py":
+            continue
+        depth = len(f.relative_to(package_dir).parts) - (f.name == "__init__.py")
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                    (node.level == 0 and node.module == top) or (node.level == depth
+                                                                 and node.module is None)):
+                for a in node.names:
+                    submodule = package_dir / a.name
+                    if a.name not in eager and not (submodule.is_dir()
+                                                    or submodule.with_suffix(".py").exists()):
+                        found.append(f"{f.relative_to(package_dir.parent)}: from {top} import "
+                                     f"{a.name}")
+    return found
+
+
+def test_the_facade_check_catches_lazy_names(tmp_path):
+    pkg = tmp_path / "corellm"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from corellm.low import hookimpl\n__version__ = '1'\n"
+                                     "def __getattr__(name):\n    from corellm.high import LLM\n"
+                                     "    return LLM\n")
+    (pkg / "low.py").write_text("from corellm import __version__, hookimpl, high\n"
+                                "def f():\n    from corellm import LLM\n")
+    (pkg / "high.py").write_text("LLM = 1\n")
+    (pkg / "sub" / "leaf.py").write_text("from .. import LLM\n")
+    assert lazy_facade_imports(pkg) == ["corellm/low.py: from corellm import LLM",
+                                        "corellm/sub/leaf.py: from corellm import LLM"]
+
+
+def test_the_core_imports_no_lazy_name_of_the_facade():
+    found = lazy_facade_imports(ROOT / "corellm")
+    assert not found, "\n".join(found)
 
 
 def test_the_core_imports_only_down_its_layers():

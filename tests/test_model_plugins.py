@@ -249,3 +249,25 @@ def test_missing_architectures_is_named(llama_path, tmp_path):
     with pytest.raises(CheckpointError, match="no 'architectures' key: corellm chooses the "
                                               "model plugin by it"):
         LLM(engine_config(copy))
+
+
+def test_attention_layers_are_the_attention_modules():
+    """``CausalLM.attention_layers()``'s default: one spec per ``corellm.layers.Attention``
+    (subclasses included), by layer index; another module that keeps a reference to a layer's
+    spec is not a second layer."""
+    import torch.nn as nn
+
+    from corellm.interfaces import AttentionLayerSpec, attention_layer_specs
+    from corellm.layers import Attention
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.attn = (Attention if i == 0 else type("MyAttention", (Attention,), {}))(
+                None, i, 4, 2, 8)
+            self.spec = self.attn.spec            # a convenience copy, not a layer
+
+    model = nn.Sequential(Block(1), Block(0))
+    specs = attention_layer_specs(model)
+    assert [s.layer_idx for s in specs] == [0, 1]
+    assert all(isinstance(s, AttentionLayerSpec) for s in specs)

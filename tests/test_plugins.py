@@ -326,3 +326,20 @@ def test_registration_hook_wrappers_rejected():
             return (yield)
     with pytest.raises(PluginError, match="registration hook; it takes plain implementations"):
         load_registry(plugins=[Wrapper()])
+
+
+def test_a_renamed_builtin_entry_point_still_answers_to_its_old_name(monkeypatch):
+    """The sim executor's plugin was the entry point executor_sim; it is bench now. The old
+    name still selects, disables and allows it until 0.5, with a deprecation warning."""
+    from corellm.errors import CorellmDeprecationWarning
+
+    with pytest.warns(CorellmDeprecationWarning, match="'executor_sim'.*use 'bench'"):
+        assert "sim" not in load_registry(disable=["executor_sim"]).choices("executor")
+    with pytest.warns(CorellmDeprecationWarning):
+        assert "sim" not in load_registry(disable=["corellm:executor_sim"]).choices("executor")
+    registry = load_registry()
+    with pytest.warns(CorellmDeprecationWarning):
+        assert registry.get("executor", "executor_sim:sim").plugin.entry_point == "bench"
+    monkeypatch.setenv("CORELLM_PLUGINS", "executor_sim,executor_uniproc")
+    with pytest.warns(CorellmDeprecationWarning):
+        assert load_registry().choices("executor") == ["sim", "uniproc"]

@@ -1,17 +1,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from corellm.interfaces import AttentionBackend, AttentionLayerSpec
+from corellm.interfaces import attention_layer_specs  # noqa: F401  (its home until 0.4.1)
 
 
 class Attention(nn.Module):
     """Glue between a model's attention layer and the configured backend: holds the layer's
     static facts and its KV-cache tensor (bound by the model runner after allocation)."""
+
+    # What CausalLM.attention_layers() looks for (corellm.interfaces.attention_layer_specs).
+    is_attention_layer: ClassVar[bool] = True
 
     def __init__(self, backend: AttentionBackend, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_size: int, scale: float | None = None, *,

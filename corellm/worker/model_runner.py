@@ -33,6 +33,7 @@ from corellm.sampling import find_banned
 
 logger = logging.getLogger(__name__)
 
+
 class ModelRunner:
     """One worker's model, KV cache and sampler, on its ``platform``'s device."""
 

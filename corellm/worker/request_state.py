@@ -88,6 +88,7 @@ def sampling_metadata(states: list[CachedRequestState], vocab: int, device: torc
         add_penalties(md, states, penalized, vocab, device)
     return md
 
+
 def add_penalties(md: SamplingMetadata, states: list[CachedRequestState], rows: list[int],
                   vocab: int, device: torch.device) -> None:
     """Fill md's penalty fields; ``rows`` are the rows with a penalty (others stay neutral).

@@ -399,7 +399,7 @@ def _native_kernels(decode: str, prefill: str, device: torch.device | None,
 
 # A decode group costs one gather and one SDPA call per layer: splitting pays when it saves more
 # padded blocks than this, a call's fixed overhead counted in the blocks of copying and attention
-# that cost as much (estimated from a decode-step profile; docs/benchmarks.md, length groups).
+# that cost as much (estimated from a decode-step profile).
 _GROUP_OVERHEAD_BLOCKS = 32
 # Bound on the candidate split points, keeping the quadratic search below a millisecond.
 _MAX_CANDIDATES = 48

@@ -31,6 +31,7 @@ from corellm.components import CommandSpec, ExecutorSpec
 
 from .options import SimOptions
 
+
 @hookimpl
 def corellm_commands() -> Iterator[CommandSpec]:
     from .cli import configure_bench

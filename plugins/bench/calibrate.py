@@ -348,7 +348,6 @@ def plot_fit(profile: Profile, path: str | Path) -> None:
     plt.close(fig)
 
 
-
 # ----------------------------------------------------------------------------- command line
 CLI_EPILOG = """\
 examples:

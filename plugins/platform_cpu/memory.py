@@ -4,7 +4,7 @@ glibc serves large allocations with mmap and returns freed memory to the OS (the
 thresholds), so the big temporaries of every forward pass (activations, logits, gathered KV) are
 page-faulted in afresh each step, and the kernel zeroes every such page again before the step
 can use it: work that grows with the bytes, not the arithmetic, and that slows the matmuls
-reading those buffers (the before/after figures: docs/benchmarks.md).
+reading those buffers.
 Raising both thresholds keeps freed memory in the heap for reuse, as the tcmalloc/jemalloc
 preloads that CPU inference servers recommend do. Resident memory then stays at its peak.
 
