@@ -15,7 +15,7 @@ and whether they agree. Workloads (examples/workloads/):
 
     python benchmarks/sim_fidelity.py --json fidelity.json --plot fidelity.png
 
-Goal (issue 13): within 5% on throughput and TPOT and 10% on TTFT, verdicts agreeing.
+Goal: within 5% on throughput and TPOT and 10% on TTFT, verdicts agreeing.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ CORELLM_FAMILIES = {
     "corellm:engine_steps", "corellm:request_success", "corellm:time_to_first_token_seconds",
     "corellm:time_per_output_token_seconds", "corellm:e2e_request_latency_seconds",
     "corellm:request_queue_time_seconds", "corellm:request_aborted",
-    "corellm:iteration_tokens_total",     # added with the StepStats stream (issue 13)
+    "corellm:iteration_tokens_total",     # from the StepStats stream
 }
 
 

@@ -1,4 +1,4 @@
-"""Step-time cost models for the simulated executor (issue 13).
+"""Step-time cost models for the simulated executor.
 
 A simulated executor runs no model: for each engine step it predicts how long the step would
 take from the step plan alone, and advances a virtual clock by that. This module holds
