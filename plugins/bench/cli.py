@@ -16,7 +16,7 @@ import datetime as _dt
 import math
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,8 @@ examples:
   corellm bench --config fcfs=fcfs.yaml --config prio=prio.yaml --workload w.yaml \\
       --repeats 3 --goodput ttft:200 tpot:50 --save-result --result-filename ab.json \\
       --plot ab.png
+  corellm bench --config sim.yaml --sweep scheduler.max_num_seqs=4,8,16 --repeats 3 \\
+      --plot sweep.png           # one run per value: a table and a plot against the value
 """
 
 
@@ -98,6 +100,19 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _sweep_metric_list(text: str) -> list[str]:
+    from corellm.config import did_you_mean
+
+    from .sweep import SWEEP_METRICS
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in SWEEP_METRICS]
+    if not names or bad:
+        hint = did_you_mean(bad[0], list(SWEEP_METRICS)) if bad else ""
+        raise argparse.ArgumentTypeError(f"unknown sweep metric {bad[0]!r}{hint}" if bad else
+                                         "expected at least one metric")
+    return names
+
+
 def _metric_list(text: str) -> list[str]:
     from .metrics import LATENCY_METRICS
     names = [v.strip() for v in text.split(",") if v.strip()]
@@ -117,6 +132,20 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-server", action="store_true",
                    help="run each --config through 'corellm serve' started here (stopped after "
                         "each run) instead of in this process")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override applied to every --config target (and the default "
+                        "config), as corellm serve's --set; repeatable")
+    t.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="run every config target once per value of this config key (values "
+                        "read as YAML, as --set reads them); several --sweep flags make a grid. "
+                        "Prints a table of --sweep-metrics per value and, with --plot, plots "
+                        "them against the value")
+    t.add_argument("--sweep-metrics", type=_sweep_metric_list,
+                   default="output_throughput,mean_ttft_ms,p99_ttft_ms,mean_tpot_ms",
+                   help="the metrics a --sweep tabulates and plots: a comma-separated subset "
+                        "of request_throughput, output_throughput, total_token_throughput, "
+                        "request_goodput, num_preemptions, prefix_cache_hit_rate and "
+                        "{mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms")
     t.add_argument("--tokenizer", metavar="DIR",
                    help="the model's tokenizer directory, for random prompt ids and for "
                         "re-tokenizing a server's replies in multi-turn workloads (default: the "
@@ -174,7 +203,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: corellm-bench-{rate}qps-{model}-{date}.json")
     r.add_argument("--result-dir", metavar="DIR", help="directory for the JSON result")
     r.add_argument("--plot", metavar="FILE.png",
-                   help="CDFs of TTFT and E2E latency per target (and per priority class)")
+                   help="CDFs of TTFT and E2E latency per target (and per priority class); "
+                        "with --sweep, the sweep's metrics against the swept value, and the "
+                        "CDFs beside it as FILE-cdf.png")
     r.add_argument("--no-progress", "--disable-tqdm", dest="disable_tqdm", action="store_true",
                    help="no progress bar (--disable-tqdm is vLLM's spelling, accepted as well)")
 
@@ -210,7 +241,31 @@ def build_targets(args: argparse.Namespace) -> list[Any]:
     if not specs:
         specs.append(("demo", {"config": None, "start_server": args.start_server}))
     labels = unique_labels([label for label, _ in specs])
-    return [Target(label, **kw) for label, (_, kw) in zip(labels, specs)]
+    targets = [Target(label, **kw) for label, (_, kw) in zip(labels, specs)]
+    if args.overrides:
+        targets = [with_overrides(t, args.overrides) for t in targets]
+    if args.sweep:
+        from .sweep import expand_targets, parse_sweep
+        targets, args.sweep_points = expand_targets(targets, [parse_sweep(s) for s in args.sweep])
+    return targets
+
+
+def with_overrides(target: Any, overrides: list[str]) -> Any:
+    """The target with ``--set`` overrides applied to its config (a dict from then on);
+    a running server (``--url``) has no config to change and is refused."""
+    from corellm.config import apply_overrides, parse_override, read_config_file
+    from corellm.errors import ConfigError
+
+    from .targets import Target
+
+    if target.url is not None:
+        raise ConfigError([("--set", f"target {target.label!r} is a running server (--url), "
+                                     "whose config cannot be changed from here")])
+    data = (dict(target.config) if isinstance(target.config, Mapping) else
+            read_config_file(target.config) if target.config is not None else {})
+    return Target(target.label, config=apply_overrides(data, [parse_override(t)
+                                                              for t in overrides]),
+                  start_server=target.start_server)
 
 
 def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
@@ -375,16 +430,32 @@ def _bench(args: argparse.Namespace) -> int:
                 "max_concurrency": args.max_concurrency,
                 "repeats": args.repeats, "seed": base_seed, "temperature": args.temperature,
                 "num_warmups": args.num_warmups, "workload_file": args.workload,
+                "overrides": list(args.overrides), "sweep": list(args.sweep),
                 "tokenizer": str(model_dir), "command": " ".join(sys.argv)}
     results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
                             percentiles=args.metric_percentiles,
                             metrics=args.percentile_metrics, environment=env)
     results["model_id"] = checkpoint_name(model_dir)
-    print(format_report(results), flush=True)
+    if args.sweep:
+        from .sweep import format_sweep, parse_sweep, sweep_results
+        results["sweep"] = sweep_results(results, [parse_sweep(s) for s in args.sweep],
+                                         args.sweep_points, args.sweep_metrics)
+    print(format_report(results, tables=not args.sweep), flush=True)
+    if args.sweep:
+        print(format_sweep(results["sweep"]), flush=True)
     path = result_path(args, checkpoint_name(model_dir), _dt.datetime.now())
     if path is not None:
         write_json(results, path)
-    if args.plot:
+    if args.plot and args.sweep:
+        from .sweep import write_sweep_plot
+        env = results.get("environment") or {}
+        plot = Path(args.plot)
+        write_sweep_plot(results["sweep"], plot,
+                         title=f"corellm bench sweep: {results['workload']['description']}\n"
+                               f"{env.get('cpu_model', 'CPU')}, {env.get('cpu_count')} CPUs, "
+                               f"{env.get('date', '')}")
+        write_plot(results, plot.with_name(f"{plot.stem}-cdf{plot.suffix}"))
+    elif args.plot:
         write_plot(results, args.plot)
     failed = sum(not r.ok for run in runs for r in run.records)
     if failed:

@@ -292,9 +292,10 @@ def _table(title: str, labels: Sequence[str], aggs: Mapping[str, Mapping[str, An
     return [line(heads), "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, body)]
 
 
-def format_report(results: Mapping[str, Any]) -> str:
+def format_report(results: Mapping[str, Any], *, tables: bool = True) -> str:
     """The side-by-side table (one column per target, then B/A, C/A ... ratios), and the same
-    per priority class and per tenant when the workload has several."""
+    per priority class and per tenant when the workload has several. ``tables=False`` keeps
+    only the header and the failures (a sweep prints its own table instead)."""
     labels = [t["label"] for t in results["targets"]]
     settings = results["settings"]
     rows = comparison_rows(settings["percentiles"], settings["percentile_metrics"],
@@ -311,7 +312,19 @@ def format_report(results: Mapping[str, Any]) -> str:
         lines.append(f"machine: {env.get('cpu_model')}, {env.get('cpu_count')} CPUs, torch "
                      f"{env.get('torch')} ({env.get('torch_threads')} threads), {env.get('date')}")
     lines.append("")
-    lines += _table("overall", labels, results["aggregate"], results["comparisons"], rows)
+    if tables:
+        lines += _tables(results, labels, rows, n_runs)
+    failed = [(r["target"], r["repeat"], reason, count) for r in results["runs"]
+              for reason, count in r["failed_reasons"].items()]
+    for target, rep, reason, count in failed:
+        lines.append(f"FAILED {target} run {rep + 1}: {count} request(s): {reason}")
+    return "\n".join(lines)
+
+
+def _tables(results: Mapping[str, Any], labels: Sequence[str],
+            rows: Sequence[tuple[str, str, bool]], n_runs: Mapping[str, int]) -> list[str]:
+    settings = results["settings"]
+    lines = _table("overall", labels, results["aggregate"], results["comparisons"], rows)
     for section, name in (("per_priority", "priority"), ("per_tenant", "tenant")):
         for cls, comparisons in results["class_comparisons"].get(section, {}).items():
             aggs = {label: aggregate([s for r in results["runs"] if r["target"] == label
@@ -330,11 +343,7 @@ def format_report(results: Mapping[str, Any]) -> str:
     if settings["goodput"]:
         lines.append("goodput SLOs (ms): " + ", ".join(f"{k} <= {v:g}"
                                                       for k, v in settings["goodput"].items()))
-    failed = [(r["target"], r["repeat"], reason, count) for r in results["runs"]
-              for reason, count in r["failed_reasons"].items()]
-    for target, rep, reason, count in failed:
-        lines.append(f"FAILED {target} run {rep + 1}: {count} request(s): {reason}")
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------- the plot
