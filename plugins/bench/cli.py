@@ -185,7 +185,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--ignore-eos", action="store_true",
                    help="sharegpt: generate each request's whole output length; without it, "
                         "as in vLLM, a request may stop at EOS. Random, trace and --workload "
-                        "requests always ignore EOS")
+                        "requests always ignore EOS (the flag is accepted, as vLLM's commands "
+                        "pass it)")
     w.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy, so every run of a config computes the same tokens")
     w.add_argument("--num-warmups", type=non_negative_int, default=1,
@@ -303,9 +304,6 @@ def check_dataset_flags(args: argparse.Namespace) -> None:
                                                   "the arrivals; --trace-speedup scales them)"))
         if not args.dataset_path:
             problems.append(("--dataset-path", "--dataset-name trace needs the trace file"))
-    if args.ignore_eos and (name != "sharegpt" or args.workload):
-        problems.append(("--ignore-eos", "only with --dataset-name sharegpt (random, trace and "
-                                         "--workload requests always ignore EOS)"))
     if problems:
         raise WorkloadError(problems)
 
