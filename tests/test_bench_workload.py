@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from corellm_plugins.bench.cli import spec_from_vllm_args
+from corellm_plugins.bench.workload_args import spec_from_vllm_args
 from corellm_plugins.bench.distributions import arrival_times
 from corellm_plugins.bench.workload import (BenchRequest, Workload, build_workload,
                                             context_lengths, workload_stats)

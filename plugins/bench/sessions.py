@@ -97,6 +97,16 @@ class Sessions:
         return sorted(failed)
 
 
+def length_error(got: int | None, expected: int, ignore_eos: bool,
+                 finish_reason: str | None) -> str | None:
+    """Why a finished request's output length is wrong, or None: with ``ignore_eos`` it must be
+    exactly ``expected`` tokens; without, it may stop early at EOS but never run past it."""
+    if got == expected or (not ignore_eos and got is not None and got <= expected):
+        return None
+    return (f"got {got} output tokens, expected {'' if ignore_eos else 'at most '}{expected} "
+            f"(finish_reason {finish_reason})")
+
+
 def record_for(r: BenchRequest) -> RequestRecord:
     return RequestRecord(index=r.index, expected_output_tokens=r.output_len,
                          priority=r.priority, user=r.user, session_id=r.session_id,

@@ -9,13 +9,17 @@ CONTRACT (shared by the workload generator and the runner; keep these two datacl
 * A follow-up turn of a multi-turn session (``follows = i``) is sent ``delay_s`` seconds (think
   time) after request ``i`` finished; its prompt is request ``i``'s whole prompt + request ``i``'s
   output token ids + this request's ``prompt_token_ids`` (the new user message).
+* A request asks for ``output_len`` tokens (``max_tokens``). With ``ignore_eos`` (the default)
+  it must return exactly that many; without it (ShareGPT, as ``vllm bench serve`` sends it
+  unless ``--ignore-eos``) it may stop earlier at EOS, and a follow-up's history then holds the
+  shorter output.
 
 Below the contract: ``build_workload`` (spec + seed -> ``Workload``), ``context_lengths`` (the
 context each request occupies) and ``workload_stats`` (what ``--describe`` prints). The spec they
 are built from is ``workload_spec.WorkloadSpec`` (read from YAML by ``load_workload_spec``; every
 field is described in the models, and ``corellm bench workload`` writes commented examples), its
 distributions are in ``distributions``, and the workload of ``vllm bench serve``'s flags is
-``cli.spec_from_vllm_args``. A spec in brief::
+``workload_args.spec_from_vllm_args``. A spec in brief::
 
     name: chat                    # optional
     seed: 0
@@ -52,13 +56,14 @@ from .workload_spec import (FilePrompts, RandomPrompts, WorkloadError, WorkloadS
 class BenchRequest:
     index: int                          # position in the workload; stable across runs
     prompt_token_ids: list[int]         # whole prompt (first turn) or the new message (follow-up)
-    output_len: int                     # max_tokens; sent with ignore_eos so exactly this many
+    output_len: int                     # max_tokens; with ignore_eos exactly this many
     delay_s: float = 0.0                # arrival offset from the run start, or think time
     follows: int | None = None          # index of the previous turn of the same session
     priority: int = 0                   # lower runs first (vLLM's convention)
     user: str | None = None             # tenant (OpenAI's `user` field)
     session_id: str | None = None       # multi-turn session
     shared_prefix_group: int | None = None   # which shared-prefix group the prompt starts with
+    ignore_eos: bool = True             # False: may stop at EOS before output_len (ShareGPT)
 
 
 @dataclass
@@ -76,7 +81,7 @@ class Workload:
 # renumbering changes every workload drawn from an existing spec and seed.
 _STREAM = {"turns": 1, "arrivals": 2, "tenants": 3, "priorities": 4, "groups": 5,
            "prefixes": 6, "input_len": 7, "message_len": 8, "output_len": 9, "think": 10,
-           "tokens": 11, "prompt_order": 12}
+           "tokens": 11, "prompt_order": 12, "trace_sample": 13, "trace_blocks": 14}
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
