@@ -15,7 +15,6 @@ padding, staging buffers, the memory arithmetic) is in ``graphs.py``, ``staging.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 from pydantic import Field, field_validator
@@ -64,23 +63,9 @@ class CudaOptions(PlatformOptions):
 def availability() -> str | None:
     """Why no CUDA device can be used here (torch without CUDA, no device visible), or None.
     It imports torch, so it is asked lazily (``platform: auto``, ``corellm plugins``), never
-    at discovery. A CPU build of torch (PyTorch labels those wheels ``+cpu``) is recognised
-    from its installed version without importing it: ``platform: auto`` then costs an engine
-    that never imports torch (a simulated one) no seconds of start-up."""
-    if "torch" not in sys.modules:
-        version = _installed_torch_version()
-        if version is not None and version.endswith("+cpu"):
-            return f"torch was built without CUDA (torch {version})"
+    at discovery."""
     from corellm_plugins.platform_cuda.probe import cuda_problem
     return cuda_problem()
-
-
-def _installed_torch_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return None
 
 
 def _make(options: CudaOptions):
