@@ -254,7 +254,7 @@ class BatchScheduler(Scheduler):
             i += 1
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
-        if not plan.preempted:
+        if not plan.preempted and self.waiting:
             self._admit(plan, ctx)
 
         now = self.clock.time()
