@@ -367,7 +367,7 @@ def _bench(args: argparse.Namespace) -> int:
         log("interrupted")
         return 130
     # After the runs: torch is described when a target used it, and not imported only for
-    # its version strings when none did (a simulated run: seconds of its start-up).
+    # its version strings (seconds) when none did (servers benchmarked over HTTP).
     env = environment(started=started, import_torch=False)
     if args.workload:        # the workload file's arrivals apply, not the vLLM flags
         rate = burstiness = num_prompts = None

@@ -57,8 +57,8 @@ def environment(*, started: _dt.datetime | None = None,
     """The machine and software a result was measured with (JSON-serializable). ``started``
     is the date recorded (default: now). With ``import_torch=False`` torch is described only
     if something already imported it: called after a run, that is whenever the run used it,
-    and a run that did not (a simulated executor) does not pay seconds of start-up for
-    version strings; then only the installed version is recorded, and no thread counts or
+    and a run that did not (a server benchmarked over HTTP) does not pay seconds of start-up
+    for version strings; then only the installed version is recorded, and no thread counts or
     accelerators."""
     torch = sys.modules.get("torch")
     if torch is None and import_torch:
