@@ -139,6 +139,18 @@ class PagedKVCacheManager(KVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix: CachedPrefix | None = None) -> list[int] | None:
         rid = request.request_id
+        if prefix is None:
+            table = self._tables.get(rid)
+            if table is not None:
+                total = request.num_computed_tokens + num_new_tokens
+                if total <= len(table) * self.block_size:
+                    # The blocks held have room (most decode steps): nothing to allocate, only
+                    # the blocks these tokens complete to announce, as below.
+                    if self.enable_prefix_caching and (
+                            min(total, len(request.all_token_ids)) // self.block_size
+                            > self._num_cached.get(rid, 0)):
+                        self._mark_pending(request, total)
+                    return []
         table = self._tables.get(rid, [])
         hit = prefix.block_ids if prefix is not None else ()
         if prefix is not None and table:

@@ -121,16 +121,18 @@ class Request:
 
     def append_output_token(self, token_id: int) -> RequestStatus | None:
         """Record a sampled token and return the finished status it causes, if any."""
-        self.all_token_ids.append(token_id)
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
         params = self.sampling_params
-        n_out = self.num_output_tokens
+        num_tokens = len(all_ids)
+        n_out = num_tokens - len(self.prompt_token_ids)
         if n_out >= params.min_tokens:
             if token_id == self.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or self.num_tokens >= self.max_model_len:
+        if n_out >= params.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

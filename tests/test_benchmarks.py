@@ -314,3 +314,18 @@ def test_server_soak_benchmark(llama_path, tmp_path):
     assert results["health_at_end"] == 200 and not results["stuck_clients"]
     assert "stopped (exit code 0)" in server_log.read_text()
     assert out_png.stat().st_size > 0
+
+
+def test_sim_speed_benchmark(tmp_path, capsys):
+    """The whole simulated `corellm bench` command, timed in a subprocess on a derived roofline
+    profile: the table and the JSON hold the run's steps, simulated and wall seconds."""
+    bench = load("sim_speed")
+    out_json = tmp_path / "sim_speed.json"
+    assert bench.main(["--quick", "--repeats", "1", "--json", str(out_json)]) == 0
+    assert "| 200 32/8 @100 | 200 |" in capsys.readouterr().out
+    results = json.loads(out_json.read_text())
+    (row,) = results["rows"]
+    mine = row["this"]
+    assert mine["completed"] == 200 and mine["engine_steps"] > 0
+    assert mine["simulated_s"] > 0 and len(mine["wall_s"]) == 1
+    assert mine["median_s"] == mine["min_s"] == mine["wall_s"][0] > 0

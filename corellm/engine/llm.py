@@ -107,11 +107,14 @@ class LLM:
     The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);
     ``engine_process=True`` runs it in a child process behind the same client the server uses
     (``llm.engine`` is then None, and only entry-point plugins are available to it).
+    ``tokenizer`` is the model's tokenizer when the caller already loaded it (with
+    ``load_tokenizer``, from the directory the config names): it is used instead of loading
+    it again.
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
                  model: str | None = None, plugins: Sequence[object] = (),
-                 engine_process: bool = False) -> None:
+                 engine_process: bool = False, tokenizer: Any = None) -> None:
         self.config, self.registry = build_config(config, model, plugins)
         path = model_path(self.config)       # validates the checkpoint directory
         if engine_process and plugins:
@@ -122,7 +125,7 @@ class LLM:
                                                                           self.registry))
         self.engine: EngineCore | None = getattr(self.client, "engine", None)
         try:
-            self.tokenizer = load_tokenizer(
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
                 self.config.model.tokenizer or path,
                 "model.tokenizer" if self.config.model.tokenizer else "model.path")
         except BaseException:

@@ -230,10 +230,12 @@ class BatchScheduler(Scheduler):
 
         # 1. Running requests, in admission order.
         i = 0
-        while i < len(self.running) and plan.budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            blocks = self.kv.allocate_slots(request, n)
+        running, allocate_slots = self.running, self.kv.allocate_slots
+        num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
+        while i < len(running) and plan.budget > 0:
+            request = running[i]
+            n = min(len(request.all_token_ids) - request.num_computed_tokens, plan.budget)
+            blocks = allocate_slots(request, n)
             while blocks is None:
                 offered = self._victim_candidates()
                 victim = self._running_victim("choose_victim", self.policy.choose_victim(
@@ -246,13 +248,13 @@ class BatchScheduler(Scheduler):
                 blocks = self.kv.allocate_slots(request, n)
             if blocks is None:
                 continue                               # `request` itself was preempted
-            plan.num_scheduled[request.request_id] = n
-            plan.new_blocks[request.request_id] = blocks
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = blocks
             plan.budget -= n
             i += 1
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
-        if not plan.preempted:
+        if not plan.preempted and self.waiting:
             self._admit(plan, ctx)
 
         now = self.clock.time()
@@ -261,7 +263,8 @@ class BatchScheduler(Scheduler):
                 request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
-        cached = [CachedRequestData(rid, blocks, self.requests[rid].num_computed_tokens)
+        requests = self.requests
+        cached = [CachedRequestData(rid, blocks, requests[rid].num_computed_tokens)
                   for rid, blocks in plan.new_blocks.items()]
         new = [NewRequestData(
             req_id=r.request_id, token_ids=list(r.all_token_ids),
@@ -272,7 +275,6 @@ class BatchScheduler(Scheduler):
             self.policy.on_scheduled(
                 [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         finished, self._finished_ids = self._finished_ids, set()
-        requests = self.requests
         computed: dict[str, int] = {}
         sampling: list[str] = []
         for rid, n in plan.num_scheduled.items():
@@ -395,22 +397,25 @@ class BatchScheduler(Scheduler):
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                 row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput],
                 now: float) -> None:
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        sampled_token_ids = runner_output.sampled_token_ids
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(rid)
+            if request is None or request.status != running:
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
             request.num_computed_tokens += n
-            self.kv.cache_computed_blocks(request)
-            if n > 1 or before < request.num_prompt_tokens:     # not a decode
+            cache_computed_blocks(request)
+            if n > 1 or before < len(request.prompt_token_ids):     # not a decode
                 self.num_prefill_tokens += n
             row = row_of.get(rid)
             if row is None:
-                if request.num_computed_tokens >= request.num_tokens:
+                if request.num_computed_tokens >= len(request.all_token_ids):
                     raise RuntimeError(f"request {rid} completed its tokens but nothing was "
                                        "sampled for it")
                 continue                                   # a partial prefill chunk
-            token = runner_output.sampled_token_ids[row]
+            token = sampled_token_ids[row]
             self.num_generation_tokens += 1
             if not request.first_token_time:
                 request.first_token_time = now
@@ -422,11 +427,11 @@ class BatchScheduler(Scheduler):
                                          [lp.sampled_ranks[row]])
             if status is not None:
                 self._finish(request, status)
+            cached = request.num_cached_tokens
             outputs.append(EngineCoreOutput(rid, [token], logprobs,
-                                            finish_reason=status.finish_reason if status else None,
-                                            stop_reason=request.stop_reason,
-                                            num_cached_tokens=max(request.num_cached_tokens, 0),
-                                            first_scheduled_time=request.first_scheduled_time))
+                                            status.finish_reason if status else None,
+                                            request.stop_reason, cached if cached > 0 else 0,
+                                            request.first_scheduled_time))
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:

@@ -374,13 +374,16 @@ def _bench(args: argparse.Namespace) -> int:
     if load is not None and load > 0.5:
         log(f"WARNING: 1-min load average is {load:.2f} before starting: other processes are "
             "using the CPU and the numbers will be noisy")
-    env = environment()
+    started = _dt.datetime.now()
     try:
         runs, workloads = run_ab(targets, make, options, repeats=args.repeats, seed=base_seed,
                                  tokenizer=tokenizer)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
+    # After the runs: torch is described when a target used it, and not imported only for
+    # its version strings (seconds) when none did (servers benchmarked over HTTP).
+    env = environment(started=started, import_torch=False)
     if args.workload:        # the workload file's arrivals apply, not the vLLM flags
         rate = burstiness = num_prompts = None
     elif args.dataset_name == "trace":      # the trace's timestamps are the arrivals

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -52,8 +52,13 @@ class StepShape:
         if len(scheduled) != len(computed):
             raise ValueError(f"scheduled has {len(scheduled)} entries, computed "
                              f"{len(computed)}")
+        return cls._from_pairs(zip(scheduled, computed), len(scheduled), num_sampled)
+
+    @classmethod
+    def _from_pairs(cls, pairs: Iterable[tuple[int, int]], num_reqs: int,
+                    num_sampled: int) -> StepShape:
         tokens = decodes = ptok = pattn = pkv = dkv = 0
-        for n, c in zip(scheduled, computed):
+        for n, c in pairs:
             tokens += n
             if n == 1:
                 decodes += 1
@@ -62,16 +67,17 @@ class StepShape:
                 ptok += n
                 pattn += n * c + n * (n + 1) // 2
                 pkv += c + n
-        return cls(len(scheduled), tokens, decodes, ptok, pattn, pkv, dkv, num_sampled)
+        return cls(num_reqs, tokens, decodes, ptok, pattn, pkv, dkv, num_sampled)
 
     @classmethod
     def from_plan(cls, plan: Any) -> StepShape:
         """From a ``SchedulerOutput``: ``num_scheduled_tokens``, ``num_computed_tokens`` (the
         context of every scheduled request) and ``sampling_req_ids``. One pass, no numpy."""
         scheduled = plan.num_scheduled_tokens
-        computed = plan.num_computed_tokens
-        return cls.from_lists(list(scheduled.values()), [computed[rid] for rid in scheduled],
-                              len(plan.sampling_req_ids))
+        # The pairs straight from the dicts, no lists built (once per simulated step).
+        return cls._from_pairs(zip(scheduled.values(),
+                                   map(plan.num_computed_tokens.__getitem__, scheduled)),
+                               len(scheduled), len(plan.sampling_req_ids))
 
     def to_row(self) -> tuple[int, ...]:
         """The fields in ``STEP_FIELDS`` order (a profile's sample row, before the seconds)."""

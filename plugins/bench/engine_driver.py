@@ -22,7 +22,8 @@ from typing import Any
 from .metrics import RequestRecord
 from .progress import progress_bar
 from .sessions import Sessions, length_error, record_for, warmup_workload
-from .targets import COUNTERS, RunOptions, RunResult, Target
+from .targets import (COUNTERS, RunOptions, RunResult, Target, config_model_dir,
+                      loaded_tokenizer)
 from .workload import Workload
 
 
@@ -59,6 +60,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
     wall0 = clock.time()
     step_start: float | None = None     # set when the previous iteration ran a step
     free_during_step = 0
+    params_for: dict[tuple[int, bool], SamplingParams] = {}   # requests share them
 
     def finish(i: int, now: float, ok: bool, output_ids: list[int]) -> None:
         bar.update(1)
@@ -79,8 +81,12 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             req = sessions.requests[i]
             ids = sessions.prompt(i)
             rec.prompt_tokens = len(ids)
-            params = SamplingParams(max_tokens=req.output_len, temperature=options.temperature,
-                                    ignore_eos=req.ignore_eos, cache_salt=salt)
+            key = (req.output_len, req.ignore_eos)
+            params = params_for.get(key)
+            if params is None:      # one per length: validating them costs as much as a step
+                params = params_for[key] = SamplingParams(
+                    max_tokens=req.output_len, temperature=options.temperature,
+                    ignore_eos=req.ignore_eos, cache_salt=salt)
             rid = f"{prefix}{i}"
             try:
                 _, core = llm.processor.process(rid, {"prompt_token_ids": ids}, params,
@@ -103,7 +109,10 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             # round below due, and a loop sleeping the rounding error away never ends.
             now = max(clock.monotonic() - t0, woke_at)
             ready.extend(sessions.pop_due(now))
-            dispatch(now)
+            if ready:
+                dispatch(now)
+            else:
+                step_start = None
             if live:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine has no unfinished requests but {len(live)} "
@@ -118,10 +127,11 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                     if state is None:
                         continue
                     rec = records[state.index]
-                    if out.new_token_ids:
+                    new_ids = out.new_token_ids
+                    if new_ids:
                         rec.chunk_times_s.append(now)
-                        rec.output_tokens += len(out.new_token_ids)
-                        state.output_ids.extend(out.new_token_ids)
+                        rec.output_tokens += len(new_ids)
+                        state.output_ids.extend(new_ids)
                     if out.num_cached_tokens:
                         rec.cached_tokens = max(rec.cached_tokens or 0, out.num_cached_tokens)
                     if out.first_scheduled_time and rec.queue_time_s is None:
@@ -171,7 +181,7 @@ def run_engine(target: Target, workload: Workload, options: RunOptions, *, repea
 
     t0 = time.perf_counter()
     config = dict(target.config) if isinstance(target.config, Mapping) else target.config
-    llm = LLM(config)
+    llm = LLM(config, tokenizer=loaded_tokenizer(config_model_dir(config)))
     load_s = time.perf_counter() - t0
     salt = f"{target.label}-{repeat}-{uuid.uuid4().hex[:8]}"
     try:

@@ -8,6 +8,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,25 @@ def _git_root() -> Path | None:
     return root if (root / ".git").exists() else None
 
 
-def environment() -> dict[str, Any]:
-    """The machine and software a result was measured with (JSON-serializable)."""
-    import torch
+def _torch_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
 
+
+def environment(*, started: _dt.datetime | None = None,
+                import_torch: bool = True) -> dict[str, Any]:
+    """The machine and software a result was measured with (JSON-serializable). ``started``
+    is the date recorded (default: now). With ``import_torch=False`` torch is described only
+    if something already imported it: called after a run, that is whenever the run used it,
+    and a run that did not (a server benchmarked over HTTP) does not pay seconds of start-up
+    for version strings; then only the installed version is recorded, and no thread counts or
+    accelerators."""
+    torch = sys.modules.get("torch")
+    if torch is None and import_torch:
+        import torch
     cpu = platform.processor() or platform.machine()
     simd: list[str] = []
     try:
@@ -59,21 +75,24 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     env: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "date": (started or _dt.datetime.now()).astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
+        "torch": torch.__version__ if torch is not None else _torch_version(),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "torch_interop_threads": torch.get_num_interop_threads() if torch is not None else None,
     }
     # Accelerators, as the installed platforms see them: every available platform whose
     # devices are not the host's memory (a GPU) lists its devices.
-    try:
-        from corellm.platforms import available_platforms, host_visible
-        from corellm.plugins import load_registry
-        accelerators = [p for p in available_platforms(load_registry())
-                        if not host_visible(torch.device(p.device_type))]
-    except Exception:          # a report must not fail on a broken platform plugin
-        accelerators = []
+    accelerators = []
+    if torch is not None:
+        try:
+            from corellm.platforms import available_platforms, host_visible
+            from corellm.plugins import load_registry
+            accelerators = [p for p in available_platforms(load_registry())
+                            if not host_visible(torch.device(p.device_type))]
+        except Exception:          # a report must not fail on a broken platform plugin
+            accelerators = []
     env["cuda"] = torch.version.cuda if accelerators else None
     if accelerators:
         env["gpus"] = [name for p in accelerators for name in p.device_names()]

@@ -309,8 +309,11 @@ def format_report(results: Mapping[str, Any], *, tables: bool = True) -> str:
              + f"; runs per target: {max(n_runs.values())}"]
     env = results.get("environment") or {}
     if env:
+        threads = env.get("torch_threads")
         lines.append(f"machine: {env.get('cpu_model')}, {env.get('cpu_count')} CPUs, torch "
-                     f"{env.get('torch')} ({env.get('torch_threads')} threads), {env.get('date')}")
+                     f"{env.get('torch')} ("
+                     f"{'not loaded' if threads is None else f'{threads} threads'}), "
+                     f"{env.get('date')}")
     lines.append("")
     if tables:
         lines += _tables(results, labels, rows, n_runs)

@@ -65,7 +65,9 @@ def run_ab(targets: Sequence[Target], make_workload: Callable[[int], Workload],
             run = run_target(target, workloads[s], options, repeat=rep, seed=s,
                              tokenizer=tokenizer)
             failed = sum(not r.ok for r in run.records)
+            steps = (run.counters or {}).get("engine_steps")
             log(f"{target.label!r} #{rep + 1}: {len(run.records) - failed}/{len(run.records)} "
-                f"ok in {run.duration:.2f} s" + (f", {failed} FAILED" if failed else ""))
+                f"ok in {run.duration:.2f} s" + (f", {failed} FAILED" if failed else "")
+                + (f" ({int(steps)} engine steps)" if steps is not None else ""))
             runs.append(run)
     return runs, workloads

@@ -189,13 +189,25 @@ def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int |
     return int(value) if value else None
 
 
+# Tokenizers loaded here, by directory: an in-process engine target of the same model is
+# given the one that drew its prompts instead of loading it again (a large part of start-up).
+_tokenizers: dict[str, Any] = {}
+
+
+def loaded_tokenizer(model_dir: str | Path) -> Any:
+    """The tokenizer of ``model_dir`` if ``prompt_token_space`` loaded it, else None."""
+    return _tokenizers.get(str(model_dir))
+
+
 def prompt_token_space(model_dir: str | Path) -> tuple[Any, int, set[int]]:
     """The tokenizer, the vocabulary to draw random prompts from (what both the model and its
     tokenizer know) and the ids to leave out (bos/eos/pad would change the meaning of a random
     prompt for no benchmark benefit)."""
     from corellm.engine.llm import load_tokenizer
 
-    tok = load_tokenizer(str(model_dir))
+    tok = _tokenizers.get(str(model_dir))
+    if tok is None:
+        tok = _tokenizers[str(model_dir)] = load_tokenizer(str(model_dir))
     vocab = len(tok)
     cfg_file = Path(model_dir) / "config.json"
     if cfg_file.exists():
