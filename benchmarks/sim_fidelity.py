@@ -113,9 +113,8 @@ def sharegpt_cells(args: argparse.Namespace, fcfs: dict[str, Any], profile: str,
     cfg = {**fcfs, "kv_cache": {**fcfs.get("kv_cache", {}),
                                 "num_blocks": args.sharegpt_kv_blocks}}
     tok, vocab, _ = prompt_token_space(config_model_dir(cfg))
-    t0 = time.perf_counter()
     data = read_sharegpt(sharegpt_path(args.sharegpt_path))
-    log(f"read {data.summary()} in {time.perf_counter() - t0:.1f} s")
+    log(data.summary())
 
     def workload(rate: float) -> Any:
         return sharegpt_workload(data, tok, num_prompts=args.sharegpt_prompts, seed=args.seed,
@@ -287,23 +286,30 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
     plt = pyplot(path, log)
     if plt is None:
         return False
-    keys = [*METRICS, P0]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), sharey=False)
-    for ax, (key, text, _, goal) in zip(axes, keys):
-        names, errs = [], []
+    keys = [k for k in [*METRICS, P0] if any(k[0] in r["error_pct"]
+                                              for w in results["workloads"].values()
+                                              for r in w["runs"].values())]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), sharey=False,
+                             squeeze=False)
+    for ax, (key, text, _, goal) in zip(axes[0], keys):
+        names, errs, noise = [], [], []
         for name, w in results["workloads"].items():
             for label, r in w["runs"].items():
                 if key in r["error_pct"]:
                     names.append(f"{name}\n{label}")
                     errs.append(r["error_pct"][key])
-        ax.bar(range(len(errs)), errs, color=["tab:green" if abs(e) <= goal else "tab:red"
-                                              for e in errs])
+                    std = (r.get("real_std") or {}).get(key)
+                    noise.append(100 * std / r["real"][key] if std else 0.0)
+        # Error bars: the real runs' noise (CV %), so a miss inside them is the machine's.
+        ax.bar(range(len(errs)), errs, yerr=noise, capsize=3,
+               color=["tab:green" if abs(e) <= goal else "tab:red" for e in errs])
         ax.axhspan(-goal, goal, color="0.9", zorder=0)
         ax.axhline(0, color="k", lw=0.6)
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{text}: sim error %", fontsize=9)
     env = results["env"]
-    fig.suptitle(f"sim vs real on {env['cpu_model']}, {env['date'][:10]} (band: goal)",
+    fig.suptitle(f"sim vs real on {env['cpu_model']}, {env['date'][:10]} (band: goal; "
+                 "error bars: the real runs' noise, CV %)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
