@@ -358,15 +358,34 @@ def _cdf(ax: Any, values: Sequence[float], **style: Any) -> None:
     ax.step(xs, ys, where="post", **style)
 
 
-def write_plot(results: Mapping[str, Any], path: str | Path) -> bool:
-    """CDFs of TTFT and E2E latency per target (all runs pooled), and per priority class when
-    there are several. False (logged) when matplotlib is missing."""
+def pyplot_for(path: str | Path) -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (logged: the plot at ``path`` is skipped)
+    when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: str | Path) -> None:
+    """Lay out, write (creating the directory) and close a figure."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
+def write_plot(results: Mapping[str, Any], path: str | Path) -> bool:
+    """CDFs of TTFT and E2E latency per target (all runs pooled), and per priority class when
+    there are several. False (logged) when matplotlib is missing."""
+    plt = pyplot_for(path)
+    if plt is None:
         return False
     labels = [t["label"] for t in results["targets"]]
     records = {label: [RequestRecord.from_json(q) for r in results["runs"]
@@ -412,10 +431,5 @@ def write_plot(results: Mapping[str, Any], path: str | Path) -> bool:
                     else "")
                  + (f"\n{env.get('cpu_model', 'CPU')}, {env['cpu_count']} CPUs, {env.get('date', '')}"
                     if env.get("cpu_count") else ""), fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    log(f"wrote {path}")
+    save_figure(plt, fig, path)
     return True

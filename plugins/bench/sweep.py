@@ -232,12 +232,10 @@ def write_sweep_plot(sweep: Mapping[str, Any], path: str | Path, title: str = ""
     """One panel per metric: the metric against the first swept key's value, a line per base
     config and combination of the other keys, error bars the std over repeats. False (logged)
     when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
+    from .report import pyplot_for, save_figure
+
+    plt = pyplot_for(path)
+    if plt is None:
         return False
     keys, metrics = sweep["keys"], sweep["metrics"]
     x_key = keys[0]
@@ -283,10 +281,5 @@ def write_sweep_plot(sweep: Mapping[str, Any], path: str | Path, title: str = ""
     for ax in list(axes.flat)[len(metrics):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    log(f"wrote {path}")
+    save_figure(plt, fig, path)
     return True

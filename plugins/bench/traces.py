@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import calendar
 import csv
-import json
 import math
 import re
 from collections import Counter
@@ -32,7 +31,7 @@ import numpy as np
 
 from .progress import log
 from .workload import _STREAM, BenchRequest, Workload, _rng, allowed_token_ids
-from .workload_spec import WorkloadError
+from .workload_spec import WorkloadError, json_objects
 
 MOONCAKE_BLOCK_SIZE = 512
 AZURE_COLUMNS = ("timestamp", "contexttokens", "generatedtokens")
@@ -139,16 +138,7 @@ def _read_azure(path: Path, lines: list[str]) -> list[TraceRow]:
 
 def _read_mooncake(path: Path, lines: list[str]) -> list[TraceRow]:
     rows = []
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        where = f"{path.name}:{lineno}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError:
-            raise ValueError(f"{where}: not a JSON object") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: expected a JSON object")
+    for lineno, where, obj in json_objects(lines, path.name):
         missing = [k for k in ("timestamp", "input_length", "output_length") if k not in obj]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)} (a Mooncake trace line "

@@ -10,7 +10,7 @@ spec in one line for tables and plot titles.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -45,40 +45,54 @@ class _PromptLine:
     lineno: int
 
 
+def json_objects(lines: Iterable[str], name: str) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, ``name:lineno`` for messages, object) for each non-blank line of a JSONL
+    file; ``ValueError`` naming the line when one is not a JSON object."""
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: not a JSON object") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        yield lineno, where, obj
+
+
 def _read_prompts(path: Path) -> list[_PromptLine]:
-    lines = []
     try:
-        handle = path.open()
+        with path.open() as handle:
+            return _prompt_lines(path, handle)
     except OSError as exc:
         raise SpecProblem("path", f"cannot read {path}: {exc.strerror or exc}") from None
-    with handle:
-        for lineno, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            where = f"{path.name}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError:
-                raise SpecProblem("path", f"{where}: not a JSON object") from None
-            if not isinstance(obj, dict):
-                raise SpecProblem("path", f"{where}: expected a JSON object")
-            ids, text = obj.get("prompt_token_ids"), obj.get("prompt")
-            if (ids is None) == (text is None):
-                raise SpecProblem("path", f"{where}: expected exactly one of \"prompt_token_ids\" "
-                                       "(a list of ints) and \"prompt\" (text)")
-            if ids is not None and (not isinstance(ids, list) or not ids or any(
-                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
-                raise SpecProblem("path", f"{where}: \"prompt_token_ids\" must be a non-empty list "
-                                       "of token ids >= 0")
-            if text is not None and (not isinstance(text, str) or not text):
-                raise SpecProblem("path", f"{where}: \"prompt\" must be a non-empty string")
-            out = obj.get("output_len", obj.get("max_tokens"))
-            if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
-                raise SpecProblem("path", f"{where}: \"output_len\" must be an integer >= 1")
-            extra = set(obj) - {"prompt_token_ids", "prompt", "output_len", "max_tokens"}
-            if extra:
-                raise SpecProblem("path", f"{where}: unknown key(s) {', '.join(sorted(extra))}")
-            lines.append(_PromptLine(ids, text, out, lineno))
+    except SpecProblem:
+        raise
+    except ValueError as exc:           # a line that is not a JSON object
+        raise SpecProblem("path", str(exc)) from None
+
+
+def _prompt_lines(path: Path, handle: Iterable[str]) -> list[_PromptLine]:
+    lines = []
+    for lineno, where, obj in json_objects(handle, path.name):
+        ids, text = obj.get("prompt_token_ids"), obj.get("prompt")
+        if (ids is None) == (text is None):
+            raise SpecProblem("path", f"{where}: expected exactly one of \"prompt_token_ids\" "
+                                   "(a list of ints) and \"prompt\" (text)")
+        if ids is not None and (not isinstance(ids, list) or not ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+            raise SpecProblem("path", f"{where}: \"prompt_token_ids\" must be a non-empty list "
+                                   "of token ids >= 0")
+        if text is not None and (not isinstance(text, str) or not text):
+            raise SpecProblem("path", f"{where}: \"prompt\" must be a non-empty string")
+        out = obj.get("output_len", obj.get("max_tokens"))
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
+            raise SpecProblem("path", f"{where}: \"output_len\" must be an integer >= 1")
+        extra = set(obj) - {"prompt_token_ids", "prompt", "output_len", "max_tokens"}
+        if extra:
+            raise SpecProblem("path", f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+        lines.append(_PromptLine(ids, text, out, lineno))
     if not lines:
         raise SpecProblem("path", f"{path}: no prompts")
     return lines
