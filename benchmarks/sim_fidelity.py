@@ -14,7 +14,7 @@ and whether they agree. Workloads (examples/workloads/):
   caching);
 * ``sharegpt``: real traffic, ``--sharegpt-prompts`` ShareGPT conversations sampled as ``corellm
   bench --dataset-name sharegpt`` samples them (their prompts and reply lengths, sent with
-  ignore_eos so both engines produce the same tokens), at each of ``--sharegpt-loads`` times the
+  ignore_eos so both engines produce the same number of tokens), at each of ``--sharegpt-loads`` times the
   saturation rate (the simulated request rate of the same requests sent at once), on the FCFS
   config with room for them (``--sharegpt-kv-blocks``). A real engine on the FCFS config only:
   the question is the simulator's error, not the policies'.

@@ -13,8 +13,9 @@ three cases of the random workload:
 The executor is ``sim`` with ``--profile`` (default: an H100 roofline profile derived here with
 ``corellm bench calibrate --roofline h100-sxm`` into a temporary directory). The table gives,
 per case, the engine steps and simulated seconds the run reported, the median and minimum wall
-time over ``--repeats`` and whether the goal is met. ``--baseline PYTHONPATH`` also runs every
-case with another corellm tree first on ``PYTHONPATH``, interleaved with this one (A, B, A, B),
+time over ``--repeats`` and whether the goal is met. ``--baseline TREE`` also runs every
+case with another corellm checkout (its ``corellm`` and its built-in plugins) first on
+``PYTHONPATH``, interleaved with this one (A, B, A, B),
 so that both see the same machine load; the table then gives both and the speed-up.
 
 Examples::
@@ -109,16 +110,28 @@ def summarize(runs: list[dict[str, Any]], goal: float | None) -> dict[str, Any]:
             "met": None if goal is None else median <= goal}
 
 
+def baseline_path(tree: Path, tmp: Path) -> str:
+    """PYTHONPATH that runs another checkout: its ``corellm`` and, through a link named
+    ``corellm_plugins`` (what an install maps ``plugins/`` to), its built-in plugins; the
+    plugins of the installed tree would otherwise be imported with the other core."""
+    shim = tmp / "baseline-plugins"
+    shim.mkdir(exist_ok=True)
+    link = shim / "corellm_plugins"
+    if not link.exists():
+        link.symlink_to(tree.resolve() / "plugins", target_is_directory=True)
+    return os.pathsep.join([str(tree.resolve()), str(shim)])
+
+
 def run_benchmark(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cases = QUICK_CASES if args.quick else {k: CASES[k] for k in args.cases}
     here = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     trees = {"this": here}
-    if args.baseline:
-        trees = {"baseline": args.baseline, **trees}
     warn_if_busy(log)
     load_before = loadavg()
     with tempfile.TemporaryDirectory(prefix="sim_speed-") as tmp:
+        if args.baseline:
+            trees = {"baseline": baseline_path(Path(args.baseline), Path(tmp)), **trees}
         profile = Path(args.profile) if args.profile else roofline_profile(
             Path(tmp), args.roofline, here)
         config = Path(tmp) / "sim.yaml"
@@ -181,9 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
                     help=f"comma-separated cases to run (default: all of {', '.join(CASES)})")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
-    ap.add_argument("--baseline", metavar="PYTHONPATH",
-                    help="also run every case with this PYTHONPATH (another corellm tree), "
-                         "interleaved")
+    ap.add_argument("--baseline", metavar="TREE",
+                    help="also run every case with another corellm checkout (its corellm and "
+                         "plugins), interleaved")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--quick", action="store_true",
                     help="one small case (a few hundred requests), for tests")

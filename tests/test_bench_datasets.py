@@ -68,6 +68,14 @@ def test_reader_keeps_complete_records_of_a_truncated_file(tmp_path):
     for end in (text.rindex("},") + 2, text.rindex('"from"') + 3, text.rindex("[") + 1):
         path.write_text(text[:end])
         assert len(read_sharegpt(path).conversations) >= 2
+    # Cut inside an escape or a literal of the last record: still a truncated tail.
+    tail = json.dumps(records[:1] + [{"conversations": [{"from": "human", "value": "caf\u00e9",
+                                                         "ok": True}]}])
+    for cut_at in (tail.rindex("\\u00e9") + 2, tail.rindex("\\u00e9") + 4,
+                   tail.rindex("true") + 2):
+        path.write_text(tail[:cut_at])
+        data = read_sharegpt(path)
+        assert data.dropped[datasets.TRUNCATED] == 1 and len(data.conversations) == 1, cut_at
 
 
 def test_reader_refuses_files_that_are_not_sharegpt(tmp_path):
@@ -212,6 +220,8 @@ def test_requests_without_ignore_eos_may_stop_early():
     assert "expected 8" in length_error(5, 8, True, "stop")
     assert length_error(5, 8, False, "stop") is None and length_error(8, 8, False, "length") is None
     assert "expected at most 8" in length_error(9, 8, False, "length")
+    # Short for another reason than EOS (a server's length limit): not a stop, a failure.
+    assert "only an EOS stop" in length_error(5, 8, False, "length")
 
 
 # ----------------------------------------------------------------------------- end to end

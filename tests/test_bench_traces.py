@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from corellm_plugins.bench.traces import (TraceOptions, parse_timestamp, read_trace,
-                                          trace_workload)
+                                          select_rows, trace_workload)
 from corellm_plugins.bench.workload_spec import WorkloadError
 
 VOCAB = 1000
@@ -79,6 +79,11 @@ def test_window_sample_and_count_cap(tmp_path):
     assert [r.delay_s for r in again.requests] == [r.delay_s for r in half.requests]
     other = build(path, sample=0.5, seed=3)
     assert [r.delay_s for r in other.requests] != [r.delay_s for r in half.requests]
+    # A row's draw does not depend on the window: the samples of nested windows nest.
+    trace = read_trace(path)
+    everywhere = {r.t for r in select_rows(trace, TraceOptions(sample=0.5), 2)[0]}
+    inside = {r.t for r in select_rows(trace, TraceOptions(sample=0.5, window=(20, 40)), 2)[0]}
+    assert inside and inside == {t for t in everywhere if 20 <= t - trace.rows[0].t < 40}
     capped = build(path, window=(30, None), num_prompts=4)
     assert len(capped.requests) == 4 and capped.requests[-1].delay_s == pytest.approx(3.0)
     assert capped.spec["kept"] == {"rows": 60, "window": 30, "sample": 30, "fit": 30, "sent": 4}
@@ -102,7 +107,7 @@ def test_mooncake_hash_ids_share_blocks(tmp_path):
     p0, p1 = small.requests[0].prompt_token_ids, small.requests[1].prompt_token_ids
     assert len(p0) == 700 and p0[:100] == p1[:100] and p0[100:200] != p1[100:200]
     # 700 tokens but two blocks of 100: the rest is random and not shared
-    assert p0[200:] != p1[200:600]
+    assert p0[200:600] != p1[200:600]
     assert "blocks of 100" in small.description
 
 
@@ -156,7 +161,9 @@ def test_cli_replays_a_trace_on_the_sim_executor(llama_path, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["completed"] == 10 and res["failed"] == 0
     assert res["total_output_tokens"] == sum(r[2] for r in rows[:10])
-    assert res["prefix_cache_hit_rate"] > 0
+    # Hits from the shared hash blocks, not from preempted requests finding their own blocks.
+    assert res["prefix_cache_hit_rate"] > 0 and res["num_preemptions"] == 0
+    assert all(r["cached_tokens"] >= 64 for r in res["runs"][0]["requests"][1:])
     assert res["settings"]["dataset_name"] == "trace" and res["settings"]["trace_speedup"] == 2
     assert res["settings"]["trace_format"] == "mooncake" and res["settings"]["request_rate"] is None
     arrivals = [r["arrival_s"] for r in res["runs"][0]["requests"]]

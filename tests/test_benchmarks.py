@@ -316,9 +316,11 @@ def test_server_soak_benchmark(llama_path, tmp_path):
     assert out_png.stat().st_size > 0
 
 
-def test_sim_speed_benchmark(tmp_path, capsys):
+def test_sim_speed_benchmark(tmp_path, capsys, llama_path, monkeypatch):
     """The whole simulated `corellm bench` command, timed in a subprocess on a derived roofline
-    profile: the table and the JSON hold the run's steps, simulated and wall seconds."""
+    profile of the test checkpoint: the table and the JSON hold the run's steps, simulated and
+    wall seconds."""
+    monkeypatch.setenv("CORELLM_DEFAULT_MODEL", str(llama_path))
     bench = load("sim_speed")
     out_json = tmp_path / "sim_speed.json"
     assert bench.main(["--quick", "--repeats", "1", "--json", str(out_json)]) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import time
 
 import pytest
@@ -216,11 +218,18 @@ def test_logprobs_match_reference(llm, llama_path):
     assert out.cumulative_logprob == pytest.approx(cum)
 
 
+class _Id(enum.IntEnum):
+    TWO = 2
+
+
 BAD_INPUTS = [
     ("", SP(), "prompt: is empty"),
     ({"prompt_token_ids": []}, SP(), "prompt_token_ids: is empty"),
     ({"prompt_token_ids": [1, 999999]}, SP(), r"prompt_token_ids\[1\]: token id 999999 is outside"),
     ({"prompt_token_ids": [1, -1]}, SP(), r"prompt_token_ids\[1\]"),
+    ({"prompt_token_ids": [1, True]}, SP(), "prompt_token_ids: must be a list of integers"),
+    ({"prompt_token_ids": [1, 2.0]}, SP(), "prompt_token_ids: must be a list of integers"),
+    ({"prompt_token_ids": [1, _Id.TWO, 999999]}, SP(), r"prompt_token_ids\[2\]"),
     ({"prompt_token_ids": list(range(3, 600))}, SP(), "exceeds model.max_model_len=512"),
     ({"prompt": "x", "prompt_token_ids": [1]}, SP(), "exactly one"),
     (42, SP(), "expected a string or a dict"),
@@ -237,6 +246,14 @@ def test_bad_prompt_rejected_before_scheduling(llm, prompt, params, message):
     assert_pool_whole(llm)
     # still usable
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_prompt_ids_of_int_subclasses_are_accepted(llm):
+    """An int subclass (IntEnum) is an integer id (the prompt check's slow path); bool, though
+    an int subclass too, is not (see BAD_INPUTS)."""
+    ids = [1, 5, _Id.TWO, 7]
+    out = llm.generate({"prompt_token_ids": ids}, SP(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1, 5, 2, 7] and out.finished
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -397,12 +397,12 @@ class BatchScheduler(Scheduler):
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                 row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput],
                 now: float) -> None:
-        requests, running = self.requests, RequestStatus.RUNNING
+        requests, running_status = self.requests, RequestStatus.RUNNING
         cache_computed_blocks = self.kv.cache_computed_blocks
         sampled_token_ids = runner_output.sampled_token_ids
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.status != running:
+            if request is None or request.status != running_status:
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
             request.num_computed_tokens += n
@@ -428,10 +428,10 @@ class BatchScheduler(Scheduler):
             if status is not None:
                 self._finish(request, status)
             cached = request.num_cached_tokens
-            outputs.append(EngineCoreOutput(rid, [token], logprobs,
-                                            status.finish_reason if status else None,
-                                            request.stop_reason, cached if cached > 0 else 0,
-                                            request.first_scheduled_time))
+            outputs.append(EngineCoreOutput(
+                rid, [token], logprobs, finish_reason=status.finish_reason if status else None,
+                stop_reason=request.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
+                first_scheduled_time=request.first_scheduled_time))
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:

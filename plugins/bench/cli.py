@@ -18,7 +18,7 @@ import datetime as _dt
 import math
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "each run) instead of in this process")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override applied to every --config target (and the default "
-                        "config), as corellm serve's --set; repeatable")
+                        "config), as corellm serve's --set; repeatable; not with --url (a "
+                        "running server's config cannot be changed from here)")
     t.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="run every config target once per value of this config key (values "
                         "read as YAML, as --set reads them); several --sweep flags make a grid. "
@@ -305,18 +306,16 @@ def build_targets(args: argparse.Namespace) -> list[Any]:
 def with_overrides(target: Any, overrides: list[str]) -> Any:
     """The target with ``--set`` overrides applied to its config (a dict from then on);
     a running server (``--url``) has no config to change and is refused."""
-    from corellm.config import apply_overrides, parse_override, read_config_file
+    from corellm.config import apply_overrides, parse_override
     from corellm.errors import ConfigError
 
-    from .targets import Target
+    from .targets import Target, config_data
 
     if target.url is not None:
         raise ConfigError([("--set", f"target {target.label!r} is a running server (--url), "
                                      "whose config cannot be changed from here")])
-    data = (dict(target.config) if isinstance(target.config, Mapping) else
-            read_config_file(target.config) if target.config is not None else {})
-    return Target(target.label, config=apply_overrides(data, [parse_override(t)
-                                                              for t in overrides]),
+    return Target(target.label, config=apply_overrides(config_data(target.config),
+                                                       [parse_override(t) for t in overrides]),
                   start_server=target.start_server)
 
 

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import TypeAdapter
 
-from .distributions import AllAtOnce, GammaArrivals, PoissonArrivals, arrival_times
+from .distributions import Arrivals, arrival_times, vllm_arrivals
 from .progress import log
 from .workload import BenchRequest, Workload, _rng
 from .workload_spec import WorkloadError
@@ -86,6 +87,9 @@ def _where(text: str, pos: int) -> str:
     return f"line {line}, column {pos - (text.rfind(chr(10), 0, pos) + 1) + 1}"
 
 
+_LONGEST_PARTIAL_TOKEN = 6        # "\u00e" is the longest prefix of a JSON token that fails
+
+
 def read_sharegpt(path: str | Path, *, flag: str = "--dataset-path") -> ShareGPTFile:
     """Every complete record of a ShareGPT JSON file, tolerating a truncated tail.
 
@@ -126,9 +130,11 @@ def read_sharegpt(path: str | Path, *, flag: str = "--dataset-path") -> ShareGPT
         try:
             record, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
-            # Cut off: the decoder ran out of text (a string left open runs to the end).
+            # Cut off: the decoder ran out of text. A string left open runs to the end; a cut
+            # inside an escape (\u00e9) or a literal (true) fails at most 6 characters before
+            # the end, where no complete token follows.
             at_end = (exc.msg.startswith("Unterminated string")
-                      or exc.pos >= len(text.rstrip()))
+                      or exc.pos >= len(text.rstrip()) - _LONGEST_PARTIAL_TOKEN)
             if not at_end or not out.records_read:
                 raise WorkloadError([(flag, f"{path}: {_where(text, exc.pos)}: not valid JSON "
                                             f"({exc.msg})")]) from None
@@ -237,11 +243,7 @@ def oversample(items: list[Any], n: int, seed: int) -> int:
 
 def arrivals_for(request_rate: float, burstiness: float) -> Any:
     """The arrival pattern of ``--request-rate`` / ``--burstiness`` (as for random)."""
-    if np.isinf(request_rate):
-        return AllAtOnce(pattern="all_at_once")
-    if burstiness == 1.0:
-        return PoissonArrivals(pattern="poisson", rate=request_rate)
-    return GammaArrivals(pattern="gamma", rate=request_rate, burstiness=burstiness)
+    return TypeAdapter(Arrivals).validate_python(vllm_arrivals(request_rate, burstiness))
 
 
 @dataclass

@@ -366,6 +366,17 @@ Arrivals = Annotated[Union[AllAtOnce, PoissonArrivals, GammaArrivals],
                      Field(discriminator="pattern"), BeforeValidator(_name_is_pattern)]
 
 
+def vllm_arrivals(request_rate: float, burstiness: float) -> dict[str, Any]:
+    """The arrivals of ``vllm bench serve``'s ``--request-rate`` and ``--burstiness``, as a
+    spec's ``arrivals`` section: all at once for an infinite rate, Poisson for burstiness 1,
+    else gamma inter-arrival times."""
+    if math.isinf(request_rate):
+        return {"pattern": "all_at_once"}
+    if burstiness == 1.0:
+        return {"pattern": "poisson", "rate": request_rate}
+    return {"pattern": "gamma", "rate": request_rate, "burstiness": burstiness}
+
+
 def arrival_times(arrivals: AllAtOnce | PoissonArrivals | GammaArrivals, n: int,
                   rng: np.random.Generator) -> np.ndarray:
     """Send times (seconds from the run start, non-decreasing) of ``n`` arrivals.

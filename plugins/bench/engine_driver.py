@@ -83,7 +83,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             rec.prompt_tokens = len(ids)
             key = (req.output_len, req.ignore_eos)
             params = params_for.get(key)
-            if params is None:      # one per length: validating them costs as much as a step
+            if params is None:      # one per length: building and validating one per request adds up
                 params = params_for[key] = SamplingParams(
                     max_tokens=req.output_len, temperature=options.temperature,
                     ignore_eos=req.ignore_eos, cache_salt=salt)

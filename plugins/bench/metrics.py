@@ -88,7 +88,7 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         """Everything observed plus the derived latencies (seconds), for result files."""
         # What ``dataclasses.asdict`` gives (the fields in order, lists copied), built directly:
-        # asdict deep-copies every float of every list, seconds over a large run.
+        # asdict deep-copies every float of every list, which a large run pays per token.
         out = {name: getattr(self, name) for name in _field_names(type(self))}
         for name, value in out.items():
             if isinstance(value, list):

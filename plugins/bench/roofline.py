@@ -89,16 +89,8 @@ class RooflineCostModel(CostModel):
         return "compute" if self.compute_time(s) >= self.memory_time(s) else "memory"
 
     def predict(self, shape: StepShape) -> float:
-        # compute_time and memory_time inlined, the same operations in the same order (this
-        # runs once per simulated step).
-        s = shape
-        compute = ((self._f_tok * s.num_tokens + self._f_head * s.num_sampled
-                    + self._f_attn * (s.prefill_attn + s.decode_kv))
-                   / (self.peak_flops * self.compute_eff))
-        memory = ((self._b_body + (self._b_head if s.num_sampled else 0.0)
-                   + self._b_kv * (s.prefill_kv + s.decode_kv + s.num_tokens))
-                  / (self.device.mem_bw * self.bw_eff))
-        return self.overhead_s + self.per_req_s * s.num_reqs + max(compute, memory)
+        return (self.overhead_s + self.per_req_s * shape.num_reqs
+                + max(self.compute_time(shape), self.memory_time(shape)))
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape,

@@ -100,9 +100,14 @@ class Sessions:
 def length_error(got: int | None, expected: int, ignore_eos: bool,
                  finish_reason: str | None) -> str | None:
     """Why a finished request's output length is wrong, or None: with ``ignore_eos`` it must be
-    exactly ``expected`` tokens; without, it may stop early at EOS but never run past it."""
-    if got == expected or (not ignore_eos and got is not None and got <= expected):
+    exactly ``expected`` tokens; without, it may stop early at EOS (finish_reason "stop") but
+    never run past it, nor end short for another reason (a length limit of the server's)."""
+    if got == expected or (not ignore_eos and got is not None and got < expected
+                           and finish_reason == "stop"):
         return None
+    if not ignore_eos and got is not None and got < expected:
+        return (f"got {got} output tokens of {expected} with finish_reason {finish_reason} "
+                "(only an EOS stop may end a request early)")
     return (f"got {got} output tokens, expected {'' if ignore_eos else 'at most '}{expected} "
             f"(finish_reason {finish_reason})")
 

@@ -18,7 +18,7 @@ base target and value of the other keys, with the standard deviation as error ba
 from __future__ import annotations
 
 import itertools
-import statistics
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +92,9 @@ def parse_sweep(text: str) -> SweepAxis:
         raise ConfigError([("--sweep", f"{text!r}: expected KEY=V1,V2,... with a dotted config "
                                        "key, e.g. scheduler.max_num_seqs=8,16,32")])
     values = [parse_override(f"{key}={t}")[1] for t in texts]
-    if len(set(texts)) != len(texts):
+    # Compared as values: 8 and 8.0, true and True are the same config.
+    seen = [json.dumps(v, sort_keys=True) for v in values]
+    if len(set(seen)) != len(seen):
         raise ConfigError([("--sweep", f"{key}: a value is given twice ({raw})")])
     return SweepAxis(key, tuple(values), tuple(texts))
 
@@ -104,17 +106,19 @@ def check_axes(axes: Sequence[SweepAxis]) -> None:
         raise ConfigError([("--sweep", f"{dup[0]} is swept twice; give its values in one flag")])
 
 
-def _short_keys(axes: Sequence[SweepAxis]) -> dict[str, str]:
+def short_keys(keys: Sequence[str]) -> dict[str, str]:
     """Each key by its last part (``alpha``) where that is unambiguous, else in full."""
-    last = [a.key.rsplit(".", 1)[-1] for a in axes]
-    return {a.key: (s if last.count(s) == 1 else a.key) for a, s in zip(axes, last)}
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
 def expand_targets(bases: Sequence[Target], axes: Sequence[SweepAxis]) -> tuple[
         list[Target], list[SweepPoint]]:
     """The sweep's targets: every base target's config with every grid point's overrides
     applied, each config validated (all problems of all points reported together)."""
-    from corellm.config import apply_overrides, load_config, read_config_file
+    from corellm.config import apply_overrides, load_config
+
+    from .targets import config_data
 
     check_axes(axes)
     urls = [b.label for b in bases if b.url is not None]
@@ -123,15 +127,12 @@ def expand_targets(bases: Sequence[Target], axes: Sequence[SweepAxis]) -> tuple[
                                        "config cannot be changed from here: give its config "
                                        "with --config NAME=FILE (add --start-server to measure "
                                        "it served)")])
-    short = _short_keys(axes)
+    short = short_keys([a.key for a in axes])
     targets, points = [], []
     problems: list[tuple[str, str]] = []
     grid = list(itertools.product(*[range(len(a.values)) for a in axes]))
     for base in bases:
-        if isinstance(base.config, Mapping):
-            data = dict(base.config)
-        else:
-            data = read_config_file(base.config) if base.config is not None else {}
+        data = config_data(base.config)
         for combo in grid:
             values = tuple((a.key, a.values[i]) for a, i in zip(axes, combo))
             name = ",".join(f"{short[a.key]}={a.texts[i]}" for a, i in zip(axes, combo))
@@ -157,18 +158,12 @@ def sweep_results(results: Mapping[str, Any], axes: Sequence[SweepAxis],
                   points: Sequence[SweepPoint], metrics: Sequence[str]) -> dict[str, Any]:
     """The ``sweep`` section of the JSON result: per point its values and, per metric, the
     mean, sample std and per-run values over the repeats."""
+    from .report import aggregate
+
     out_points = []
     for p in points:
-        agg = results["aggregate"].get(p.label, {})
-        by_run = [r for r in results["runs"] if r["target"] == p.label]
-        cells = {}
-        for m in metrics:
-            entry = agg.get(m)
-            if entry is None:
-                xs = [float(r[m]) for r in by_run if r.get(m) is not None]
-                entry = {"mean": statistics.fmean(xs) if xs else None,
-                         "std": statistics.stdev(xs) if len(xs) > 1 else None, "values": xs}
-            cells[m] = {k: entry.get(k) for k in ("mean", "std", "values")}
+        agg = aggregate([r for r in results["runs"] if r["target"] == p.label], metrics)
+        cells = {m: {k: agg[m][k] for k in ("mean", "std", "values")} for m in metrics}
         out_points.append({"label": p.label, "base": p.base,
                            "values": {k: v for k, v in p.values}, "metrics": cells})
     return {"keys": [a.key for a in axes], "values": {a.key: list(a.values) for a in axes},
@@ -243,8 +238,7 @@ def write_sweep_plot(sweep: Mapping[str, Any], path: str | Path, title: str = ""
     numeric = _numeric(x_values)
     series: dict[str, list[Mapping[str, Any]]] = {}
     multi_base = len({p["base"] for p in sweep["points"]}) > 1
-    last = [k.rsplit(".", 1)[-1] for k in keys]
-    short = {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+    short = short_keys(keys)
     for p in sweep["points"]:
         parts = ([p["base"]] if multi_base else []) + [
             f"{short[k]}={_value_text(p['values'][k])}" for k in keys[1:]]

@@ -154,7 +154,8 @@ class RunResult:
 
 
 # --------------------------------------------------------------- the model a config names
-def _config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+def config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A target's config as a dict: a copy of a mapping, a file read, or {} (the default)."""
     from corellm.config import read_config_file
 
     if isinstance(config, Mapping):
@@ -167,7 +168,7 @@ def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
     """The tokenizer (or, ``tokenizer=False``, checkpoint) a config names: a directory or a GGUF
     file; without one, the default model's (``corellm.demo.default_model``: the random demo is
     built only when it is the model that runs)."""
-    model = _config_data(config).get("model") or {}
+    model = config_data(config).get("model") or {}
     path = (tokenizer and model.get("tokenizer")) or model.get("path")
     if path:
         return Path(path)
@@ -178,7 +179,7 @@ def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
 def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int | None:
     """The context a config's engine will have: ``model.max_model_len``, else the checkpoint's
     ``max_position_embeddings``; None when neither says."""
-    model = _config_data(config).get("model") or {}
+    model = config_data(config).get("model") or {}
     if model.get("max_model_len"):
         return int(model["max_model_len"])
     cfg_file = config_model_dir(config, tokenizer=False) / "config.json"
@@ -190,7 +191,7 @@ def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int |
 
 
 # Tokenizers loaded here, by directory: an in-process engine target of the same model is
-# given the one that drew its prompts instead of loading it again (a large part of start-up).
+# given the one that drew its prompts instead of loading it again.
 _tokenizers: dict[str, Any] = {}
 
 

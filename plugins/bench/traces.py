@@ -202,12 +202,16 @@ def select_rows(trace: Trace, options: TraceOptions, seed: int,
     trace's first timestamp), the seeded sample, the context limit, the count cap."""
     t0 = trace.rows[0].t
     lo, hi = options.window
-    rows = [r for r in trace.rows
-            if (lo is None or r.t - t0 >= lo) and (hi is None or r.t - t0 < hi)]
-    kept = {"rows": len(trace.rows), "window": len(rows)}
-    if options.sample < 1.0:
-        draw = _rng(seed, "trace_sample").random(len(rows))
-        rows = [r for r, u in zip(rows, draw) if u < options.sample]
+    # One draw per row of the file, so a row's fate under a seed is the same whatever the
+    # window: samples of nested windows nest.
+    draw = (_rng(seed, "trace_sample").random(len(trace.rows)) if options.sample < 1.0
+            else None)
+    picked = [(k, r) for k, r in enumerate(trace.rows)
+              if (lo is None or r.t - t0 >= lo) and (hi is None or r.t - t0 < hi)]
+    kept = {"rows": len(trace.rows), "window": len(picked)}
+    if draw is not None:
+        picked = [(k, r) for k, r in picked if draw[k] < options.sample]
+    rows = [r for _, r in picked]
     kept["sample"] = len(rows)
     if max_model_len is not None:
         rows = [r for r in rows

@@ -145,6 +145,7 @@ def spec_from_vllm_args(*, input_len: int, output_len: int, range_ratio: float,
     token ids themselves, so the prompt is exactly the drawn length. And the bounds are computed
     free of float noise (vLLM's ``ceil(100 * 1.1)`` is 111).
     """
+    from .distributions import vllm_arrivals
     from .workload_spec import WorkloadError, load_workload_spec
 
     problems = []
@@ -181,12 +182,7 @@ def spec_from_vllm_args(*, input_len: int, output_len: int, range_ratio: float,
                                                     "lower the ratio or raise the length")])
     out_lo, out_hi = bounds(output_len)
     out_lo, out_hi = max(out_lo, 1), max(out_hi, 1)
-    if math.isinf(request_rate):
-        arrivals: dict[str, Any] = {"pattern": "all_at_once"}
-    elif burstiness == 1.0:
-        arrivals = {"pattern": "poisson", "rate": request_rate}
-    else:
-        arrivals = {"pattern": "gamma", "rate": request_rate, "burstiness": burstiness}
+    arrivals = vllm_arrivals(request_rate, burstiness)
     return load_workload_spec({
         "name": "random", "seed": seed, "num_requests": num_prompts,
         "requests": {"input_len": dist(in_lo, in_hi), "output_len": dist(out_lo, out_hi)},
