@@ -171,6 +171,10 @@ def random_sample(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_(generator=md.generator)
     for row, gen in md.generators.items():
         noise[row].exponential_(generator=gen)
+    # An exponential draw can be exactly 0, and 0 / 0 is NaN, which max() would pick: a token
+    # of probability 0 (banned, filtered) must never win, so no noise is below the smallest
+    # normal number. Draws are otherwise unchanged.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     # In place in the noise buffer: one [N, V] allocation for the whole draw.
     return torch.div(probs, noise, out=noise).max(dim=-1).indices
 

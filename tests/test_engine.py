@@ -248,6 +248,17 @@ def test_bad_prompt_rejected_before_scheduling(llm, prompt, params, message):
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
+def test_a_temperature_beyond_float32_samples_no_banned_token(llm):
+    """Any finite temperature is valid; one past float32's range must not turn the banned and
+    filtered tokens' -inf into NaN (a NaN row samples token 0, here a banned EOS, and the
+    engine would stop on a sampler error)."""
+    for t in (1e308, 1e39):
+        params = SP(temperature=t, min_tokens=3, max_tokens=4, top_k=5, ignore_eos=False)
+        out = llm.generate("hello", params, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) >= 3 and out.finished
+    assert_pool_whole(llm)
+
+
 def test_prompt_ids_of_int_subclasses_are_accepted(llm):
     """An int subclass (IntEnum) is an integer id (the prompt check's slow path); bool, though
     an int subclass too, is not (see BAD_INPUTS)."""

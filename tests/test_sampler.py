@@ -439,6 +439,25 @@ def test_random_sample_follows_probs_and_generators():
     assert len({seeded_row() for _ in range(8)}) == 1
 
 
+def test_a_zero_exponential_draw_never_picks_an_impossible_token(monkeypatch):
+    """exponential_ can return exactly 0; 0 / 0 would be NaN and win the race. A token of
+    probability 0 (banned, filtered) must lose it all the same."""
+    from corellm.sampling import random_sample
+
+    real = torch.Tensor.exponential_
+
+    def with_zeros(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        out[..., 0] = 0.0                       # a zero draw on the impossible token
+        out[..., 1] = 0.0                       # and on a possible one
+        return out
+    monkeypatch.setattr(torch.Tensor, "exponential_", with_zeros)
+    probs = torch.full((4, V), 1.0 / (V - 1))
+    probs[:, 0] = 0.0
+    drawn = random_sample(probs, md(4)).tolist()
+    assert drawn == [1, 1, 1, 1]                # the finite winner, never the NaN
+
+
 def test_apply_min_p_and_gather_logprobs():
     from corellm.sampling import apply_min_p, gather_logprobs
 

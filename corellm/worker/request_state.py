@@ -18,6 +18,7 @@ from corellm.sampling_params import SamplingParams
 
 # Per-request generators are reseeded each step from the request's seed and its output count, so
 # a seeded request samples the same tokens whatever it is batched with and after preemption.
+_F32_MAX = torch.finfo(torch.float32).max
 _SEED_MIX = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
 
@@ -59,7 +60,11 @@ def sampling_metadata(states: list[CachedRequestState], vocab: int, device: torc
     temperature = top_k = top_p = min_p = None
     generators: dict[int, torch.Generator] = {}
     if not all_greedy:
-        temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
+        # A temperature past float32's range (any finite double is a valid request) would be
+        # inf on the device, and a banned or filtered token's -inf / inf is NaN: a NaN row
+        # samples token 0 whatever it is. The largest float32 flattens the row all the same.
+        temperature = torch.tensor([0.0 if g else min(p.temperature, _F32_MAX)
+                                    for g, p in zip(greedy, params)],
                                    dtype=torch.float32, device=device)
         if any(p.top_k > 0 for p in params):
             top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
