@@ -248,14 +248,16 @@ def test_bad_prompt_rejected_before_scheduling(llm, prompt, params, message):
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
-def test_a_temperature_beyond_float32_samples_no_banned_token(llm):
-    """Any finite temperature is valid; one past float32's range must not turn the banned and
-    filtered tokens' -inf into NaN (a NaN row samples token 0, here a banned EOS, and the
-    engine would stop on a sampler error)."""
-    for t in (1e308, 1e39):
-        params = SP(temperature=t, min_tokens=3, max_tokens=4, top_k=5, ignore_eos=False)
-        out = llm.generate("hello", params, use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) >= 3 and out.finished
+def test_parameters_beyond_float32_sample_no_banned_token(llm):
+    """Any finite temperature and any positive repetition penalty are valid; past float32's
+    range they must not make a row NaN (-inf / inf for banned and filtered tokens, x / 0 for a
+    penalized one): a NaN row samples token 0, here a banned EOS, and the engine would stop on
+    a sampler error."""
+    for kw in ({"temperature": 1e308}, {"temperature": 1e39},
+               {"repetition_penalty": 5e-324}, {"repetition_penalty": 1e-40}):
+        params = SP(min_tokens=3, max_tokens=4, top_k=5, ignore_eos=False, **kw)
+        out = llm.generate("hello hello hello", params, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) >= 3 and out.finished, kw
     assert_pool_whole(llm)
 
 

@@ -38,6 +38,10 @@ class DefaultSampler(Sampler):
         greedy_rows = temperature == 0
         greedy_ids = None if md.all_random else greedy(logits, self.ops)
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
+        # Valid parameters can overflow float32 (a repetition penalty of 1e-300 divides a
+        # positive logit by 0): +inf would make the softmax NaN, and a NaN row draws token 0
+        # whatever is banned. The largest float keeps the token the likeliest.
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
 
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
