@@ -223,6 +223,9 @@ _CHAT = [{"role": "user", "content": "x"}]
     ("/tokenize", {"prompt": ["x", "y"]}, 400, "prompt"),                # one string only
     ("/tokenize", {"prompt": "x", "add_special_token": False}, 400, "add_special_token"),
     ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs"),
+    # An unknown key is named whole, even one that looks like a union member's tag.
+    ("/tokenize", {"messages": _CHAT, "a[0]": 1}, 400, "a[0]"),
+    ("/tokenize", {"prompt": "x", "str": 1}, 400, "str"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/tokenize", {"messages": _CHAT, "continue_final_message": True}, 400,

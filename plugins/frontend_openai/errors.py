@@ -64,14 +64,18 @@ def _validation_error(errors: Sequence[Any], model: type[BaseModel] | None) -> A
     loc = [str(p) for p in err["loc"]]
     if loc[:1] == ["body"]:
         loc = loc[1:]
+    # An unknown key is the client's own text, last in loc: kept whole, whatever it looks like.
+    key = loc.pop() if err["type"] == "extra_forbidden" and loc else None
     # Unions report the failing member first in loc ("str", "list[int]", ...): drop those.
     loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
-    field = ".".join(loc) or None
-    if err["type"] == "extra_forbidden":
-        fields = list(model.model_fields) if model is not None and len(loc) == 1 else []
-        close = difflib.get_close_matches(loc[-1], fields, n=1, cutoff=0.6)
+    if key is not None:
+        shown = key if len(key) <= 80 else key[:77] + "..."
+        field = ".".join([*loc, shown])
+        fields = list(model.model_fields) if model is not None and not loc else []
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         return APIError(400, f"{field}: unknown field{hint}", param=field)
+    field = ".".join(loc) or None
     if err["type"] == "missing":
         return APIError(400, f"{field or 'request body'}: field required", param=field)
     return APIError(400, f"{field or 'request body'}: {err['msg']} "
