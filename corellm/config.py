@@ -195,6 +195,9 @@ def _platform_block_size(platform: PlatformOptions | None, registry: Registry,
     plugin."""
     if platform is None:
         return 16
+    spec = registry.get("platform", platform.name, usable=False).spec
+    if spec.default_block_size is not None:
+        return spec.default_block_size
     from corellm.platforms import build_platform
     try:
         return build_platform(platform, registry).default_block_size

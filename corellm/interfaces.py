@@ -8,7 +8,7 @@ implementations need (the batching scheduler, the block pool) lives in the core 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     import torch
 
     from corellm.attention import AttentionBuildLimits, AttentionMetadataBuilder, KVCacheSpec
-    from corellm.outputs import (EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
-                                 SchedulerStats)
+    from corellm.outputs import (DecodeRunOutput, EngineCoreOutput, ModelRunnerOutput,
+                                 SchedulerOutput, SchedulerStats)
     from corellm.request import Request
     from corellm.policy_view import SchedulingContext, WaitingQueue
     from corellm.sampling import SamplerOutput, SamplingMetadata
@@ -66,6 +66,23 @@ class Scheduler(ABC):
 
     @abstractmethod
     def get_stats(self) -> SchedulerStats: ...
+
+    # Decode runs (plugin API 1.3): optional, for executors that run no model.
+    def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:
+        """When the coming steps are pure decodes of the running batch that nothing can change
+        while every request samples ``token_id`` (nothing waiting, no block to allocate, no
+        request that this token stops, no policy watching each step), the plan of the first
+        and how many such steps may follow one another (the last may finish requests by
+        length); else None. The default, None, keeps the engine to ``schedule()``."""
+        return None
+
+    def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
+                               token_id: int) -> list[EngineCoreOutput]:
+        """Apply ``num_steps`` steps of a plan from ``schedule_decode_run`` at once, every
+        request having sampled ``token_id`` at each: the state, statistics and outputs are
+        those of as many ``schedule()`` / ``update_from_output`` rounds, with one output per
+        request carrying its ``num_steps`` tokens."""
+        raise NotImplementedError(f"{type(self).__name__} plans no decode runs")
 
 
 class SchedulingPolicy(ABC):
@@ -319,6 +336,10 @@ class Executor(ABC):
     """
 
     clock: Clock | None = None
+    #: Plugin API 1.3: the token every sample is, for an executor that runs no model (a
+    #: simulator on virtual time); such an executor runs several pure decode steps in one call
+    #: (``execute_decode_run``). None (a model samples) keeps the engine to one step per call.
+    fixed_token_id: int | None = None
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
@@ -340,6 +361,14 @@ class Executor(ABC):
         """Run the step: forward pass on every worker and sampling on rank 0. Returns rank 0's
         output, or a future of it (the engine waits on it; an executor with worker processes
         hands the wait back, so a failure can surface as the future's exception)."""
+
+    def execute_decode_run(self, plan: SchedulerOutput, max_steps: int,
+                           keep_going: Callable[[], bool]) -> DecodeRunOutput:
+        """Run ``plan`` (pure decodes, from ``Scheduler.schedule_decode_run``) as consecutive
+        steps, each request's context one token longer at each: at least one and at most
+        ``max_steps``, stopping after the first step at whose end ``keep_going()`` is false.
+        Only an executor with a ``fixed_token_id`` is asked."""
+        raise NotImplementedError(f"{type(self).__name__} runs one step per call")
 
     @property
     @abstractmethod

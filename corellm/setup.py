@@ -12,7 +12,7 @@ resolving ``auto`` values or guessing defaults again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corellm.errors import ConfigError
 
@@ -60,17 +60,35 @@ def resolve_setup(config: EngineConfig, registry: Registry,
     cfg, source = read_checkpoint_config(path)
     arch, model_entry = parse_arch_config(cfg, source, registry,
                                        config.model.implementation)
+    max_len = resolve_max_model_len(arch, config.model.max_model_len)
+    sched = config.scheduler
+    common = dict(model_path=path, source=source, arch=arch, model_plugin=model_entry.spec.name,
+                  max_model_len=max_len, block_size=config.kv_cache.block_size,
+                  max_num_seqs=sched.max_num_seqs,
+                  max_num_batched_tokens=sched.max_num_batched_tokens)
+    if platform is None and not runs_model(config.executor, registry):
+        # No device is used here: neither the platform (torch, its kernels) nor attention.
+        return EngineSetup(**common, platform=config.platform.name, device_type="none",
+                           dtype=resolve_dtype_name(config.model.dtype, arch),
+                           attention_candidates=(), attention_skipped=())
     platform = platform or build_platform(config.platform, registry)
     dtype = platform.resolve_dtype(config.model.dtype, resolve_dtype_name("auto", arch))
-    max_len = resolve_max_model_len(arch, config.model.max_model_len)
     candidates, skipped = attention_candidates(config, registry, platform.device_type)
-    sched = config.scheduler
-    return EngineSetup(
-        model_path=path, source=source, arch=arch, model_plugin=model_entry.spec.name,
-        platform=platform.name, device_type=platform.device_type, dtype=dtype,
-        max_model_len=max_len, block_size=config.kv_cache.block_size,
-        max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-        attention_candidates=tuple(candidates), attention_skipped=tuple(skipped))
+    return EngineSetup(**common, platform=platform.name, device_type=platform.device_type,
+                       dtype=dtype, attention_candidates=tuple(candidates),
+                       attention_skipped=tuple(skipped))
+
+
+def runs_model(options: Any, registry: Registry) -> bool:
+    """Whether the executor ``options`` select runs a model on this machine: its spec's
+    ``runs_model``, or for a wrapper, its delegate's."""
+    from corellm.specs import delegate_fields
+
+    entry = registry.get("executor", options.name)
+    delegates = delegate_fields(type(options))
+    if delegates:
+        return any(runs_model(getattr(options, key), registry) for key in delegates)
+    return getattr(entry.spec, "runs_model", True)
 
 
 def attention_candidates(config: EngineConfig, registry: Registry,

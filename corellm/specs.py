@@ -233,7 +233,11 @@ class ExecutorSpec(ComponentSpec):
     ``delegate_field``), which runs as many as its delegate does. ``launcher_worker(config, registry) ->
     exit status``: what a process of rank > 0 runs when a launcher such as ``torchrun`` started
     every rank (``parallel.init_method: env://``): ``corellm serve`` and ``corellm generate``
-    call it there instead of building an engine.
+    call it there instead of building an engine. ``runs_model`` (plugin API 1.3): False for an
+    executor that runs no model on this machine (a simulator): the engine then neither builds
+    the platform nor resolves attention backends, whose devices it never uses, and its
+    ``EngineSetup`` has ``device_type`` "none", no attention candidates and the checkpoint's
+    dtype. A wrapper runs a model when its delegate does.
     """
 
     kind: ClassVar[str] = "executor"
@@ -241,6 +245,7 @@ class ExecutorSpec(ComponentSpec):
     options: type[ComponentOptions] = ExecutorOptions
     tensor_parallel: bool = False
     launcher_worker: Callable[..., int] | None = None
+    runs_model: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,6 +304,10 @@ class PlatformSpec(ComponentSpec):
     available platform of the highest one; None keeps it out of ``auto`` (selected by name
     only, as a reference or test platform should be). ``interface_version``: the major.minor
     of ``corellm.platforms.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
+    ``default_block_size`` (plugin API 1.3): the platform's ``Platform.default_block_size``,
+    declared here so that a config is validated without building the platform (building one
+    imports torch and its kernels; a run that executes no model, such as the simulator's, never
+    needs it). None: the platform is built to ask it.
     """
 
     kind: ClassVar[str] = "platform"
@@ -307,6 +316,7 @@ class PlatformSpec(ComponentSpec):
     availability: Callable[[], str | None] = _available
     auto_priority: int | None = None
     interface_version: tuple[int, int] = (1, 0)
+    default_block_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

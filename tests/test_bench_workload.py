@@ -566,3 +566,32 @@ def test_describe(capsys):
     assert stats["output_tokens"]["sum"] == sum(outs)
     rc, _, err = run_cli(["--describe", str(EXAMPLES / "fcfs.yaml")], capsys)
     assert rc == 2 and "scheduler" in err
+
+
+def test_prompt_ids_are_drawn_as_choice_draws_them():
+    """Random prompts are drawn in one call for the whole workload and sliced: the ids of one
+    ``rng.choice(allowed, size=n)`` per prompt, which is what earlier releases drew (so seeded
+    workloads keep their prompts). Both identities that rely on numpy's generator hold."""
+    from corellm_plugins.bench.workload import build_workload, draw_tokens
+
+    rng = np.random.default_rng(0)
+    for vocab in (2, 1000, 49152, 2 ** 31 - 1):
+        allowed = np.arange(3, vocab + 3, dtype=np.int64)
+        sizes = [int(n) for n in rng.integers(0, 200, size=30)]
+        a, b, c = (np.random.default_rng([vocab, 7]) for _ in range(3))
+        per_prompt = [a.choice(allowed, size=n).tolist() for n in sizes]
+        assert [draw_tokens(b, allowed, n) for n in sizes] == per_prompt
+        once = draw_tokens(c, allowed, sum(sizes))
+        offsets = np.cumsum([0, *sizes])
+        assert [once[i:j] for i, j in zip(offsets, offsets[1:])] == per_prompt
+    spec = {"name": "s", "seed": 5,
+            "requests": {"input_len": {"dist": "uniform", "low": 4, "high": 30},
+                         "output_len": 4},
+            "sessions": {"num_sessions": 6, "turns": {"dist": "uniform", "low": 1, "high": 4},
+                         "message_len": {"dist": "uniform", "low": 2, "high": 9}},
+            "arrivals": "all_at_once"}
+    wl = build_workload(spec, vocab_size=500, exclude_ids={0, 1}, seed=3)
+    from corellm_plugins.bench.workload import _rng, allowed_token_ids
+    token_rng, allowed = _rng(3, "tokens"), allowed_token_ids(500, {0, 1})
+    assert [r.prompt_token_ids for r in wl.requests] == [
+        token_rng.choice(allowed, size=len(r.prompt_token_ids)).tolist() for r in wl.requests]

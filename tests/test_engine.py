@@ -504,3 +504,37 @@ def test_failed_schedule_ends_every_request(llama_path, monkeypatch):
     assert {r.status for r in reqs.values()} == {S.FINISHED_ERROR}
     assert_pool_whole(llm)
     assert llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_skip_tokenizer_init_generates_the_same_tokens_without_text(llama_path):
+    """``LLM(skip_tokenizer_init=True)`` (vLLM's option) loads no tokenizer: token-id prompts
+    give the same tokens as with one, with empty text and logprobs without token text; a text
+    prompt, stop strings and a chat are refused, naming what needs the tokenizer."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9] * 12}]
+    llm = LLM(engine_config(llama_path))
+    try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    llm = LLM(engine_config(llama_path), skip_tokenizer_init=True)
+    try:
+        assert llm.tokenizer is None
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == expected
+        assert all(o.outputs[0].text == "" for o in out)
+        assert all(lp.decoded_token is None for o in out for step in o.outputs[0].logprobs
+                   for lp in step.values())
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate("Hello", params, use_tqdm=False)
+        assert e.value.field == "prompt" and "skip_tokenizer_init" in str(e.value)
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate(prompts[0], SamplingParams(stop=["x"]), use_tqdm=False)
+        assert e.value.field == "sampling_params.stop"
+        with pytest.raises(InvalidRequestError) as e:
+            llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+        assert e.value.field == "messages"
+        assert_pool_whole(llm)
+    finally:
+        llm.shutdown()

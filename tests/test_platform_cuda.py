@@ -716,3 +716,40 @@ def test_staging_and_landing_on_the_device():
     landing = HostIds(4, event=torch.cuda.Event)
     assert landing.buf.is_pinned()
     assert landing.fetch(torch.tensor([3, 1, 4], device=dev)) == [3, 1, 4]
+
+
+def test_the_probe_reads_torch_s_build_without_importing_it():
+    """Where torch is not imported yet, the probe reads its build (CUDA or not) from its
+    ``version.py``: the same values ``torch.version`` has once imported. A CPU build is then
+    refused without the seconds of ``import torch``."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from corellm_plugins.platform_cuda.probe import _build_info, cuda_problem\n"
+            "info, problem = _build_info(), cuda_problem()\n"
+            "cpu_build = info is not None and info['cuda'] is None\n"
+            "print('imported' if 'torch' in sys.modules else 'not imported')\n"
+            "import torch\n"
+            "print(info['cuda'] == torch.version.cuda, info['__version__'] == torch.__version__)\n"
+            "print(cpu_build == (torch.version.cuda is None), problem)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "True True" and lines[2].startswith("True")
+    if torch.version.cuda is None:
+        assert lines[0] == "not imported" and "built without CUDA" in lines[2]
+
+
+def test_platform_specs_declare_their_platforms_block_size():
+    """The block size a config defaults to without building the platform (the spec's) is the
+    one the platform has."""
+    from corellm.plugins import load_registry
+    from corellm_plugins.platform_cpu.platform import CpuPlatform
+    from corellm_plugins.platform_cuda.platform import CudaPlatform
+
+    registry = load_registry()
+    for name, cls in (("cpu", CpuPlatform), ("cuda", CudaPlatform)):
+        spec = registry.get("platform", name, usable=False).spec
+        assert spec.default_block_size == cls.default_block_size, name

@@ -97,6 +97,9 @@ class PlanLog:
         self.inner = inner
         self.plans: list[tuple] = []
 
+    # Every step's plan is logged, so the engine runs one step per call (no decode runs).
+    fixed_token_id = None
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -344,5 +347,163 @@ def test_idle_waits_on_a_virtual_clock_end(llama_path, tmp_path):
         assert done, "drive_engine did not return"
         records, duration = done[0]
         assert all(r.ok for r in records) and duration > 30
+    finally:
+        llm.shutdown()
+
+
+# ----------------------------------------------------------------------------- decode runs
+DECODE_RUN_CASES = {
+    # A pool small enough to preempt, chunked prompts, two priority classes.
+    "preempting": ({"scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 96},
+                    "kv_cache": {"num_blocks": 24, "block_size": 16}},
+                   {"name": "p", "seed": 3, "num_requests": 120,
+                    "requests": {"input_len": {"dist": "uniform", "low": 8, "high": 150},
+                                 "output_len": {"dist": "uniform", "low": 1, "high": 60}},
+                    "priorities": [{"priority": 0, "weight": 1}, {"priority": 1, "weight": 2}],
+                    "arrivals": {"pattern": "poisson", "rate": 150}}, {}),
+    # Shared prefixes: blocks completed inside runs are registered as the steps would have.
+    "prefix": ({"kv_cache": {"block_size": 16}},
+               {"name": "x", "seed": 4, "num_requests": 150,
+                "requests": {"input_len": {"dist": "uniform", "low": 8, "high": 100},
+                             "output_len": {"dist": "uniform", "low": 1, "high": 70},
+                             "shared_prefix": {"num_groups": 3, "length": 40}},
+                "arrivals": {"pattern": "poisson", "rate": 100}}, {}),
+    # Sessions (follow-ups due at a previous turn's end plus think time) under a
+    # concurrency limit, on the priority scheduler.
+    "sessions": ({"scheduler": {"name": "priority"}, "kv_cache": {"block_size": 16}},
+                 {"name": "s", "seed": 5,
+                  "requests": {"input_len": {"dist": "uniform", "low": 16, "high": 64},
+                               "output_len": {"dist": "uniform", "low": 2, "high": 50}},
+                  "sessions": {"num_sessions": 30, "turns": 3, "message_len": 12,
+                               "think_time_s": {"dist": "exponential", "mean": 0.02}},
+                  "arrivals": {"pattern": "poisson", "rate": 60}}, {"max_concurrency": 6}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_RUN_CASES))
+def test_decode_runs_change_nothing_but_the_number_of_calls(llama_path, tmp_path, monkeypatch,
+                                                             case):
+    """A simulated run advances pure-decode stretches several steps per call
+    (``EngineCore.step_decode_run``); every record (each token's time included), the engine's
+    counters and the run's duration are those of one step per call, and runs did happen."""
+    from corellm.engine.core import EngineCore
+
+    sections, spec, options = DECODE_RUN_CASES[case]
+    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
+                     model={"max_model_len": 256}, **sections)
+    wl = build_workload(spec, vocab_size=200, exclude_ids={0})
+    original = EngineCore.step_decode_run
+    runs: list[int] = []
+
+    def counted(self, keep_going):
+        out = original(self, keep_going)
+        if out is not None:
+            runs.append(len(out[0]))
+        return out
+
+    results = {}
+    for mode, method in (("runs", counted), ("steps", lambda self, keep_going: None)):
+        monkeypatch.setattr(EngineCore, "step_decode_run", method)
+        results[mode] = run_engine(Target("sim", config=cfg), wl,
+                                   RunOptions(progress=False, keep_outputs=True, **options))
+    fast, slow = results["runs"], results["steps"]
+    assert runs and max(runs) > 1, runs
+    assert all(r.ok for r in slow.records)
+    assert fast.duration == slow.duration
+    assert fast.counters == slow.counters
+    assert [vars(r) for r in fast.records] == [vars(r) for r in slow.records]
+
+
+def test_a_decode_run_stops_where_a_step_would_differ(llama_path, tmp_path):
+    """``schedule_decode_run`` plans a run only of pure decodes with nothing waiting, and no
+    longer than the first length limit or block boundary; a token that would stop a request
+    (its EOS, a stop token) allows none."""
+    from corellm import SamplingParams
+    from corellm.request import EngineCoreRequest
+
+    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
+                     kv_cache={"block_size": 16})
+    llm = LLM(cfg)
+    try:
+        engine = llm.engine
+        sched = engine.scheduler
+        token = engine.executor.fixed_token_id
+        assert token is not None
+
+        def add(rid, n_prompt, max_tokens, **kw):
+            engine.add_request(EngineCoreRequest(
+                request_id=rid, prompt_token_ids=[5] * n_prompt,
+                sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
+                eos_token_id=kw.pop("eos", 2), arrival_time=0.0))
+
+        add("a", 10, 40)
+        assert sched.schedule_decode_run(token) is None            # "a" waits
+        engine.step()                                               # its prefill
+        plan, steps = sched.schedule_decode_run(token)
+        # 10 tokens computed, one block of 16 held: 6 steps before the next block is needed
+        # (39 tokens before its length limit).
+        assert plan.num_scheduled_tokens == {"a": 1} and steps == 16 - 10
+        sched.update_from_decode_run(plan, steps, token)
+        assert sched.requests["a"].num_computed_tokens == 16
+        add("b", 5, 3)
+        assert sched.schedule_decode_run(token) is None            # "b" waits
+        engine.step()
+        plan, steps = sched.schedule_decode_run(token)
+        assert steps == 2                                           # "b" ends in 2 steps
+        out = {o.request_id: o for o in sched.update_from_decode_run(plan, steps, token)}
+        assert out["b"].finish_reason == "length" and len(out["b"].new_token_ids) == 2
+        assert out["a"].finish_reason is None
+        add("c", 4, 10, stop_token_ids=[token], min_tokens=5)
+        engine.step()
+        assert sched.schedule_decode_run(token) is None            # its token will stop "c"
+        engine.abort_requests(["a", "c"])
+        assert_pool_whole(llm)
+    finally:
+        llm.shutdown()
+
+
+_IMPORT_WATCH = """
+import runpy, sys
+sys.argv = ["corellm", *sys.argv[1:]]
+try:
+    runpy.run_module("corellm.cli", run_name="__main__")
+finally:
+    heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers"})
+    print("HEAVY IMPORTS:", heavy, file=sys.stderr)
+"""
+
+
+def test_a_simulated_bench_imports_neither_torch_nor_transformers(llama_path, tmp_path):
+    """``corellm bench`` on the simulator, the whole command in a fresh process, imports
+    neither torch nor transformers (seconds of start-up for a run that executes no model): the
+    platform's block size comes from its spec, CUDA is ruled out from torch's build info, no
+    attention backend is resolved, the prompts' token space is read with the Rust tokenizer
+    and the engine loads no tokenizer."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "sim.json"
+    cfg.write_text(json.dumps(sim_config(llama_path, make_profile(llama_path,
+                                                                   tmp_path / "p.json"))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WATCH, "bench", "--config", f"sim={cfg}",
+         "--num-prompts", "20", "--random-input-len", "16", "--random-output-len", "4",
+         "--request-rate", "50", "--seed", "1", "--disable-tqdm"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'sim' #1: 20/20 ok" in proc.stderr, proc.stderr[-3000:]
+    assert "HEAVY IMPORTS: []" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_an_engine_that_runs_no_model_resolves_no_device(llama_path, tmp_path):
+    """The sim executor's spec says it runs no model: the engine's setup names no device type
+    and no attention backend, and the checkpoint's dtype."""
+    llm = LLM(sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json")),
+              skip_tokenizer_init=True)
+    try:
+        setup = llm.engine.setup
+        assert setup.device_type == "none" and setup.attention_candidates == ()
+        assert setup.dtype == "float32" and setup.platform == "cpu"
+        assert llm.tokenizer is None
     finally:
         llm.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -10,9 +11,9 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
@@ -20,7 +21,8 @@ from corellm.config import EngineConfig
 from corellm.errors import ConfigError, PluginError
 from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCacheManager,
                                 ModelInfo, Scheduler)
-from corellm.outputs import EngineCoreOutput, EngineStats, FinishedRequestStats, StepStats
+from corellm.outputs import (EngineCoreOutput, EngineStats, FinishedRequestStats,
+                             SchedulerOutput, StepStats)
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
 from corellm.setup import EngineSetup, resolve_setup
@@ -44,6 +46,7 @@ def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
 
 
 _ENGINE_SEQ = itertools.count()
+_T = TypeVar("_T")
 
 
 def _call_each(registry: Registry, hook_name: str, kwargs: dict[str, Any]) -> None:
@@ -230,26 +233,14 @@ class EngineCore:
         """schedule -> execute model -> sample -> update."""
         start = self.clock.monotonic()
         t0 = time.perf_counter()
-        try:
-            plan = self.scheduler.schedule()
-        except BaseException:
-            # A half-built plan leaves no request in a known state: end them all.
-            self._fail(self.scheduler.get_request_ids())
-            raise
+        plan = self._planned(self.scheduler.schedule)
         t1 = time.perf_counter()
-        try:
+        with self._failing(plan):
             sampled = self.executor.execute_model(plan)
             if isinstance(sampled, Future):
                 sampled = sampled.result()
             t2 = time.perf_counter()
             outputs = self.scheduler.update_from_output(plan, sampled)
-        except ExecutorError:
-            # The workers are gone: no request can make progress, so none is left waiting.
-            self._fail(self.scheduler.get_request_ids())
-            raise
-        except BaseException:
-            self._fail(plan.num_scheduled_tokens)
-            raise
         t3 = time.perf_counter()
 
         self.num_steps += 1
@@ -275,6 +266,62 @@ class EngineCore:
                 num_prefill_tokens=plan.total_num_scheduled_tokens - decodes,
                 num_decode_reqs=decodes, finished=finished))
         return outputs
+
+    def step_decode_run(self, keep_going: Callable[[], bool],
+                        ) -> tuple[list[float], list[EngineCoreOutput]] | None:
+        """Several steps in one call, where the executor runs no model (``fixed_token_id``) and
+        the scheduler finds the coming steps to be pure decodes nothing can change
+        (``schedule_decode_run``): at least one, and after each, another while ``keep_going()``
+        (a driver's "nothing new has arrived"). Returns the clock's ``monotonic()`` at the end
+        of each step and one output per request with its tokens of them all; the engine's
+        state, counters and the requests' outputs are those of as many ``step()`` calls. None,
+        having done nothing, where one ``step()`` is needed instead (a model to run, anything
+        to admit, a block to allocate, a listener of every step's ``StepStats``)."""
+        token = self.executor.fixed_token_id
+        if token is None or self._observed:
+            return None
+        t0 = time.perf_counter()
+        planned = self._planned(lambda: self.scheduler.schedule_decode_run(token))
+        if planned is None:
+            return None
+        plan, max_steps = planned
+        t1 = time.perf_counter()
+        with self._failing(plan):
+            run = self.executor.execute_decode_run(plan, max_steps, keep_going)
+            t2 = time.perf_counter()
+            outputs = self.scheduler.update_from_decode_run(plan, len(run.step_seconds), token)
+        t3 = time.perf_counter()
+        self.num_steps += len(run.step_seconds)
+        tm = self.timings
+        tm["schedule"] += t1 - t0
+        for seconds in run.step_seconds:        # one at a time, as step() adds them
+            tm["forward"] += seconds
+        tm["execute"] += t2 - t1
+        tm["update"] += t3 - t2
+        tm["step"] += t3 - t0
+        self._finished_records(outputs, self.clock.time())
+        return run.step_end_times, outputs
+
+    def _planned(self, schedule: Callable[[], _T]) -> _T:
+        try:
+            return schedule()
+        except BaseException:
+            # A half-built plan leaves no request in a known state: end them all.
+            self._fail(self.scheduler.get_request_ids())
+            raise
+
+    @contextlib.contextmanager
+    def _failing(self, plan: SchedulerOutput) -> Iterator[None]:
+        """Around a plan's execution and update: what a failure ends."""
+        try:
+            yield
+        except ExecutorError:
+            # The workers are gone: no request can make progress, so none is left waiting.
+            self._fail(self.scheduler.get_request_ids())
+            raise
+        except BaseException:
+            self._fail(plan.num_scheduled_tokens)
+            raise
 
     def _fail(self, request_ids: Iterable[str]) -> None:
         """Nothing is lost when a step raises: the requests it touched end with reason "error"

@@ -34,14 +34,10 @@ def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
 _PLAIN_TOKENIZER_FAMILIES = {"llama", "qwen2", "qwen3"}
 
 
-def _plain_fast_tokenizer_class(directory: Path) -> Any:
-    """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
-
-    ``AutoTokenizer`` resolves the class through the model registry, importing torch and the
-    model families' modules (most of a small model's start-up); a tokenizer whose
-    ``tokenizer_config.json`` names the generic fast class needs none of that. Anything else
-    (model-specific classes, remote code) goes through ``AutoTokenizer``.
-    """
+def plain_fast_tokenizer_name(directory: Path) -> str | None:
+    """The transformers class name of a tokenizer directory holding a plain ``tokenizer.json``
+    tokenizer that ``load_tokenizer`` loads directly (the generic fast class, no remote code,
+    a model family whose tokenizer ``AutoTokenizer`` would not replace); else None."""
     import json
 
     try:
@@ -62,6 +58,20 @@ def _plain_fast_tokenizer_class(directory: Path) -> Any:
             return None
         if model_type not in _PLAIN_TOKENIZER_FAMILIES:
             return None
+    return name
+
+
+def _plain_fast_tokenizer_class(directory: Path) -> Any:
+    """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
+
+    ``AutoTokenizer`` resolves the class through the model registry, importing torch and the
+    model families' modules (most of a small model's start-up); a tokenizer whose
+    ``tokenizer_config.json`` names the generic fast class needs none of that. Anything else
+    (model-specific classes, remote code) goes through ``AutoTokenizer``.
+    """
+    name = plain_fast_tokenizer_name(directory)
+    if name is None:
+        return None
     import transformers
     return getattr(transformers, name, None)
 
@@ -109,12 +119,15 @@ class LLM:
     (``llm.engine`` is then None, and only entry-point plugins are available to it).
     ``tokenizer`` is the model's tokenizer when the caller already loaded it (with
     ``load_tokenizer``, from the directory the config names): it is used instead of loading
-    it again.
+    it again. ``skip_tokenizer_init=True`` (vLLM's option) loads none: prompts are token ids,
+    outputs have token ids and empty text, stop strings and chats are refused, and a sequence
+    ends at the checkpoint's end-of-sequence ids (its generation config's, a GGUF file's).
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
                  model: str | None = None, plugins: Sequence[object] = (),
-                 engine_process: bool = False, tokenizer: Any = None) -> None:
+                 engine_process: bool = False, tokenizer: Any = None,
+                 skip_tokenizer_init: bool = False) -> None:
         self.config, self.registry = build_config(config, model, plugins)
         path = model_path(self.config)       # validates the checkpoint directory
         if engine_process and plugins:
@@ -125,9 +138,10 @@ class LLM:
                                                                           self.registry))
         self.engine: EngineCore | None = getattr(self.client, "engine", None)
         try:
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-                self.config.model.tokenizer or path,
-                "model.tokenizer" if self.config.model.tokenizer else "model.path")
+            self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init \
+                else load_tokenizer(self.config.model.tokenizer or path,
+                                    "model.tokenizer" if self.config.model.tokenizer
+                                    else "model.path")
         except BaseException:
             self.client.shutdown()
             raise
@@ -196,6 +210,9 @@ class LLM:
         """
         from corellm.engine.chat import render_chat
 
+        if self.tokenizer is None:
+            raise InvalidRequestError("messages", "a chat needs the tokenizer (its chat "
+                                      "template), which this LLM skipped (skip_tokenizer_init)")
         if not messages or isinstance(messages[0], Mapping):
             conversations = [messages]
         else:

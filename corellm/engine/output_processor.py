@@ -86,7 +86,8 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self._raw_decode = raw_decoder(tokenizer)
+        # No tokenizer (skip_tokenizer_init): the ids are kept, and no text is made.
+        self._raw_decode = raw_decoder(tokenizer) if tokenizer is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         if self._raw_decode is not None:
@@ -97,6 +98,8 @@ class IncrementalDetokenizer:
         """Append tokens and return the text they complete ("" while a character is split).
         ``final`` flushes whatever is held back."""
         self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
         if self.read_offset == len(self.token_ids) and not final:
             return ""
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -251,7 +254,8 @@ class RequestState:
         return True
 
     def _add_logprobs(self, s: _Sample, out: EngineCoreOutput) -> None:
-        decode = self.tokenizer.decode
+        # Without a tokenizer (skip_tokenizer_init) the tokens have no text.
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: None
         texts = self.token_texts
         lp = out.new_logprobs
         for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_ranks):

@@ -29,9 +29,11 @@ def _all_ints(ids: list[int] | tuple[int, ...]) -> bool:
 
 class Processor:
     def __init__(self, tokenizer: Any, model_info: ModelInfo, extra_eos_ids: list[int]) -> None:
+        # tokenizer None (LLM(skip_tokenizer_init=True)): token-id prompts only, and the end of
+        # a sequence is the checkpoint's end-of-sequence ids (extra_eos_ids), as vLLM does.
         self.tokenizer = tokenizer
         self.model_info = model_info
-        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.eos_token_id: int | None = tokenizer.eos_token_id if tokenizer is not None else None
         self.extra_eos_ids = [e for e in extra_eos_ids if e != self.eos_token_id]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -54,6 +56,10 @@ class Processor:
                 raise InvalidRequestError("prompt", f"expected a string, got {type(text).__name__}")
             if text == "":
                 raise InvalidRequestError("prompt", "is empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "a text prompt needs the tokenizer, which "
+                                          "this engine skipped (skip_tokenizer_init): give "
+                                          "prompt_token_ids")
             ids = self.tokenizer.encode(text)
         else:
             if not isinstance(ids, (list, tuple)) or not _all_ints(ids):
@@ -96,6 +102,10 @@ class Processor:
         if group_id is not None and (not isinstance(group_id, str) or not group_id):
             raise InvalidRequestError("group_id", f"must be a non-empty string or None, got "
                                       f"{group_id!r:.80}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("sampling_params.stop", "stop strings are matched in the "
+                                      "text, which an engine without its tokenizer "
+                                      "(skip_tokenizer_init) does not make; use stop_token_ids")
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:

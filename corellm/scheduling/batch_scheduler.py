@@ -433,6 +433,80 @@ class BatchScheduler(Scheduler):
                 stop_reason=request.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
                 first_scheduled_time=request.first_scheduled_time))
 
+    # ------------------------------------------------------------------ decode runs
+    def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:
+        # Nothing waiting: no admission round, so the policy decides nothing, and no block is
+        # pending for anyone. A policy told of every step (on_scheduled) keeps one per call.
+        running = self.running
+        if self.waiting or self._notify or not running \
+                or len(running) > self.max_num_batched_tokens:
+            return None
+        for r in running:
+            params, c = r.sampling_params, r.num_computed_tokens
+            # A prefill (chunk) is next, or a prompt's last token (its first sample).
+            if len(r.all_token_ids) - c != 1 or c < len(r.prompt_token_ids):
+                return None
+            if token_id == r.eos_token_id and not params.ignore_eos \
+                    or token_id in params.stop_token_ids:
+                return None
+        # The first step is planned as ever (it allocates the blocks its tokens need, and
+        # preempts if the pool is short); the run goes on while no request reaches its length
+        # limit (that step may end the run) or needs a block it does not hold.
+        plan = self.schedule()
+        if plan.preempted_req_ids:
+            return plan, 1
+        block_size = self.kv.block_size
+        get_block_ids = self.kv.get_block_ids
+        requests = self.requests
+        steps = None
+        for rid, c in plan.num_computed_tokens.items():
+            r = requests[rid]
+            ids, params = r.all_token_ids, r.sampling_params
+            left = min(params.max_tokens - (len(ids) - len(r.prompt_token_ids)),
+                       r.max_model_len - len(ids), len(get_block_ids(r)) * block_size - c)
+            steps = left if steps is None or left < steps else steps
+        return plan, max(steps or 1, 1)
+
+    def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
+                               token_id: int) -> list[EngineCoreOutput]:
+        k = num_steps
+        requests = [self.requests[rid] for rid in plan.num_scheduled_tokens]
+        self.num_schedules += k
+        # Every token but the last first (the blocks below hash them), then the blocks the
+        # run completed, registered in the order its steps would have (step, then batch order:
+        # two requests completing equal blocks leave the same one cached).
+        block_size = self.kv.block_size
+        events: list[tuple[int, int]] = []
+        for order, r in enumerate(requests):
+            c = r.num_computed_tokens
+            r.all_token_ids.extend([token_id] * (k - 1))
+            events.extend((j, order) for j in range(block_size - c % block_size, k + 1,
+                                                    block_size))
+        base = [r.num_computed_tokens for r in requests]
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        for j, order in sorted(events):
+            r = requests[order]
+            r.num_computed_tokens = base[order] + j
+            cache_computed_blocks(r)
+        outputs = []
+        try:
+            for r, c in zip(requests, base):
+                r.num_computed_tokens = c + k
+                self.num_generation_tokens += k
+                status = r.append_output_token(token_id)
+                if status is not None:
+                    self._finish(r, status)
+                cached = r.num_cached_tokens
+                outputs.append(EngineCoreOutput(
+                    r.request_id, [token_id] * k, None,
+                    finish_reason=status.finish_reason if status else None,
+                    stop_reason=r.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
+                    first_scheduled_time=r.first_scheduled_time))
+        finally:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self._deliver_finished()
+        return outputs
+
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:
         """The seat and queue counts per group agree with ``running`` and ``waiting`` (tests)."""

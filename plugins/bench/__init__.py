@@ -46,6 +46,6 @@ def _sim_executor(options: SimOptions, ctx: Any) -> Any:
 
 @hookimpl
 def corellm_executors() -> Iterator[ExecutorSpec]:
-    yield ExecutorSpec(name="sim", factory=_sim_executor, options=SimOptions,
+    yield ExecutorSpec(name="sim", factory=_sim_executor, options=SimOptions, runs_model=False,
                        summary="No model: step times predicted by a calibrated cost model, on "
                                "virtual time (A/B tests at scale, hardware what-ifs).")

@@ -398,9 +398,12 @@ def _bench(args: argparse.Namespace) -> int:
                 "overrides": list(args.overrides), "sweep": list(args.sweep),
                 **dataset_settings(args, workloads.get(base_seed)),
                 "tokenizer": str(model_dir), "command": " ".join(sys.argv)}
+    path = result_path(args, checkpoint_name(model_dir), _dt.datetime.now())
+    # Per-request records only where they go: a result file or a plot.
     results = build_results(runs, targets, workloads, settings=settings, goodput=goodput,
                             percentiles=args.metric_percentiles,
-                            metrics=args.percentile_metrics, environment=env)
+                            metrics=args.percentile_metrics, environment=env,
+                            detailed=path is not None or bool(args.plot))
     results["model_id"] = checkpoint_name(model_dir)
     if args.sweep:
         from .sweep import format_sweep, parse_sweep, sweep_results
@@ -409,7 +412,6 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_report(results, tables=not args.sweep), flush=True)
     if args.sweep:
         print(format_sweep(results["sweep"]), flush=True)
-    path = result_path(args, checkpoint_name(model_dir), _dt.datetime.now())
     if path is not None:
         write_json(results, path)
     if args.plot and args.sweep:

@@ -132,6 +132,13 @@ class CostModel(ABC):
     def predict(self, shape: StepShape) -> float:
         """Seconds the step takes; never negative."""
 
+    def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
+        """``predict`` of a step of ``num_reqs`` decodes reading ``decode_kv`` KV positions in
+        all (the simulator prices runs of such steps one after another). A model may compute
+        it faster, to the same float."""
+        return self.predict(StepShape(num_reqs, num_reqs, num_reqs, 0, 0, 0, decode_kv,
+                                      num_reqs))
+
     @abstractmethod
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict with ``"type"``; ``cost_model_from_json`` reads it back."""

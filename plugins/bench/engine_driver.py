@@ -22,7 +22,7 @@ from typing import Any
 from .metrics import RequestRecord
 from .progress import progress_bar
 from .sessions import Sessions, length_error, record_for, warmup_workload
-from .targets import (COUNTERS, RunOptions, RunResult, Target, config_model_dir,
+from .targets import (COUNTERS, RunOptions, RunResult, Target, config_data, config_model_dir,
                       loaded_tokenizer)
 from .workload import Workload
 
@@ -120,8 +120,20 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 step_start = now
                 free_during_step = (len(records) if limit == math.inf
                                     else int(limit) - len(live))
-                outputs = engine.step()
-                now = clock.monotonic() - t0
+                # Simulated decode steps that nothing can change run as one call, while no
+                # request comes due (the test this loop makes before each step; nothing is
+                # sent or finished within the run, so the next due time holds).
+                due = sessions.next_due()
+                run = None if ready else engine.step_decode_run(
+                    (lambda: True) if due is None
+                    else lambda: due > max(clock.monotonic() - t0, woke_at))
+                if run is None:
+                    outputs = engine.step()
+                    now = clock.monotonic() - t0
+                    times = None
+                else:
+                    times = [end - t0 for end in run[0]]
+                    outputs, now = run[1], times[-1]
                 for out in outputs:
                     state = live.get(out.request_id)
                     if state is None:
@@ -129,7 +141,10 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                     rec = records[state.index]
                     new_ids = out.new_token_ids
                     if new_ids:
-                        rec.chunk_times_s.append(now)
+                        if times is None:
+                            rec.chunk_times_s.append(now)
+                        else:                   # one token per step of the run
+                            rec.chunk_times_s.extend(times)
                         rec.output_tokens += len(new_ids)
                         state.output_ids.extend(new_ids)
                     if out.num_cached_tokens:
@@ -172,6 +187,16 @@ def _stats_delta(before: Any, after: Any) -> dict[str, float]:
             for name, (attr, _) in COUNTERS.items() if hasattr(after, attr)}
 
 
+def _executor_name(config: Any) -> str | None:
+    executor = getattr(config, "executor", None)           # an EngineConfig
+    if executor is None:
+        executor = config_data(config).get("executor")
+        executor = executor.get("name") if isinstance(executor, Mapping) else executor
+    else:
+        executor = executor.name
+    return executor if isinstance(executor, str) else None
+
+
 def run_engine(target: Target, workload: Workload, options: RunOptions, *, repeat: int = 0,
                seed: int | None = None) -> RunResult:
     """Build the engine from the target's config, warm it up, run the workload, shut it down.
@@ -181,7 +206,12 @@ def run_engine(target: Target, workload: Workload, options: RunOptions, *, repea
 
     t0 = time.perf_counter()
     config = dict(target.config) if isinstance(target.config, Mapping) else target.config
-    llm = LLM(config, tokenizer=loaded_tokenizer(config_model_dir(config)))
+    # The driver sends token ids and reads token ids. The simulator's samples are one fixed
+    # token that ends nothing, so its engine needs no tokenizer (nor a second of transformers
+    # import); a model's engine keeps its own, for its end-of-sequence id.
+    simulated = _executor_name(config) == "sim"
+    llm = LLM(config, tokenizer=None if simulated else loaded_tokenizer(config_model_dir(config)),
+              skip_tokenizer_init=simulated)
     load_s = time.perf_counter() - t0
     salt = f"{target.label}-{repeat}-{uuid.uuid4().hex[:8]}"
     try:

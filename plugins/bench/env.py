@@ -44,10 +44,10 @@ def _git_root() -> Path | None:
     return root if (root / ".git").exists() else None
 
 
-def _torch_version() -> str | None:
+def _installed_version(dist: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
     try:
-        return version("torch")
+        return version(dist)
     except PackageNotFoundError:
         return None
 
@@ -78,7 +78,7 @@ def environment(*, started: _dt.datetime | None = None,
         "date": (started or _dt.datetime.now()).astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu_model": cpu, "cpu_simd": simd, "cpu_count": os.cpu_count(),
-        "torch": torch.__version__ if torch is not None else _torch_version(),
+        "torch": torch.__version__ if torch is not None else _installed_version("torch"),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "torch_interop_threads": torch.get_num_interop_threads() if torch is not None else None,
     }
@@ -102,11 +102,11 @@ def environment(*, started: _dt.datetime | None = None,
         env["cpu_affinity"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         pass
+    # The installed versions, read without importing what the run did not (transformers alone
+    # takes a second to import).
     for mod in ("transformers", "corellm", "numpy"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
-            env[mod] = None
+        module = sys.modules.get(mod)
+        env[mod] = getattr(module, "__version__", None) or _installed_version(mod)
     root = _git_root()
     if root is not None:
         try:

@@ -164,15 +164,17 @@ def build_results(runs: Sequence[RunResult], targets: Sequence[Target],
                   goodput: Mapping[str, float] | None = None,
                   percentiles: Sequence[float] = DEFAULT_PERCENTILES,
                   metrics: Sequence[str] = LATENCY_METRICS,
-                  environment: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  environment: Mapping[str, Any] | None = None,
+                  detailed: bool = True) -> dict[str, Any]:
     """The JSON result: settings, environment, targets and their configs, the workload spec,
-    every run with its per-request records, per-target aggregates and the comparisons.
+    every run with (``detailed``) its per-request records, per-target aggregates and the
+    comparisons.
 
     vLLM's run-level keys (``num_prompts``, ``request_rate``, ``burstiness``,
     ``max_concurrency``) are at the top; with exactly one run, that run's vLLM-named metrics are
     copied to the top level too, so the file reads like a ``vllm bench serve`` result."""
     kw = dict(goodput=goodput, percentiles=percentiles, metrics=metrics)
-    run_json = [r.to_json(**kw) for r in runs]
+    run_json = [r.to_json(**kw, detailed=detailed) for r in runs]
     labels = [t.label for t in targets]
     by_target = {label: [r for r in run_json if r["target"] == label] for label in labels}
     rows = comparison_rows(percentiles, metrics, bool(goodput))

@@ -92,6 +92,16 @@ class RooflineCostModel(CostModel):
         return (self.overhead_s + self.per_req_s * shape.num_reqs
                 + max(self.compute_time(shape), self.memory_time(shape)))
 
+    def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
+        # predict() of the decode step's shape, term for term in the same order (the same
+        # float), without building the shape.
+        flops = self._f_tok * num_reqs + self._f_head * num_reqs + self._f_attn * (0 + decode_kv)
+        nbytes = (self._b_body + (self._b_head if num_reqs else 0.0)
+                  + self._b_kv * (0 + decode_kv + num_reqs))
+        return (self.overhead_s + self.per_req_s * num_reqs
+                + max(flops / (self.peak_flops * self.compute_eff),
+                      nbytes / (self.device.mem_bw * self.bw_eff)))
+
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape,
             device: DeviceSpec, dtype: str = "bfloat16") -> RooflineCostModel:

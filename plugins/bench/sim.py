@@ -19,6 +19,7 @@ tokens are synthetic (one fixed, non-special id), so requests end by ``max_token
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -28,7 +29,7 @@ from corellm.components import BuildContext
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
 from corellm.model_config import checkpoint_name, resolve_dtype_name
-from corellm.outputs import ModelRunnerOutput, SchedulerOutput
+from corellm.outputs import DecodeRunOutput, ModelRunnerOutput, SchedulerOutput
 from corellm.setup import resolve_setup
 
 from .costmodel import StepShape
@@ -86,6 +87,9 @@ class SimExecutor(Executor):
         self.num_blocks = 0
         self.num_steps = 0
         self.simulated_s = 0.0      # the sum of every step's predicted time
+        # On virtual time the engine may run several decode steps per call (the steps are
+        # priced, not slept, and every sample is this token); paced on the real clock, one.
+        self.fixed_token_id = self.token_id if self.clock is not None else None
 
     @property
     def model_info(self) -> ModelInfo:
@@ -118,3 +122,24 @@ class SimExecutor(Executor):
                                  sampled_token_ids=[self.token_id] * len(req_ids),
                                  timings={"forward": seconds})
 
+    def execute_decode_run(self, plan: SchedulerOutput, max_steps: int,
+                           keep_going: Callable[[], bool]) -> DecodeRunOutput:
+        # The shape of step j: every request one token further than at step j - 1, priced and
+        # clocked one step at a time exactly as execute_model does (the same float sums).
+        assert self.clock is not None
+        scheduled = plan.num_scheduled_tokens
+        r = len(scheduled)
+        decode_kv = sum(map(plan.num_computed_tokens.__getitem__, scheduled)) + r
+        predict, clock = self.cost_model.predict_decode, self.clock
+        seconds: list[float] = []
+        ends: list[float] = []
+        for j in range(max_steps):
+            s = predict(r, decode_kv + j * r)
+            self.num_steps += 1
+            self.simulated_s += s
+            clock.advance(s)
+            seconds.append(s)
+            ends.append(clock.monotonic())
+            if not keep_going():
+                break
+        return DecodeRunOutput(seconds, ends)

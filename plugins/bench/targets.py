@@ -127,8 +127,11 @@ class RunResult:
                 metrics: Sequence[str] = LATENCY_METRICS) -> dict[str, Any]:
         """vLLM-named aggregates, with the engine's own preemption and prefix-cache counts
         (over the whole run) where the target reported them."""
-        out = summarize(self.records, self.duration, goodput=goodput, percentiles=percentiles,
-                        metrics=metrics)
+        return self._with_counters(summarize(self.records, self.duration, goodput=goodput,
+                                             percentiles=percentiles, metrics=metrics))
+
+    def _with_counters(self, summary: dict[str, Any]) -> dict[str, Any]:
+        out = dict(summary)
         c = self.counters or {}
         if "num_preemptions" in c:
             out["num_preemptions"] = int(c["num_preemptions"])
@@ -138,18 +141,29 @@ class RunResult:
 
     def to_json(self, *, goodput: Mapping[str, float] | None = None,
                 percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-                metrics: Sequence[str] = LATENCY_METRICS) -> dict[str, Any]:
+                metrics: Sequence[str] = LATENCY_METRICS,
+                detailed: bool = True) -> dict[str, Any]:
+        """The run's summary, per class too; with ``detailed``, also every request's record
+        and vLLM's per-request lists (what a saved result or a plot needs, and most of the
+        cost of a large run's report)."""
         kw = dict(goodput=goodput, percentiles=percentiles, metrics=metrics)
+        overall = summarize(self.records, self.duration, **kw)
+
+        def per_class(groups: Mapping[str, list[RequestRecord]]) -> dict[str, Any]:
+            # One class holding every request (in the same order) has the run's summary.
+            if len(groups) == 1 and len(next(iter(groups.values()))) == len(self.records):
+                return {k: dict(overall) for k in groups}
+            return {k: summarize(v, self.duration, **kw) for k, v in groups.items()}
+
         out: dict[str, Any] = {"target": self.target, "repeat": self.repeat, "seed": self.seed,
-                               **self.summary(**kw)}
+                               **self._with_counters(overall)}
         out["engine_counters"] = self.counters
-        out["per_priority"] = {k: summarize(v, self.duration, **kw)
-                               for k, v in by_priority(self.records).items()}
-        out["per_tenant"] = {k: summarize(v, self.duration, **kw)
-                             for k, v in by_tenant(self.records).items()}
+        out["per_priority"] = per_class(by_priority(self.records))
+        out["per_tenant"] = per_class(by_tenant(self.records))
         out["info"] = self.info
-        out.update(vllm_request_lists(self.records))
-        out["requests"] = [r.to_json() for r in self.records]
+        if detailed:
+            out.update(vllm_request_lists(self.records))
+            out["requests"] = [r.to_json() for r in self.records]
         return out
 
 
@@ -200,19 +214,77 @@ def loaded_tokenizer(model_dir: str | Path) -> Any:
     return _tokenizers.get(str(model_dir))
 
 
+def _load_tokenizer(model_dir: str) -> Any:
+    from corellm.engine.llm import load_tokenizer
+
+    tok = _tokenizers.get(model_dir)
+    if tok is None:
+        tok = _tokenizers[model_dir] = load_tokenizer(model_dir)
+    return tok
+
+
+class LazyTokenizer:
+    """The tokenizer of ``model_dir``, loaded (through transformers) at its first use: a run
+    that draws its prompts as token ids against targets that need no tokenizer (the simulator)
+    never pays the second transformers takes to import."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self._model_dir = str(model_dir)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load_tokenizer(self._model_dir), name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _load_tokenizer(self._model_dir)(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(_load_tokenizer(self._model_dir))
+
+
+def _plain_token_space(model_dir: str | Path) -> tuple[int, set[int]] | None:
+    """``len(tokenizer)`` and its bos/eos/pad ids read with the Rust ``tokenizers`` library
+    alone, for a tokenizer that transformers loads as that library's file plus the special
+    tokens its ``tokenizer_config.json`` names (what ``load_tokenizer`` loads directly); None
+    for any other kind, which is loaded whole."""
+    from corellm.engine.llm import plain_fast_tokenizer_name
+    from corellm.model_config import tokenizer_path
+
+    local = tokenizer_path(str(model_dir))
+    if not plain_fast_tokenizer_name(local) or (local / "special_tokens_map.json").exists():
+        return None
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((local / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(local / "tokenizer.json"))
+    special = set()
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = cfg.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is None:
+            continue
+        if not isinstance(token, str):
+            return None
+        tid = tok.token_to_id(token)
+        if tid is not None:
+            special.add(tid)
+    return tok.get_vocab_size(with_added_tokens=True), special
+
+
 def prompt_token_space(model_dir: str | Path) -> tuple[Any, int, set[int]]:
     """The tokenizer, the vocabulary to draw random prompts from (what both the model and its
     tokenizer know) and the ids to leave out (bos/eos/pad would change the meaning of a random
-    prompt for no benchmark benefit)."""
-    from corellm.engine.llm import load_tokenizer
-
-    tok = _tokenizers.get(str(model_dir))
-    if tok is None:
-        tok = _tokenizers[str(model_dir)] = load_tokenizer(str(model_dir))
-    vocab = len(tok)
+    prompt for no benchmark benefit). The tokenizer is a ``LazyTokenizer`` where the other two
+    could be read without it."""
+    plain = None if str(model_dir) in _tokenizers else _plain_token_space(model_dir)
+    if plain is None:
+        tok = _load_tokenizer(str(model_dir))
+        vocab = len(tok)
+        special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
+    else:
+        tok = LazyTokenizer(model_dir)
+        vocab, special = plain
     cfg_file = Path(model_dir) / "config.json"
     if cfg_file.exists():
         cfg = json.loads(cfg_file.read_text())
         vocab = min(vocab, cfg.get("text_config", cfg).get("vocab_size", vocab))
-    special = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None}
     return tok, vocab, special

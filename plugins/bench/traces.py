@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .progress import log
-from .workload import _STREAM, BenchRequest, Workload, _rng, allowed_token_ids
+from .workload import _STREAM, BenchRequest, Workload, _rng, allowed_token_ids, draw_tokens
 from .workload_spec import WorkloadError, json_objects
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -268,10 +268,10 @@ def trace_workload(trace: Trace, *, vocab_size: int, exclude_ids: Any = frozense
                 ids += blocks[h]
             if len(ids) < n:
                 beyond_blocks += 1
-                ids += token_rng.choice(allowed, size=n - len(ids)).tolist()
+                ids += draw_tokens(token_rng, allowed, n - len(ids))
             ids = ids[:n]
         else:
-            ids = token_rng.choice(allowed, size=n).tolist()
+            ids = draw_tokens(token_rng, allowed, n)
         requests.append(BenchRequest(index=i, prompt_token_ids=ids,
                                      output_len=max(r.output_len, 1),
                                      delay_s=(r.t - t_first) / options.speedup))

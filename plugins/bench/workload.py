@@ -88,6 +88,14 @@ def _rng(seed: int, stream: str) -> np.random.Generator:
     return np.random.default_rng([seed, _STREAM[stream]])
 
 
+def draw_tokens(rng: np.random.Generator, allowed: np.ndarray, n: int) -> list[int]:
+    """``n`` ids drawn uniformly from ``allowed``: what ``rng.choice(allowed, size=n)`` draws
+    (the same integers from the same stream; tests/test_bench_workload.py checks both
+    identities relied on here), without its per-call checks, which cost more than the draw
+    for one prompt."""
+    return allowed[rng.integers(0, len(allowed), size=n)].tolist()
+
+
 def allowed_token_ids(vocab_size: int, exclude_ids: Iterable[int] = frozenset()) -> np.ndarray:
     """Ids random prompts are drawn from: [0, vocab_size) minus ``exclude_ids``."""
     excluded = np.fromiter((int(i) for i in exclude_ids), dtype=np.int64)
@@ -193,7 +201,7 @@ def build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, vocab
         groups = [int(g) for g in assign_classes([1.0] * sp.num_groups, n_conv,
                                                  _rng(seed, "groups"))]
         prefix_rng = _rng(seed, "prefixes")
-        prefixes = [prefix_rng.choice(allowed, size=sp.length).tolist()
+        prefixes = [draw_tokens(prefix_rng, allowed, sp.length)
                     for _ in range(sp.num_groups)]
 
     # --- lengths and tokens, conversation by conversation
@@ -211,6 +219,18 @@ def build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, vocab
     else:
         feed = _FileFeed(prompts, _rng(seed, "prompt_order"), tokenizer, vocab_size)
 
+    if feed is None:
+        # Every random prompt's ids in one draw, sliced in request order: the same ids as one
+        # draw per prompt (a generator's consecutive integer draws concatenate), at a fraction
+        # of the cost for many short prompts.
+        sizes, k = [], 0
+        for c in range(n_conv):
+            for t in range(int(turns[c])):
+                sizes.append(int(first_lens[c]) if t == 0 else int(msg_lens[k]))
+                k += t > 0
+        drawn = draw_tokens(token_rng, allowed, sum(sizes))
+        size_iter = iter(sizes)
+        offset = 0
     requests: list[BenchRequest] = []
     k_follow = 0
     for c in range(n_conv):
@@ -221,8 +241,9 @@ def build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, vocab
             if feed is not None:
                 ids, line_out = feed.next(first_turn=t == 0)
             else:
-                n_tokens = int(first_lens[c]) if t == 0 else int(msg_lens[k_follow])
-                ids, line_out = token_rng.choice(allowed, size=n_tokens).tolist(), None
+                n_tokens = next(size_iter)
+                ids, line_out = drawn[offset:offset + n_tokens], None
+                offset += n_tokens
             if t == 0 and groups[c] is not None:
                 ids = prefixes[groups[c]] + ids
             out_len = line_out if line_out is not None else int(outputs[index])

@@ -41,5 +41,6 @@ def _make(options: CpuOptions):
 @hookimpl
 def corellm_platforms() -> Iterator[PlatformSpec]:
     yield PlatformSpec(name="cpu", factory=_make, options=CpuOptions, auto_priority=10,
+                       default_block_size=128,
                        summary="The host's CPU cores: GEMM paths measured per shape, fused C "
                                "kernels, gloo for tensor parallelism.")

@@ -76,7 +76,7 @@ def _make(options: CudaOptions):
 @hookimpl
 def corellm_platforms() -> Iterator[PlatformSpec]:
     yield PlatformSpec(name="cuda", factory=_make, options=CudaOptions,
-                       availability=availability, auto_priority=20,
+                       availability=availability, auto_priority=20, default_block_size=16,
                        summary="NVIDIA GPUs: one device per rank, NCCL, the KV cache sized by "
                                "gpu_memory_utilization, pinned step inputs, CUDA graphs for "
                                "decode steps.")
