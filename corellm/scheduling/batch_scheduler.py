@@ -372,8 +372,8 @@ class BatchScheduler(Scheduler):
         """The newest running request of the group furthest over its share, when ``request``'s
         own group is under it: the seat (and blocks) ``request`` may take."""
         group, share = request.group_id, self.seats_per_request
-        if self._seats[group] >= share:
-            return None
+        if self._seats[group] >= share or max(self._seats.values(), default=0) <= share:
+            return None                 # (no group over its share: asked at every full step)
         seats, over = max(((n, g) for g, n in self._seats.items() if g != group),
                           default=(0, None))
         if seats <= share:
@@ -400,18 +400,19 @@ class BatchScheduler(Scheduler):
         requests, running_status = self.requests, RequestStatus.RUNNING
         cache_computed_blocks = self.kv.cache_computed_blocks
         sampled_token_ids = runner_output.sampled_token_ids
+        append = outputs.append
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status != running_status:
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
-            request.num_computed_tokens += n
+            request.num_computed_tokens = before + n
             cache_computed_blocks(request)
             if n > 1 or before < len(request.prompt_token_ids):     # not a decode
                 self.num_prefill_tokens += n
             row = row_of.get(rid)
             if row is None:
-                if request.num_computed_tokens >= len(request.all_token_ids):
+                if before + n >= len(request.all_token_ids):
                     raise RuntimeError(f"request {rid} completed its tokens but nothing was "
                                        "sampled for it")
                 continue                                   # a partial prefill chunk
@@ -428,7 +429,7 @@ class BatchScheduler(Scheduler):
             if status is not None:
                 self._finish(request, status)
             cached = request.num_cached_tokens
-            outputs.append(EngineCoreOutput(
+            append(EngineCoreOutput(
                 rid, [token], logprobs, finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
                 first_scheduled_time=request.first_scheduled_time))

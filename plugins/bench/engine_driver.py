@@ -31,6 +31,8 @@ from .workload import Workload
 class _Live:
     index: int
     request: Any            # the scheduler's Request when the scheduler exposes it, else None
+    record: RequestRecord
+    keep: bool              # its output ids are needed (kept outputs, or a follow-up's history)
     output_ids: list[int] = field(default_factory=list)
 
 
@@ -99,7 +101,8 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 continue
             engine.add_request(core)
             live[rid] = _Live(i, scheduler_requests.get(rid)
-                              if isinstance(scheduler_requests, Mapping) else None)
+                              if isinstance(scheduler_requests, Mapping) else None, rec,
+                              options.keep_outputs or bool(sessions.children.get(i)))
         step_start = None
 
     try:
@@ -138,7 +141,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                     state = live.get(out.request_id)
                     if state is None:
                         continue
-                    rec = records[state.index]
+                    rec = state.record
                     new_ids = out.new_token_ids
                     if new_ids:
                         if times is None:
@@ -146,7 +149,8 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                         else:                   # one token per step of the run
                             rec.chunk_times_s.extend(times)
                         rec.output_tokens += len(new_ids)
-                        state.output_ids.extend(new_ids)
+                        if state.keep:
+                            state.output_ids.extend(new_ids)
                     if out.num_cached_tokens:
                         rec.cached_tokens = max(rec.cached_tokens or 0, out.num_cached_tokens)
                     if out.first_scheduled_time and rec.queue_time_s is None:
