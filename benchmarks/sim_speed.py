@@ -122,6 +122,17 @@ def baseline_path(tree: Path, tmp: Path) -> str:
     return os.pathsep.join([str(tree.resolve()), str(shim)])
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which figures are reported with."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def compile_tree(tree: Path) -> None:
     """Byte-compile a checkout's ``corellm`` and ``plugins``, as an installed package is: a
     run then times what a user's start-up costs, even where PYTHONDONTWRITEBYTECODE is set
@@ -167,8 +178,8 @@ def run_benchmark(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(row)
     return {"benchmark": "sim_speed", "profile": str(args.profile or f"{args.roofline} roofline"),
             "repeats": args.repeats, "baseline": args.baseline,
-            "machine": {"cpu": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(),
+                        "python": platform.python_version(),
                         "load_before": load_before, "load_after": loadavg()},
             "rows": rows}
 
@@ -179,7 +190,8 @@ def format_table(results: dict[str, Any]) -> str:
     for t in trees:
         head += [f"{t} median s", f"{t} min s"]
     head += ["goal s", "met?"] + (["speed-up"] if results["baseline"] else [])
-    lines = [f"profile: {results['profile']}; {results['repeats']} repeats; load average "
+    lines = [f"{results['machine']['cpu']}, {results['machine']['cpu_count']} CPUs; "
+             f"profile: {results['profile']}; {results['repeats']} repeats; load average "
              f"{results['machine']['load_before']} before, {results['machine']['load_after']} "
              "after", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
