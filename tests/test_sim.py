@@ -401,6 +401,16 @@ def test_decode_runs_change_nothing_but_the_number_of_calls(llama_path, tmp_path
             runs.append(len(out[0]))
         return out
 
+    # The scheduler's round count (policies see it as SchedulingContext.step), read when the
+    # runner takes the engine's statistics after the run.
+    rounds: list[int] = []
+    original_stats = EngineCore.get_stats
+
+    def get_stats(self):
+        rounds.append(self.scheduler.num_schedules)
+        return original_stats(self)
+
+    monkeypatch.setattr(EngineCore, "get_stats", get_stats)
     results = {}
     for mode, method in (("runs", counted), ("steps", lambda self, keep_going: None)):
         monkeypatch.setattr(EngineCore, "step_decode_run", method)
@@ -408,6 +418,7 @@ def test_decode_runs_change_nothing_but_the_number_of_calls(llama_path, tmp_path
                                    RunOptions(progress=False, keep_outputs=True, **options))
     fast, slow = results["runs"], results["steps"]
     assert runs and max(runs) > 1, runs
+    assert rounds[1] == rounds[3] > 0, rounds            # after each run (before: 0 and 0)
     assert all(r.ok for r in slow.records)
     assert fast.duration == slow.duration
     assert fast.counters == slow.counters

@@ -472,7 +472,7 @@ class BatchScheduler(Scheduler):
                                token_id: int) -> list[EngineCoreOutput]:
         k = num_steps
         requests = [self.requests[rid] for rid in plan.num_scheduled_tokens]
-        self.num_schedules += k
+        self.num_schedules += k - 1                 # schedule() counted the first
         # Every token but the last first (the blocks below hash them), then the blocks the
         # run completed, registered in the order its steps would have (step, then batch order:
         # two requests completing equal blocks leave the same one cached).
