@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -198,6 +199,17 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     return {"identical": same, "of": len(a),
             "median_first_divergence": firsts[len(firsts) // 2] if firsts else None}
 
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which figures are reported with."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def warn_if_busy(log) -> None:

@@ -34,6 +34,7 @@ for example in ("corellm-residual-sjf", "corellm-fair-share"):
     if str(REPO / "examples" / example) not in sys.path:
         sys.path.insert(0, str(REPO / "examples" / example))
 
+from benchmarks._common import cpu_model  # noqa: E402
 from corellm.components import SchedulerOptions  # noqa: E402
 from corellm.interfaces import SchedulingPolicy  # noqa: E402
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
@@ -132,16 +133,6 @@ def bench_policy(name: str, requests: list[EngineCoreRequest], args: argparse.Na
         "admitted": admitted, "finished": finished,
         "waiting_after": len(scheduler.waiting), "preemptions": scheduler.num_preemptions,
     }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

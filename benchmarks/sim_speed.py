@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks._common import loadavg, logger, warn_if_busy, write_json  # noqa: E402
+from benchmarks._common import cpu_model, loadavg, logger, warn_if_busy, write_json  # noqa: E402
 
 log = logger("sim_speed")
 
@@ -120,17 +120,6 @@ def baseline_path(tree: Path, tmp: Path) -> str:
     if not link.exists():
         link.symlink_to(tree.resolve() / "plugins", target_is_directory=True)
     return os.pathsep.join([str(tree.resolve()), str(shim)])
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), which figures are reported with."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def compile_tree(tree: Path) -> None:

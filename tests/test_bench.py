@@ -381,7 +381,8 @@ def test_the_token_space_read_without_transformers_is_the_tokenizers(make_checkp
     the transformers tokenizer says, so random prompts do not change. The default model's
     GGUF tokenizer included, when that package is installed."""
     from corellm.engine.llm import load_tokenizer
-    from corellm_plugins.bench.targets import LazyTokenizer, _plain_token_space, prompt_token_space
+    from corellm_plugins.bench.targets import (LazyTokenizer, _plain_token_space, _tokenizers,
+                                                prompt_token_space)
 
     if arch == "default":
         from corellm.demo import default_model
@@ -394,7 +395,8 @@ def test_the_token_space_read_without_transformers_is_the_tokenizers(make_checkp
     assert plain is not None
     tok = load_tokenizer(str(path))
     assert plain == (len(tok), {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} - {None})
+    _tokenizers.pop(str(path), None)                 # as on a fresh start
     lazy, vocab, special = prompt_token_space(path)
+    assert isinstance(lazy, LazyTokenizer) and str(path) not in _tokenizers
     assert special == plain[1] and vocab <= plain[0]
-    if isinstance(lazy, LazyTokenizer):          # loaded on first use, and then the same
-        assert lazy.encode("hello world") == tok.encode("hello world") and len(lazy) == len(tok)
+    assert lazy.encode("hello world") == tok.encode("hello world") and len(lazy) == len(tok)

@@ -516,6 +516,11 @@ def test_skip_tokenizer_init_generates_the_same_tokens_without_text(llama_path):
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                 use_tqdm=False)]
+        reference_ends = [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                           o.outputs[0].stop_reason)
+                          for o in llm.generate(prompts, SamplingParams(max_tokens=60,
+                                                                        temperature=0),
+                                                use_tqdm=False)]
     finally:
         llm.shutdown()
     llm = LLM(engine_config(llama_path), skip_tokenizer_init=True)
@@ -526,6 +531,11 @@ def test_skip_tokenizer_init_generates_the_same_tokens_without_text(llama_path):
         assert all(o.outputs[0].text == "" for o in out)
         assert all(lp.decoded_token is None for o in out for step in o.outputs[0].logprobs
                    for lp in step.values())
+        # Without ignore_eos: the same end, from the checkpoint's end-of-sequence ids.
+        plain = SamplingParams(max_tokens=60, temperature=0)
+        ended = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                 for o in llm.generate(prompts, plain, use_tqdm=False)]
+        assert ended == reference_ends
         with pytest.raises(InvalidRequestError) as e:
             llm.generate("Hello", params, use_tqdm=False)
         assert e.value.field == "prompt" and "skip_tokenizer_init" in str(e.value)

@@ -441,11 +441,11 @@ def test_a_decode_run_stops_where_a_step_would_differ(llama_path, tmp_path):
         token = engine.executor.fixed_token_id
         assert token is not None
 
-        def add(rid, n_prompt, max_tokens, **kw):
+        def add(rid, n_prompt, max_tokens, eos=2, **kw):
             engine.add_request(EngineCoreRequest(
                 request_id=rid, prompt_token_ids=[5] * n_prompt,
                 sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
-                eos_token_id=kw.pop("eos", 2), arrival_time=0.0))
+                eos_token_id=eos, arrival_time=0.0))
 
         add("a", 10, 40)
         assert sched.schedule_decode_run(token) is None            # "a" waits
@@ -467,7 +467,39 @@ def test_a_decode_run_stops_where_a_step_would_differ(llama_path, tmp_path):
         add("c", 4, 10, stop_token_ids=[token], min_tokens=5)
         engine.step()
         assert sched.schedule_decode_run(token) is None            # its token will stop "c"
-        engine.abort_requests(["a", "c"])
+        engine.abort_requests(["c"])
+        add("d", 4, 10, eos=token, min_tokens=5)
+        engine.step()
+        assert sched.schedule_decode_run(token) is None            # its EOS is the token
+        engine.abort_requests(["d"])
+        add("e", 4, 10, eos=token, min_tokens=5, ignore_eos=True)
+        engine.step()
+        assert sched.schedule_decode_run(token) is not None        # ...unless it ignores EOS
+        engine.abort_requests(["a", "e"])
+        assert_pool_whole(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_decode_run_ends_at_the_context_limit(llama_path, tmp_path):
+    """A run's last step is the one where a request reaches ``max_model_len``; applied, the
+    request ends by length with the tokens one step per call would give it."""
+    from corellm import SamplingParams
+    from corellm.request import EngineCoreRequest
+
+    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
+                     kv_cache={"block_size": 64, "num_blocks": 8}, model={"max_model_len": 40})
+    llm = LLM(cfg)
+    try:
+        engine, sched = llm.engine, llm.engine.scheduler
+        engine.add_request(EngineCoreRequest(
+            request_id="a", prompt_token_ids=[5] * 20,
+            sampling_params=SamplingParams(max_tokens=100), eos_token_id=2, arrival_time=0.0))
+        engine.step()                                               # 21 tokens after it
+        plan, steps = sched.schedule_decode_run(engine.executor.fixed_token_id)
+        assert steps == 40 - 21
+        (out,) = sched.update_from_decode_run(plan, steps, engine.executor.fixed_token_id)
+        assert out.finish_reason == "length" and len(out.new_token_ids) == 19
         assert_pool_whole(llm)
     finally:
         llm.shutdown()
@@ -493,9 +525,16 @@ def test_a_simulated_bench_imports_neither_torch_nor_transformers(llama_path, tm
     import subprocess
     import sys
 
+    from corellm_plugins.platform_cuda.probe import _build_info
+
+    sections = {}
+    info = _build_info()
+    if info is None or info["cuda"] is not None:
+        # Whether a CUDA build of torch sees a GPU takes importing it: name the platform.
+        sections["platform"] = {"name": "cpu"}
     cfg = tmp_path / "sim.json"
-    cfg.write_text(json.dumps(sim_config(llama_path, make_profile(llama_path,
-                                                                   tmp_path / "p.json"))))
+    cfg.write_text(json.dumps(sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
+                                         **sections)))
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_WATCH, "bench", "--config", f"sim={cfg}",
          "--num-prompts", "20", "--random-input-len", "16", "--random-output-len", "4",
@@ -514,7 +553,7 @@ def test_an_engine_that_runs_no_model_resolves_no_device(llama_path, tmp_path):
     try:
         setup = llm.engine.setup
         assert setup.device_type == "none" and setup.attention_candidates == ()
-        assert setup.dtype == "float32" and setup.platform == "cpu"
+        assert setup.dtype == "float32" and setup.platform == llm.config.platform.name
         assert llm.tokenizer is None
     finally:
         llm.shutdown()

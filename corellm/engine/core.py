@@ -234,6 +234,11 @@ class EngineCore:
         start = self.clock.monotonic()
         t0 = time.perf_counter()
         plan = self._planned(self.scheduler.schedule)
+        return self._execute(plan, start, t0)
+
+    def _execute(self, plan: SchedulerOutput, start: float, t0: float,
+                 ) -> list[EngineCoreOutput]:
+        """The rest of ``step()`` once ``plan`` is made: execute, update, count, observe."""
         t1 = time.perf_counter()
         with self._failing(plan):
             sampled = self.executor.execute_model(plan)
@@ -274,21 +279,31 @@ class EngineCore:
         (``schedule_decode_run``): at least one, and after each, another while ``keep_going()``
         (a driver's "nothing new has arrived"). Returns the clock's ``monotonic()`` at the end
         of each step and one output per request with its tokens of them all; the engine's
-        state, counters and the requests' outputs are those of as many ``step()`` calls. None,
-        having done nothing, where one ``step()`` is needed instead (a model to run, anything
-        to admit, a block to allocate, a listener of every step's ``StepStats``)."""
+        state, counters and the requests' outputs are those of as many ``step()`` calls, for a
+        caller that changes nothing between them (an abort, such as a client's on a stop
+        string, takes effect after the run). None, having done nothing, where one ``step()``
+        is needed instead (a model to run, anything to admit, a block to allocate, a listener
+        of every step's ``StepStats``)."""
         token = self.executor.fixed_token_id
         if token is None or self._observed:
             return None
+        start = self.clock.monotonic()
         t0 = time.perf_counter()
         planned = self._planned(lambda: self.scheduler.schedule_decode_run(token))
         if planned is None:
             return None
         plan, max_steps = planned
+        if max_steps < 2:               # one step (or a preemption): executed as step() does
+            outputs = self._execute(plan, start, t0)
+            return [self.clock.monotonic()], outputs
         t1 = time.perf_counter()
         with self._failing(plan):
             run = self.executor.execute_decode_run(plan, max_steps, keep_going)
             t2 = time.perf_counter()
+            if not 1 <= len(run.step_seconds) == len(run.step_end_times) <= max_steps:
+                raise RuntimeError(f"{type(self.executor).__name__}.execute_decode_run ran "
+                                   f"{len(run.step_seconds)} steps ({len(run.step_end_times)} "
+                                   f"end times) of a run of at most {max_steps}")
             outputs = self.scheduler.update_from_decode_run(plan, len(run.step_seconds), token)
         t3 = time.perf_counter()
         self.num_steps += len(run.step_seconds)

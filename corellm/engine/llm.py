@@ -76,6 +76,15 @@ def _plain_fast_tokenizer_class(directory: Path) -> Any:
     return getattr(transformers, name, None)
 
 
+def _config_eos_ids(path: str) -> list[int]:
+    from corellm.model_config import read_checkpoint_config
+
+    cfg, _ = read_checkpoint_config(path)
+    eos = cfg.get("text_config", cfg).get("eos_token_id", cfg.get("eos_token_id"))
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(e) for e in ids if isinstance(e, int)]
+
+
 def build_config(config: EngineConfig | Mapping[str, Any] | str | Path | None,
                  model: str | None, plugins: Sequence[object]) -> tuple[EngineConfig, Registry]:
     """Validate a config (object, mapping or file) against the plugins it enables."""
@@ -146,8 +155,10 @@ class LLM:
             self.client.shutdown()
             raise
         self.model_info = self.client.model_info
-        self.processor = Processor(self.tokenizer, self.model_info,
-                                   load_generation_eos_ids(path))
+        eos_ids = load_generation_eos_ids(path)
+        if self.tokenizer is None and not eos_ids:
+            eos_ids = _config_eos_ids(path)     # no tokenizer to name it: config.json does
+        self.processor = Processor(self.tokenizer, self.model_info, eos_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -30,10 +30,11 @@ def _all_ints(ids: list[int] | tuple[int, ...]) -> bool:
 class Processor:
     def __init__(self, tokenizer: Any, model_info: ModelInfo, extra_eos_ids: list[int]) -> None:
         # tokenizer None (LLM(skip_tokenizer_init=True)): token-id prompts only, and the end of
-        # a sequence is the checkpoint's end-of-sequence ids (extra_eos_ids), as vLLM does.
+        # a sequence is the checkpoint's end-of-sequence ids (extra_eos_ids, the first as EOS).
         self.tokenizer = tokenizer
         self.model_info = model_info
-        self.eos_token_id: int | None = tokenizer.eos_token_id if tokenizer is not None else None
+        self.eos_token_id: int | None = (tokenizer.eos_token_id if tokenizer is not None
+                                         else extra_eos_ids[0] if extra_eos_ids else None)
         self.extra_eos_ids = [e for e in extra_eos_ids if e != self.eos_token_id]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -38,6 +38,7 @@ from corellm.clock import WALL_CLOCK, Clock
 from corellm.specs import SchedulerOptions
 from corellm.errors import PluginError
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
+from corellm.kv_cache import PagedKVCacheManager
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
@@ -104,6 +105,14 @@ class BatchScheduler(Scheduler):
         self._notify_finished = _overrides(policy, "on_finished")
         self._finished_notices: list[Request] = []
         self._grouped = _overrides(policy, "queue_group")
+        # Decode runs skip per-step calls this scheduler's own steps and the core's paged
+        # KV-cache manager are known not to need (allocate_slots with room, cache_computed_blocks
+        # between block boundaries): another manager, or a subclass that changes a step, keeps
+        # one step per call.
+        self._runs_decodes = (
+            type(kv_cache_manager) is PagedKVCacheManager
+            and all(getattr(type(self), m) is getattr(BatchScheduler, m)
+                    for m in ("schedule", "update_from_output", "_update", "_finish")))
         self.num_schedules = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -439,7 +448,7 @@ class BatchScheduler(Scheduler):
         # Nothing waiting: no admission round, so the policy decides nothing, and no block is
         # pending for anyone. A policy told of every step (on_scheduled) keeps one per call.
         running = self.running
-        if self.waiting or self._notify or not running \
+        if self.waiting or self._notify or not running or not self._runs_decodes \
                 or len(running) > self.max_num_batched_tokens:
             return None
         for r in running:
@@ -454,7 +463,7 @@ class BatchScheduler(Scheduler):
         # preempts if the pool is short); the run goes on while no request reaches its length
         # limit (that step may end the run) or needs a block it does not hold.
         plan = self.schedule()
-        if plan.preempted_req_ids:
+        if plan.preempted_req_ids or not plan.num_scheduled_tokens:
             return plan, 1
         block_size = self.kv.block_size
         get_block_ids = self.kv.get_block_ids
@@ -466,7 +475,7 @@ class BatchScheduler(Scheduler):
             left = min(params.max_tokens - (len(ids) - len(r.prompt_token_ids)),
                        r.max_model_len - len(ids), len(get_block_ids(r)) * block_size - c)
             steps = left if steps is None or left < steps else steps
-        return plan, max(steps or 1, 1)
+        return plan, steps or 1
 
     def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
                                token_id: int) -> list[EngineCoreOutput]:

@@ -361,6 +361,10 @@ def _bench(args: argparse.Namespace) -> int:
         log(f"WARNING: no --tokenizer: prompt ids are drawn from {model_dir}'s vocabulary; give "
             "the served model's tokenizer directory if the server runs another model")
     tokenizer, vocab, special = prompt_token_space(model_dir)
+    if any(t.url is not None or t.start_server for t in targets):
+        # A server's multi-turn follow-ups are tokenized while the run is measured: the
+        # tokenizer is loaded before it, not at the first follow-up.
+        tokenizer = getattr(tokenizer, "load", lambda: tokenizer)()
     lens = [config_max_model_len(t.config) for t in targets if t.url is None]
     make, base_seed = workload_maker(args, tokenizer, vocab, special,
                                      min((n for n in lens if n), default=None))

@@ -208,14 +208,15 @@ def run_engine(target: Target, workload: Workload, options: RunOptions, *, repea
     left over from the other target), and only one engine's memory is held at a time."""
     from corellm.engine.llm import LLM
 
-    t0 = time.perf_counter()
     config = dict(target.config) if isinstance(target.config, Mapping) else target.config
     # The driver sends token ids and reads token ids. The simulator's samples are one fixed
     # token that ends nothing, so its engine needs no tokenizer (nor a second of transformers
-    # import); a model's engine keeps its own, for its end-of-sequence id.
+    # import); a model's engine keeps its own, for its end-of-sequence id (the one that drew
+    # the prompts when it is the same model, loaded once for every run).
     simulated = _executor_name(config) == "sim"
-    llm = LLM(config, tokenizer=None if simulated else loaded_tokenizer(config_model_dir(config)),
-              skip_tokenizer_init=simulated)
+    tokenizer = None if simulated else loaded_tokenizer(config_model_dir(config))
+    t0 = time.perf_counter()
+    llm = LLM(config, tokenizer=tokenizer, skip_tokenizer_init=simulated)
     load_s = time.perf_counter() - t0
     salt = f"{target.label}-{repeat}-{uuid.uuid4().hex[:8]}"
     try:

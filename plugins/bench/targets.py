@@ -207,11 +207,16 @@ def config_max_model_len(config: str | Path | Mapping[str, Any] | None) -> int |
 # Tokenizers loaded here, by directory: an in-process engine target of the same model is
 # given the one that drew its prompts instead of loading it again.
 _tokenizers: dict[str, Any] = {}
+_token_spaces: set[str] = set()        # directories prompt_token_space was asked about
 
 
 def loaded_tokenizer(model_dir: str | Path) -> Any:
-    """The tokenizer of ``model_dir`` if ``prompt_token_space`` loaded it, else None."""
-    return _tokenizers.get(str(model_dir))
+    """The tokenizer of ``model_dir`` if ``prompt_token_space`` was asked for it (loaded now if
+    it was not yet: once per directory, whatever the number of targets and repeats), else
+    None."""
+    if str(model_dir) in _tokenizers or str(model_dir) in _token_spaces:
+        return _load_tokenizer(str(model_dir))
+    return None
 
 
 def _load_tokenizer(model_dir: str) -> Any:
@@ -231,7 +236,13 @@ class LazyTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         self._model_dir = str(model_dir)
 
+    def load(self) -> Any:
+        """The tokenizer itself (loaded now if it was not yet)."""
+        return _load_tokenizer(self._model_dir)
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):        # copy and pickle probe before __init__ ran
+            raise AttributeError(name)
         return getattr(_load_tokenizer(self._model_dir), name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -265,8 +276,9 @@ def _plain_token_space(model_dir: str | Path) -> tuple[int, set[int]] | None:
         if not isinstance(token, str):
             return None
         tid = tok.token_to_id(token)
-        if tid is not None:
-            special.add(tid)
+        if tid is None:             # transformers would add it, with an id of its own
+            return None
+        special.add(tid)
     return tok.get_vocab_size(with_added_tokens=True), special
 
 
@@ -275,6 +287,7 @@ def prompt_token_space(model_dir: str | Path) -> tuple[Any, int, set[int]]:
     tokenizer know) and the ids to leave out (bos/eos/pad would change the meaning of a random
     prompt for no benchmark benefit). The tokenizer is a ``LazyTokenizer`` where the other two
     could be read without it."""
+    _token_spaces.add(str(model_dir))
     plain = None if str(model_dir) in _tokenizers else _plain_token_space(model_dir)
     if plain is None:
         tok = _load_tokenizer(str(model_dir))

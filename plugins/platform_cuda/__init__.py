@@ -62,8 +62,8 @@ class CudaOptions(PlatformOptions):
 
 def availability() -> str | None:
     """Why no CUDA device can be used here (torch without CUDA, no device visible), or None.
-    It imports torch, so it is asked lazily (``platform: auto``, ``corellm plugins``), never
-    at discovery."""
+    It may import torch (a CPU build is recognized from its files), so it is asked lazily
+    (``platform: auto``, ``corellm plugins``), never at discovery."""
     from corellm_plugins.platform_cuda.probe import cuda_problem
     return cuda_problem()
 
