@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 for example in ("corellm-residual-sjf", "corellm-fair-share"):
     if str(REPO / "examples" / example) not in sys.path:
         sys.path.insert(0, str(REPO / "examples" / example))
