@@ -130,7 +130,8 @@ class LLM:
     ``load_tokenizer``, from the directory the config names): it is used instead of loading
     it again. ``skip_tokenizer_init=True`` (vLLM's option) loads none: prompts are token ids,
     outputs have token ids and empty text, stop strings and chats are refused, and a sequence
-    ends at the checkpoint's end-of-sequence ids (its generation config's, a GGUF file's).
+    ends at the checkpoint's end-of-sequence ids (its generation config's, a GGUF file's, else
+    config.json's).
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
