@@ -120,10 +120,12 @@ class PagedKVCacheManager(KVCacheManager):
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self._tables.get(rid)
         start = self._num_cached.get(rid, 0)
         full = request.num_computed_tokens // self.block_size
-        if not table or full <= start:
+        if full <= start:
+            return                      # no block completed since the last call (most steps)
+        table = self._tables.get(rid)
+        if not table:
             return
         hashes = self._block_hashes(request, full)
         for i in range(start, full):
@@ -143,13 +145,15 @@ class PagedKVCacheManager(KVCacheManager):
             table = self._tables.get(rid)
             if table is not None:
                 total = request.num_computed_tokens + num_new_tokens
-                if total <= len(table) * self.block_size:
+                block_size = self.block_size
+                if total <= len(table) * block_size:
                     # The blocks held have room (most decode steps): nothing to allocate, only
                     # the blocks these tokens complete to announce, as below.
-                    if self.enable_prefix_caching and (
-                            min(total, len(request.all_token_ids)) // self.block_size
-                            > self._num_cached.get(rid, 0)):
-                        self._mark_pending(request, total)
+                    if self.enable_prefix_caching:
+                        known = len(request.all_token_ids)
+                        if (total if total < known else known) // block_size \
+                                > self._num_cached.get(rid, 0):
+                            self._mark_pending(request, total)
                     return []
         table = self._tables.get(rid, [])
         hit = prefix.block_ids if prefix is not None else ()

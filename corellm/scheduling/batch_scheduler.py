@@ -105,6 +105,7 @@ class BatchScheduler(Scheduler):
         self._notify_finished = _overrides(policy, "on_finished")
         self._finished_notices: list[Request] = []
         self._grouped = _overrides(policy, "queue_group")
+        self._preempts_for = _overrides(policy, "preempt_for")
         # Decode runs skip per-step calls this scheduler's own steps and the core's paged
         # KV-cache manager are known not to need (allocate_slots with room, cache_computed_blocks
         # between block boundaries): another manager, or a subclass that changes a step, keeps
@@ -243,7 +244,9 @@ class BatchScheduler(Scheduler):
         num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
         while i < len(running) and plan.budget > 0:
             request = running[i]
-            n = min(len(request.all_token_ids) - request.num_computed_tokens, plan.budget)
+            n = len(request.all_token_ids) - request.num_computed_tokens
+            if n > plan.budget:
+                n = plan.budget
             blocks = allocate_slots(request, n)
             while blocks is None:
                 offered = self._victim_candidates()
@@ -273,7 +276,14 @@ class BatchScheduler(Scheduler):
                 request.first_scheduled_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
         requests = self.requests
-        cached = [CachedRequestData(rid, blocks, requests[rid].num_computed_tokens)
+        computed: dict[str, int] = {}
+        sampling: list[str] = []
+        for rid, n in plan.num_scheduled.items():
+            request = requests[rid]
+            c = computed[rid] = request.num_computed_tokens
+            if c + n >= len(request.all_token_ids):
+                sampling.append(rid)
+        cached = [CachedRequestData(rid, blocks, computed[rid])
                   for rid, blocks in plan.new_blocks.items()]
         new = [NewRequestData(
             req_id=r.request_id, token_ids=list(r.all_token_ids),
@@ -284,13 +294,6 @@ class BatchScheduler(Scheduler):
             self.policy.on_scheduled(
                 [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         finished, self._finished_ids = self._finished_ids, set()
-        computed: dict[str, int] = {}
-        sampling: list[str] = []
-        for rid, n in plan.num_scheduled.items():
-            request = requests[rid]
-            c = computed[rid] = request.num_computed_tokens
-            if c + n >= len(request.all_token_ids):
-                sampling.append(rid)
         return SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
             num_scheduled_tokens=plan.num_scheduled,
@@ -354,6 +357,9 @@ class BatchScheduler(Scheduler):
              ) -> tuple[CachedPrefix, int] | None:
         """Allocate a seat and KV blocks for a waiting request, preempting the running requests
         the policy names (``preempt_for``) until it fits; None when it cannot fit this step."""
+        if len(self.running) >= self.max_num_seqs and not self._preempts_for \
+                and self._over_share_victim(request) is None:
+            return None         # no seat and none to take: what the loop answers, sooner
         while True:
             prefix = self.kv.find_cached_prefix(request)
             if prefix.pending:
@@ -412,7 +418,7 @@ class BatchScheduler(Scheduler):
         append = outputs.append
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.status != running_status:
+            if request is None or request.status is not running_status:
                 continue                                   # aborted since it was scheduled
             before = request.num_computed_tokens
             request.num_computed_tokens = before + n

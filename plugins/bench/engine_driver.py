@@ -22,6 +22,7 @@ from typing import Any
 from .metrics import RequestRecord
 from .progress import progress_bar
 from .sessions import Sessions, length_error, record_for, warmup_workload
+from .env import gc_paused
 from .targets import (COUNTERS, RunOptions, RunResult, Target, config_data, config_model_dir,
                       loaded_tokenizer)
 from .workload import Workload
@@ -153,9 +154,9 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                             state.output_ids.extend(new_ids)
                     if out.num_cached_tokens:
                         rec.cached_tokens = max(rec.cached_tokens or 0, out.num_cached_tokens)
-                    if out.first_scheduled_time and rec.queue_time_s is None:
+                    if rec.queue_time_s is None and out.first_scheduled_time:
                         rec.queue_time_s = out.first_scheduled_time - (wall0 + rec.arrival_s)
-                    if out.finished:
+                    if out.finish_reason is not None:
                         del live[out.request_id]
                         rec.end_s = now
                         rec.cached_tokens = rec.cached_tokens or 0
@@ -226,8 +227,9 @@ def run_engine(target: Target, workload: Workload, options: RunOptions, *, repea
                          salt=f"{salt}-warmup", progress=False)
         before = llm.engine.get_stats()
         cpu0 = time.process_time()
-        records, duration = drive_engine(llm, workload, options, salt=salt,
-                                         desc=f"{target.label} #{repeat + 1}")
+        with gc_paused():
+            records, duration = drive_engine(llm, workload, options, salt=salt,
+                                             desc=f"{target.label} #{repeat + 1}")
         cpu_s = time.process_time() - cpu0
         after = llm.engine.get_stats()
         max_num_seqs = llm.config.scheduler.max_num_seqs

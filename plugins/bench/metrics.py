@@ -21,11 +21,14 @@ their error message.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -129,7 +132,11 @@ def distribution(values: Iterable[float], percentiles: Sequence[float] = DEFAULT
                  ) -> dict[str, float | None]:
     """Mean, median, population standard deviation (as ``numpy.std``, vLLM's) and the given
     percentiles of some values; every entry None when there are none."""
-    xs = sorted(values)
+    # numpy sorts and subtracts (a run's inter-token latencies are millions of values); the sums
+    # are math.fsum's, exactly rounded, so the order of the values changes nothing.
+    arr = np.sort(np.asarray(values if isinstance(values, (list, tuple, np.ndarray))
+                             else list(values), dtype=np.float64))
+    xs = arr.tolist()
     out: dict[str, float | None] = {"mean": None, "median": None, "std": None}
     out.update({percentile_key(q): None for q in percentiles})
     if not xs:
@@ -137,7 +144,8 @@ def distribution(values: Iterable[float], percentiles: Sequence[float] = DEFAULT
     mean = math.fsum(xs) / len(xs)
     out["mean"] = mean
     out["median"] = percentile(xs, 50)
-    out["std"] = math.sqrt(math.fsum([(x - mean) ** 2 for x in xs]) / len(xs))
+    deviations = arr - mean
+    out["std"] = math.sqrt(math.fsum((deviations * deviations).tolist()) / len(xs))
     for q in percentiles:
         out[percentile_key(q)] = percentile(xs, q)
     return out
@@ -181,11 +189,19 @@ def meets_slos(record: RequestRecord, slos: Mapping[str, float]) -> bool:
 
 
 # ----------------------------------------------------------------------------- aggregation
-def latency_values(records: Iterable[RequestRecord], metric: str) -> list[float]:
+def latency_values(records: Iterable[RequestRecord], metric: str) -> Sequence[float]:
     """Every observation of one latency metric over the successful records (ITL: every gap)."""
     ok = [r for r in records if r.ok]
     if metric == "itl":
-        return [gap for r in ok for gap in r.itl]
+        # Every record's chunk times in one array: its differences are the gaps (the same
+        # subtractions as RequestRecord.itl), less those from one record's last to the next's first.
+        times = [r.chunk_times_s for r in ok if len(r.chunk_times_s) > 1]
+        if not times:
+            return []
+        sizes = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
+        flat = np.fromiter(itertools.chain.from_iterable(times), dtype=np.float64,
+                           count=int(sizes.sum()))
+        return np.delete(np.diff(flat), np.cumsum(sizes)[:-1] - 1)
     return [v for r in ok if (v := getattr(r, metric)) is not None]
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from .distributions import arrival_times, assign_classes
+from .env import gc_paused
 from .workload_spec import (FilePrompts, RandomPrompts, WorkloadError, WorkloadSpec,
                             describe_spec, load_workload_spec)
 
@@ -164,6 +165,14 @@ def build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, vocab
     Requests come session by session (single-turn requests are one-turn sessions), in arrival
     order; a session's turns are consecutive.
     """
+    with gc_paused():           # (hundreds of thousands of new lists: no cycle among them)
+        return _build_workload(spec, vocab_size=vocab_size, exclude_ids=exclude_ids, seed=seed,
+                               tokenizer=tokenizer, max_model_len=max_model_len)
+
+
+def _build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, vocab_size: int,
+                    exclude_ids: Iterable[int], seed: int | None, tokenizer: Any,
+                    max_model_len: int | None) -> Workload:
     spec = load_workload_spec(spec)
     seed = spec.seed if seed is None else int(seed)
     req = spec.requests
