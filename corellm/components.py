@@ -24,7 +24,8 @@ from corellm.specs import (  # noqa: F401  (public here)
     SamplerOptions, FrontendOptions, PlatformOptions, NoOptions, SECTION_OF_OPTIONS,
     DELEGATE_MARK, DELEGATE_DEFAULT, section_of, delegate_field, delegate_fields, ComponentSpec,
     SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec, ExecutorSpec, SamplerSpec,
-    FrontendSpec, ModelSpec, PlatformSpec, CommandSpec, SECTION_SPECS, DType)
+    FrontendSpec, ModelSpec, PlatformSpec, CommandSpec, LogitsProcessorSpec, SECTION_SPECS,
+    DType)
 
 if TYPE_CHECKING:
     from corellm.arch import ModelArchConfig
@@ -60,6 +61,16 @@ class BuildContext:
     # The key path of the component being built ("executor", "executor.delegate", ...), set
     # while its factory runs: what build_delegate extends and error messages name.
     path: str | None = None
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (``model.tokenizer``, else the checkpoint's), as the engine
+        loads it: for components that read the vocabulary (a logits processor's words or
+        grammar). Loaded on each call: keep what is needed of it."""
+        from corellm.model_config import load_tokenizer, model_path
+
+        given = self.config.model.tokenizer
+        return load_tokenizer(given or model_path(self.config),
+                              "model.tokenizer" if given else "model.path")
 
     def build(self, options: ComponentOptions, *, path: str | None = None) -> Any:
         """Build the component ``options`` selects (``options.name`` in the section the options

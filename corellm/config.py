@@ -1,9 +1,9 @@
 """One pydantic configuration, composed from the core's sections and the selected plugins' options.
 
-Every section but ``model`` and ``plugins`` is ``{name: <plugin>, ...that plugin's options}``,
-flat; the options are validated by the selected plugin's options model (``extra="forbid"``), so
-``config.scheduler`` *is* the plugin's typed options object. Errors name the key path and, for a
-misspelling, the likely intended key.
+Every section but the core's own (``model``, ``parallel``, ``logits_processors``, ``plugins``)
+is ``{name: <plugin>, ...that plugin's options}``, flat; the options are validated by the
+selected plugin's options model (``extra="forbid"``), so ``config.scheduler`` *is* the plugin's
+typed options object. Errors name the key path and, for a misspelling, the likely intended key.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 
 # The configuration's shape is public here too.
 from corellm.engine_config import (DEPRECATED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
-                                   SECTIONS, EngineConfig, ModelConfig, ParallelConfig,
+                                   SECTIONS, EngineConfig, LogitsProcessorsConfig, ModelConfig,
+                                   ParallelConfig,
                                    PluginsConfig, apply_overrides, did_you_mean,
                                    parse_override, read_config_file)
 from corellm.errors import ConfigDeprecationWarning, ConfigError, PluginError
@@ -75,9 +76,24 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if raw is None and section == "frontend":
             continue
         values[section] = _validate_section(section, section, raw, registry, values, problems)
+    values["logits_processors"] = _validate_logits_processors(data.get("logits_processors"),
+                                                              registry, problems)
     if problems:
         raise ConfigError(problems, source=origin)
     return EngineConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def _validate_logits_processors(raw: Any, registry: Registry,
+                                problems: list[tuple[str, str]]) -> Any:
+    section = _validate_model(LogitsProcessorsConfig, raw, "logits_processors", problems)
+    if section is None or section.enable is None:
+        return section
+    for i, name in enumerate(section.enable):
+        try:
+            registry.get("logits_processors", name)
+        except PluginError as exc:
+            problems.append((f"logits_processors.enable[{i}]", str(exc)))
+    return section
 
 
 def _validate_section(section: str, path: str, raw: Any, registry: Registry,

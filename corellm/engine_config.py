@@ -100,6 +100,19 @@ class PluginsConfig(BaseModel):
                                            "distribution:entry_point for one distribution's.")
 
 
+class LogitsProcessorsConfig(BaseModel):
+    """The ``logits_processors`` section (owned by the core: several processors may be on at
+    once, each constraining only the requests that ask for it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable: list[str] | None = Field(
+        None, description="Logits processors to use, by name (`corellm plugins` lists them; "
+                          "distribution:name picks one of two). Absent: every available one. "
+                          "[] turns them all off (requests asking for structured outputs are "
+                          "then refused).")
+
+
 class EngineConfig(BaseModel):
     """The whole engine configuration. Build it with ``load_config``."""
 
@@ -115,6 +128,7 @@ class EngineConfig(BaseModel):
     executor: SerializeAsAny[ExecutorOptions] = Field(default_factory=ExecutorOptions)
     sampler: SerializeAsAny[SamplerOptions] = Field(default_factory=SamplerOptions)
     frontend: SerializeAsAny[FrontendOptions] | None = None
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,7 +143,7 @@ PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
     "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
 }
 SECTIONS = ["model", "platform", "parallel", *(s for s in PLUGIN_SECTIONS if s != "platform"),
-            "plugins"]
+            "logits_processors", "plugins"]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -28,8 +28,8 @@ import pluggy
 
 if TYPE_CHECKING:
     from corellm.specs import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
-                               KVCacheManagerSpec, ModelSpec, PlatformSpec, SamplerSpec,
-                               SchedulerSpec)
+                               KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec, PlatformSpec,
+                               SamplerSpec, SchedulerSpec)
     from corellm.engine_config import EngineConfig
     from corellm.outputs import StepStats
 
@@ -120,6 +120,24 @@ def corellm_samplers() -> Iterable[SamplerSpec]:
 
     Called once when the registry is built. Return an iterable of ``SamplerSpec``. The factory
     runs inside each worker and returns a ``corellm.interfaces.Sampler``.
+    """
+
+
+@hookspec
+def corellm_logits_processors() -> Iterable[LogitsProcessorSpec]:
+    """Register logits processors (plugin API 1.4): per-request constraints on the logits,
+    applied before the sampler (structured outputs, banned words, biases).
+
+    Called once when the registry is built. Return an iterable of ``LogitsProcessorSpec``. The
+    factory runs in the worker that samples and returns a
+    ``corellm.interfaces.LogitsProcessor``; ``validate`` runs where requests come in. Every
+    available processor is enabled unless ``logits_processors.enable`` lists the ones to use::
+
+        @hookimpl
+        def corellm_logits_processors():
+            yield LogitsProcessorSpec(name="banned_words", factory=make_banned_words,
+                                      validate=check_banned_words,
+                                      summary="Never generate the words extra_args names.")
     """
 
 

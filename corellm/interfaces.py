@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from corellm.request import Request
     from corellm.policy_view import SchedulingContext, WaitingQueue
     from corellm.sampling import SamplerOutput, SamplingMetadata
+    from corellm.sampling_params import SamplingParams
 
 
 class Scheduler(ABC):
@@ -323,6 +324,54 @@ class Sampler(ABC):
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput: ...
+
+
+class LogitsProcessor(ABC):
+    """Plugin API 1.4: changes the logits of the requests that use it, before the sampler.
+
+    Built once in the worker that samples (rank 0), by its spec's factory. Each request it
+    constrains has a state of its own, made by ``new_request`` when the request reaches the
+    worker: at its first step, and again after a preemption (the worker drops a preempted
+    request and recomputes it), when ``output_token_ids`` holds the tokens it kept, which the
+    state replays. Each step, ``apply`` gets the logits of the rows that sample (float32
+    [N, V] on the worker's device) and constrains its own rows in place, all of them in one
+    call; rows of other requests are not its to touch. After the sampler, ``accept`` advances a
+    state by the token its row sampled. docs/plugins.md, "A logits processor", has the whole
+    contract.
+    """
+
+    @abstractmethod
+    def new_request(self, req_id: str, params: SamplingParams,
+                    prompt_token_ids: Sequence[int],
+                    output_token_ids: Sequence[int]) -> Any | None:
+        """The state of a request this processor constrains, None for one it leaves alone (it
+        decides from ``params``: ``structured_outputs``, its own keys of ``extra_args``). Must
+        be quick: slow preparation (compiling a grammar) belongs in the background, awaited by
+        ``apply`` when the request first samples."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[Any]) -> None:
+        """Constrain ``logits[rows[i]]`` for ``states[i]``, in place (a banned token's logit
+        becomes ``-inf``). A request that cannot be served (its grammar failed to compile, or
+        took longer than the processor allows) is named in a ``RequestsFailed``: those requests
+        end with finish reason "error", the rest of the batch samples as usual."""
+
+    def accept(self, state: Any, token_id: int) -> bool:
+        """Advance ``state`` by the token its row sampled; False when the state rejects it (the
+        request then goes on unconstrained, and the worker logs it). Default: True."""
+        return True
+
+    def free(self, state: Any) -> None:
+        """The request finished, was aborted or preempted: release what ``state`` holds."""
+
+
+class RequestsFailed(Exception):
+    """Raised by ``LogitsProcessor.apply`` for requests it cannot serve: ``failed`` maps their
+    ids to the reason, and only they end (finish reason "error")."""
+
+    def __init__(self, failed: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{rid}: {why}" for rid, why in failed.items()))
+        self.failed = failed
 
 
 class Executor(ABC):

@@ -257,3 +257,60 @@ def iter_weights(path: str | Path, lazy: bool = False) -> Iterator[tuple[str, An
                     yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         except SafetensorError as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
+def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
+    local = tokenizer_path(path, key=key)   # a local directory: nothing is fetched from a hub
+    try:
+        cls = _plain_fast_tokenizer_class(local)
+        if cls is not None:
+            return cls.from_pretrained(str(local))
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(local))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+_PLAIN_TOKENIZER_FAMILIES = {"llama", "qwen2", "qwen3"}
+
+
+def plain_fast_tokenizer_name(directory: Path) -> str | None:
+    """The transformers class name of a tokenizer directory holding a plain ``tokenizer.json``
+    tokenizer that ``load_tokenizer`` loads directly (the generic fast class, no remote code,
+    a model family whose tokenizer ``AutoTokenizer`` would not replace); else None."""
+    import json
+
+    try:
+        cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+    if name not in ("TokenizersBackend", "PreTrainedTokenizerFast") or "auto_map" in cfg \
+            or not (directory / "tokenizer.json").is_file():
+        return None
+    # AutoTokenizer also consults config.json's model_type (Mistral's own tokenizer backend,
+    # families whose hub class it overrides): only families where it takes the class above.
+    model_cfg = directory / "config.json"
+    if model_cfg.is_file():
+        try:
+            model_type = json.loads(model_cfg.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if model_type not in _PLAIN_TOKENIZER_FAMILIES:
+            return None
+    return name
+
+
+def _plain_fast_tokenizer_class(directory: Path) -> Any:
+    """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
+
+    ``AutoTokenizer`` resolves the class through the model registry, importing torch and the
+    model families' modules (most of a small model's start-up); a tokenizer whose
+    ``tokenizer_config.json`` names the generic fast class needs none of that. Anything else
+    (model-specific classes, remote code) goes through ``AutoTokenizer``.
+    """
+    name = plain_fast_tokenizer_name(directory)
+    if name is None:
+        return None
+    import transformers
+    return getattr(transformers, name, None)

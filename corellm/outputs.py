@@ -85,6 +85,9 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     # Seconds spent in the worker's phases this step: "prepare_inputs", "forward", "sample".
     timings: dict[str, float] = field(default_factory=dict)
+    # Plugin API 1.4: requests the worker could not serve this step (a logits processor's
+    # RequestsFailed), with why; they are not in req_ids, and the engine ends them ("error").
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

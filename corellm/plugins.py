@@ -37,7 +37,7 @@ from corellm.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Conflict,  # n
 from corellm.specs import section_of  # noqa: F401  (importable here in 1.1)
 from corellm.specs import (PLATFORM_INTERFACE_VERSION, AttentionBackendSpec, CommandSpec,
                            ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec, ModelSpec,
-                           PlatformSpec, SamplerSpec, SchedulerSpec)
+                           LogitsProcessorSpec, PlatformSpec, SamplerSpec, SchedulerSpec)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ STRICT_ENV = "CORELLM_STRICT_PLUGINS"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 3)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 4)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have
@@ -60,6 +60,7 @@ REGISTRATION_HOOKS: dict[str, type[ComponentSpec]] = {
     "corellm_attention_backends": AttentionBackendSpec,
     "corellm_executors": ExecutorSpec,
     "corellm_samplers": SamplerSpec,
+    "corellm_logits_processors": LogitsProcessorSpec,
     "corellm_models": ModelSpec,
     "corellm_frontends": FrontendSpec,
     "corellm_commands": CommandSpec,

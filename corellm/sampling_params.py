@@ -13,6 +13,52 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's text, vLLM's ``StructuredOutputsParams``: exactly one of
+    ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, GBNF-style). Served by
+    the enabled logits processor that implements them (``corellm[structured]``: xgrammar)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"structured_outputs.{name}" if name else
+                                       "structured_outputs", msg)
+
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise bad("", "give exactly one of " + ", ".join(self.KINDS)
+                      + (f" (got {', '.join(given)})" if given else ""))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise bad("json", f"must be a JSON schema (an object or its text), got "
+                              f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, f"must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise bad("choice", f"must be a non-empty list of non-empty strings, got "
+                                f"{self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("json_object", f"must be a boolean, got {self.json_object!r}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters, in vLLM's shape.
 
@@ -29,6 +75,11 @@ class SamplingParams:
     negative ones of every token in the prompt or the output. ``stop`` strings end generation
     when they appear in the detokenized text; they are matched by the engine client (which sees
     the text) and, unless ``include_stop_str_in_output``, cut from the returned text.
+
+    ``structured_outputs`` constrains the text to a JSON schema, a regex, a choice or a grammar
+    (``StructuredOutputsParams``); ``extra_args`` carries the parameters of third-party logits
+    processors, each reading its own keys (vLLM's ``extra_args``). With either, ``logprobs``
+    are those of the distribution the processors leave.
     """
 
     n: int = 1
@@ -49,6 +100,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> InvalidRequestError:
@@ -113,6 +166,19 @@ class SamplingParams:
                 isinstance(s, str) and s for s in self.stop):
             raise bad("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(self.stop)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise bad("structured_outputs", str(exc)) from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of "
+                                            f"its fields), got {self.structured_outputs!r}")
+        if self.extra_args is not None and not (
+                isinstance(self.extra_args, dict)
+                and all(isinstance(k, str) for k in self.extra_args)):
+            raise bad("extra_args", f"must be a dict with string keys, got {self.extra_args!r}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -257,6 +257,33 @@ class SamplerSpec(ComponentSpec):
     options: type[ComponentOptions] = SamplerOptions
 
 
+def _no_check(params: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogitsProcessorSpec(ComponentSpec):
+    """Plugin API 1.4: ``factory(options, ctx) -> LogitsProcessor``, called in the worker that
+    samples (``ctx.setup``, ``ctx.device`` and ``ctx.platform`` are set).
+
+    Every available logits processor is enabled unless the config's ``logits_processors.enable``
+    lists the ones to use (or ``plugins.disable`` removes its plugin); each constrains only the
+    requests that ask for it, so an enabled processor costs the others nothing.
+    ``validate(params)`` runs where requests come in, before one enters the engine: it raises
+    ``ValueError`` (or ``corellm.errors.InvalidRequestError`` naming the field) for parameters
+    this processor would refuse, which the caller gets as a 400 / ``InvalidRequestError``; it
+    must be quick and may be called off the event loop, in a thread. ``structured_outputs``:
+    the processor implements ``SamplingParams.structured_outputs`` (JSON schema, regex,
+    choice, grammar); the enabled one of the highest ``priority`` serves them.
+    """
+
+    kind: ClassVar[str] = "logits_processor"
+    section: ClassVar[str] = "logits_processors"
+    validate: Callable[[Any], None] = _no_check
+    structured_outputs: bool = False
+    priority: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class FrontendSpec(ComponentSpec):
     """``factory(options, ctx) -> Frontend``."""

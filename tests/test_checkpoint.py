@@ -155,7 +155,7 @@ def test_plain_tokenizers_skip_autotokenizer_and_load_the_same(llama_path, tmp_p
     (AutoTokenizer's model registry costs seconds at start-up); the result is the same."""
     from transformers import AutoTokenizer
 
-    from corellm.engine.llm import _plain_fast_tokenizer_class, load_tokenizer
+    from corellm.model_config import _plain_fast_tokenizer_class, load_tokenizer
 
     assert _plain_fast_tokenizer_class(llama_path) is not None
     ours, reference = load_tokenizer(str(llama_path)), AutoTokenizer.from_pretrained(llama_path)

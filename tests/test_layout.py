@@ -42,7 +42,7 @@ CORE_LAYERS: dict[str, list[str]] = {
     "config": ["engine_config"],
     "registry": ["hookspecs", "registry", "plugins"],
     "composition": ["platforms", "distributed", "gguf", "demo", "model_config", "setup",
-                    "components", "config"],
+                    "components", "config", "logits_processors"],
     "libraries": ["block_pool", "kv_cache", "scheduling", "wrappers", "layers"],
     "engine": ["engine", "worker", "cli", "cli_parser", "__main__"],
 }

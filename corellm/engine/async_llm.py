@@ -28,6 +28,7 @@ from corellm.engine.ipc import EngineDeadError
 from corellm.engine.llm import build_config, load_tokenizer
 from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
 from corellm.engine.processor import Processor, PromptType
+from corellm.logits_processors import RequestChecker
 from corellm.model_config import load_generation_eos_ids, model_path
 from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ class AsyncLLM:
     async def create(cls, config: EngineConfig | Mapping[str, Any] | str | Path | None = None,
                      *, model: str | None = None) -> AsyncLLM:
         """Validate the config, start the engine-core process and wait until it is ready."""
-        config, _ = build_config(config, model, ())
+        config, registry = build_config(config, model, ())
         path = model_path(config)
         # The engine process starts (imports torch, loads the model) while this process loads
         # the tokenizer: on two cores, the two overlap.
@@ -81,7 +82,8 @@ class AsyncLLM:
             raise
         client = await starting
         try:
-            processor = Processor(tokenizer, client.model_info, load_generation_eos_ids(path))
+            processor = Processor(tokenizer, client.model_info, load_generation_eos_ids(path),
+                                  RequestChecker.for_config(config, registry))
             return cls(config, client, tokenizer, processor)
         except BaseException:
             await client.shutdown_async()

@@ -245,7 +245,10 @@ class EngineCore:
             if isinstance(sampled, Future):
                 sampled = sampled.result()
             t2 = time.perf_counter()
+            ended = self._end_failed(sampled.failed) if sampled.failed else None
             outputs = self.scheduler.update_from_output(plan, sampled)
+            if ended:
+                outputs = ended + outputs
         t3 = time.perf_counter()
 
         self.num_steps += 1
@@ -337,6 +340,13 @@ class EngineCore:
         except BaseException:
             self._fail(plan.num_scheduled_tokens)
             raise
+
+    def _end_failed(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
+        """Requests the worker could not serve (a logits processor's ``RequestsFailed``): they
+        end with reason "error" before the step's update, which then passes them by."""
+        for rid, why in failed.items():
+            logger.warning("request %s ended: %s", rid, why)
+        return self.scheduler.abort_requests(list(failed), RequestStatus.FINISHED_ERROR)
 
     def _fail(self, request_ids: Iterable[str]) -> None:
         """Nothing is lost when a step raises: the requests it touched end with reason "error"

@@ -12,68 +12,14 @@ from corellm.engine.core import EngineCore
 from corellm.engine.core_client import InprocClient, SyncMPClient
 from corellm.engine.output_processor import OutputProcessor
 from corellm.engine.processor import Processor, PromptType
-from corellm.errors import CheckpointError, InvalidRequestError
-from corellm.model_config import load_generation_eos_ids, model_path, tokenizer_path
+from corellm.errors import InvalidRequestError
+from corellm.model_config import (  # noqa: F401  (load_tokenizer: importable here too)
+    load_generation_eos_ids, load_tokenizer, model_path, plain_fast_tokenizer_name,
+    tokenizer_path)
 from corellm.outputs import EngineStats, RequestOutput, StepStats
+from corellm.logits_processors import RequestChecker
 from corellm.plugins import Registry, load_registry
 from corellm.sampling_params import SamplingParams
-
-
-def load_tokenizer(path: str, key: str = "model.tokenizer") -> Any:
-    local = tokenizer_path(path, key=key)   # a local directory: nothing is fetched from a hub
-    try:
-        cls = _plain_fast_tokenizer_class(local)
-        if cls is not None:
-            return cls.from_pretrained(str(local))
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(local))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{key}: cannot load a tokenizer from {path!r}: {exc}") from exc
-
-
-_PLAIN_TOKENIZER_FAMILIES = {"llama", "qwen2", "qwen3"}
-
-
-def plain_fast_tokenizer_name(directory: Path) -> str | None:
-    """The transformers class name of a tokenizer directory holding a plain ``tokenizer.json``
-    tokenizer that ``load_tokenizer`` loads directly (the generic fast class, no remote code,
-    a model family whose tokenizer ``AutoTokenizer`` would not replace); else None."""
-    import json
-
-    try:
-        cfg = json.loads((directory / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    name = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
-    if name not in ("TokenizersBackend", "PreTrainedTokenizerFast") or "auto_map" in cfg \
-            or not (directory / "tokenizer.json").is_file():
-        return None
-    # AutoTokenizer also consults config.json's model_type (Mistral's own tokenizer backend,
-    # families whose hub class it overrides): only families where it takes the class above.
-    model_cfg = directory / "config.json"
-    if model_cfg.is_file():
-        try:
-            model_type = json.loads(model_cfg.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            return None
-        if model_type not in _PLAIN_TOKENIZER_FAMILIES:
-            return None
-    return name
-
-
-def _plain_fast_tokenizer_class(directory: Path) -> Any:
-    """The transformers class of a plain ``tokenizer.json`` tokenizer, loaded directly.
-
-    ``AutoTokenizer`` resolves the class through the model registry, importing torch and the
-    model families' modules (most of a small model's start-up); a tokenizer whose
-    ``tokenizer_config.json`` names the generic fast class needs none of that. Anything else
-    (model-specific classes, remote code) goes through ``AutoTokenizer``.
-    """
-    name = plain_fast_tokenizer_name(directory)
-    if name is None:
-        return None
-    import transformers
-    return getattr(transformers, name, None)
 
 
 def _config_eos_ids(path: str) -> list[int]:
@@ -159,7 +105,8 @@ class LLM:
         eos_ids = load_generation_eos_ids(path)
         if self.tokenizer is None and not eos_ids:
             eos_ids = _config_eos_ids(path)     # no tokenizer to name it: config.json does
-        self.processor = Processor(self.tokenizer, self.model_info, eos_ids)
+        self.processor = Processor(self.tokenizer, self.model_info, eos_ids,
+                                   RequestChecker.for_config(self.config, self.registry))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

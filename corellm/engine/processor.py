@@ -10,6 +10,7 @@ from typing import Any, Union
 
 from corellm.errors import InvalidRequestError
 from corellm.interfaces import ModelInfo
+from corellm.logits_processors import RequestChecker
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
 
@@ -28,7 +29,8 @@ def _all_ints(ids: list[int] | tuple[int, ...]) -> bool:
 
 
 class Processor:
-    def __init__(self, tokenizer: Any, model_info: ModelInfo, extra_eos_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, model_info: ModelInfo, extra_eos_ids: list[int],
+                 checker: RequestChecker | None = None) -> None:
         # tokenizer None (LLM(skip_tokenizer_init=True)): token-id prompts only, and the end of
         # a sequence is the checkpoint's end-of-sequence ids (extra_eos_ids, the first as EOS).
         self.tokenizer = tokenizer
@@ -36,6 +38,22 @@ class Processor:
         self.eos_token_id: int | None = (tokenizer.eos_token_id if tokenizer is not None
                                          else extra_eos_ids[0] if extra_eos_ids else None)
         self.extra_eos_ids = [e for e in extra_eos_ids if e != self.eos_token_id]
+        # The enabled logits processors' checks (None: no processor is enabled, and structured
+        # outputs are refused as the checker would refuse them).
+        self.checker = checker if checker is not None else RequestChecker([])
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The enabled logits processors' checks of ``params`` (a structured-output schema
+        that does not compile, say): an ``InvalidRequestError`` naming the field. The server
+        runs it in a thread first (parsing a schema may take a while), then ``process`` again,
+        which the processors answer from their caches."""
+        if params.structured_outputs is not None or self.checker.entries:
+            try:
+                self.checker.check(params)
+            except InvalidRequestError as exc:
+                if not exc.field.startswith("sampling_params."):
+                    exc = InvalidRequestError(f"sampling_params.{exc.field}", exc.message)
+                raise exc from None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -107,6 +125,7 @@ class Processor:
             raise InvalidRequestError("sampling_params.stop", "stop strings are matched in the "
                                       "text, which an engine without its tokenizer "
                                       "(skip_tokenizer_init) does not make; use stop_token_ids")
+        self.check_params(params)
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:

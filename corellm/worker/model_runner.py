@@ -28,6 +28,8 @@ from corellm.platforms import Platform, StepInputs
 from corellm.plugins import Registry
 from corellm.setup import EngineSetup
 from corellm.worker.attention_choice import predicted_attention_layers, select_attention_backend
+from corellm.logits_processors import enabled_logits_processors
+from corellm.worker.logits_processing import LogitsProcessorSet
 from corellm.worker.request_state import CachedRequestState, sampling_metadata
 from corellm.sampling import find_banned
 
@@ -92,6 +94,9 @@ class ModelRunner:
         self.stepper.attn_builder = self.attn_builder
         self.sampler_entry = registry.get("sampler", config.sampler.name)
         self.sampler = ctx.build(config.sampler)
+        # Only the rank that samples applies logits processors (and compiles their grammars).
+        self.logits_processors = LogitsProcessorSet(
+            enabled_logits_processors(config, registry) if parallel.is_driver else [], ctx)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple | None = None
@@ -196,12 +201,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:
+        processors = self.logits_processors
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                processors.remove(state)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                 new.num_computed_tokens, new.sampling_params, new.eos_token_id)
+            processors.add(state)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -287,6 +296,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
+        # Logits processors constrain their rows in place before the sampler sees them; a
+        # request one of them cannot serve ends alone (its row is sampled, then dropped).
+        failed = self.logits_processors.apply(logits, states)
         md = sampling_metadata(states, self.model_info.vocab_size, self.device, self.generator)
         # The bans as the engine made them (a sampler may change its metadata): usually none.
         bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
@@ -302,13 +314,20 @@ class ModelRunner:
                 "which is banned for it (SamplingMetadata.banned_token_ids: its min_tokens is "
                 "not reached); a sampler must apply banned_token_ids (docs/plugins.md, "
                 "'A sampler')")
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
         logprobs = None
         if out.logprobs is not None:
             lp = out.logprobs
             logprobs = LogprobsLists(lp.token_ids.tolist(), lp.logprobs.tolist(),
                                      lp.sampled_ranks.tolist())
+        if failed:
+            keep = [i for i, s in enumerate(states) if s.req_id not in failed]
+            states, sampled = [states[i] for i in keep], [sampled[i] for i in keep]
+            if logprobs is not None:
+                logprobs = LogprobsLists(*([rows[i] for i in keep] for rows in (
+                    logprobs.token_ids, logprobs.logprobs, logprobs.sampled_ranks)))
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+        self.logits_processors.accept(states, sampled)
         timings["sample"] = time.perf_counter() - t0
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
-                                 logprobs=logprobs, timings=timings)
+                                 logprobs=logprobs, timings=timings, failed=failed)

@@ -25,7 +25,7 @@ _U64 = (1 << 64) - 1
 
 class CachedRequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "params", "min_tokens_banned", "prompt_token_set")
+                 "params", "min_tokens_banned", "prompt_token_set", "processors")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
@@ -44,6 +44,9 @@ class CachedRequestState:
         # The distinct prompt token ids (sorted int64), built on first use by a request with a
         # repetition penalty; the prompt never changes while the state lives.
         self.prompt_token_set: np.ndarray | None = None
+        # (index of an enabled logits processor, its state of this request), for each processor
+        # that constrains it.
+        self.processors: list[tuple[int, object]] = []
 
     @property
     def num_output_tokens(self) -> int:

@@ -96,6 +96,13 @@ class _SamplingFields(_Strict):
     priority: StrictInt = _checked(0, **_I64)
     session_id: str | None = _checked(None, **_TEXT_256)  # corellm's: session-aware policies
     cache_salt: str | None = _checked(None, minLength=1)
+    # vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = _checked(None, properties={
+        "json": {"type": ["object", "string"]}, "json_object": {"type": "boolean"},
+        "regex": {"type": "string"}, "grammar": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}}})
+    # vLLM's: arguments of the server's logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, Any] | None = None
     # Echoed in the id of every response (and every chunk of every sample of a stream): bounded
     # like user and session_id, so a client cannot multiply its own bytes into the output.
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -146,8 +153,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = _checked(None, minimum=1, **_I64)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = _checked(None, minimum=0, maximum=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = _checked(    # only {"type": "text"}
-        None, properties={"type": {"enum": ["text"]}})
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}, "strict": ...}}
+    response_format: dict[str, Any] | None = _checked(
+        None, properties={"type": {"enum": ["text", "json_object", "json_schema"]},
+                          "json_schema": {"type": "object"}})
     tools: list[Any] | None = _checked(None, maxItems=0)   # not implemented: only null / []
     tool_choice: Any = _checked(None, enum=["none", "auto"])
     parallel_tool_calls: StrictBool | None = None    # meaningless without tools

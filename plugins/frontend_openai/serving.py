@@ -20,6 +20,7 @@ from corellm.outputs import CompletionOutput
 from corellm.sampling_params import SamplingParams
 
 from .body import _parse
+from .constraints import constraint_fields, structured_outputs
 from .errors import APIError, _invalid
 from .options import OpenAIServerOptions
 from .preprocess import FairExecutor, TextBound
@@ -126,9 +127,7 @@ class OpenAIServing:
             unsupported |= {"tools": bool(req.tools),
                             "tool_choice": req.tool_choice not in (None, "none", "auto"),
                             "chat_template_kwargs": bool(
-                                set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS),
-                            "response_format": bool(req.response_format)
-                            and req.response_format.get("type") != "text"}
+                                set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS)}
         for field, used in unsupported.items():
             if used:
                 raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -147,15 +146,27 @@ class OpenAIServing:
             seed=req.seed, stop=req.stop or [], ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids or [], logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
+            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt,
+            extra_args=req.vllm_xargs)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(req, name) is not None:
                 kwargs[name] = getattr(req, name)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**kwargs, structured_outputs=structured_outputs(req))
         except InvalidRequestError as exc:
-            raise _invalid(exc, {"max_tokens": max_tokens_field,
-                                 "logprobs": logprobs_field}) from None
+            raise _invalid(exc, {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
+                                 **constraint_fields(req)}) from None
+
+    async def check_constraints(self, req: Any, params: SamplingParams) -> None:
+        """The logits processors' checks of a request's constraints (parsing a JSON schema,
+        a regex, a grammar), off the event loop: a 400 naming the field when one refuses."""
+        if params.structured_outputs is None and params.extra_args is None:
+            return
+        cost = len(repr(params.structured_outputs)) + len(repr(params.extra_args))
+        try:
+            await self.off_loop(self.engine.processor.check_params, params, cost=cost)
+        except InvalidRequestError as exc:
+            raise _invalid(exc, constraint_fields(req)) from None
 
     def check_text_length(self, text: str, field: str, what: str = "") -> None:
         """Refuse ``text`` when it has more characters than fit in the context, before the
@@ -229,6 +240,7 @@ class OpenAIServing:
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, "max_tokens")
                   for ids in token_ids]
         self.check_generated_tokens(params, "max_tokens", defaulted=req.max_tokens is None)
+        await self.check_constraints(req, params[0])
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid   # never collides
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -347,6 +359,7 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, len(ids), logprobs, field,
                                       "top_logprobs")
         self.check_generated_tokens([params], field, defaulted=max_tokens is None)
+        await self.check_constraints(req, params)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

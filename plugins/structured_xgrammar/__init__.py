@@ -1,0 +1,46 @@
+"""Structured outputs (JSON schema, JSON object, regex, choice, EBNF grammar) on xgrammar: a
+logits processor that masks every token the grammar does not allow next.
+
+Optional: ``pip install 'corellm[structured]'``. Without xgrammar the processor is listed as
+unavailable (``corellm plugins``) and requests asking for structured outputs get a 400 saying
+so. The checks where requests come in (``validate``) parse the schema, regex or grammar without
+the tokenizer; the worker compiles it against the model's vocabulary in the background."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+from corellm import hookimpl
+from corellm.components import BuildContext, LogitsProcessorSpec, NoOptions
+
+
+def _unavailable() -> str | None:
+    try:
+        found = importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return "needs the optional dependency 'xgrammar' (pip install 'corellm[structured]')"
+    return None
+
+
+def _make(options: NoOptions, ctx: BuildContext):
+    from corellm_plugins.structured_xgrammar.processor import XGrammarProcessor
+    return XGrammarProcessor.for_engine(ctx)
+
+
+def _validate(params) -> None:
+    if params.structured_outputs is None:
+        return
+    from corellm_plugins.structured_xgrammar.grammars import check
+    check(params.structured_outputs)
+
+
+@hookimpl
+def corellm_logits_processors() -> Iterator[LogitsProcessorSpec]:
+    yield LogitsProcessorSpec(
+        name="xgrammar", factory=_make, validate=_validate, structured_outputs=True,
+        priority=10, unavailable=_unavailable(),
+        summary="Structured outputs: JSON schema, JSON object, regex, choice and EBNF "
+                "grammars, as token masks (xgrammar).")

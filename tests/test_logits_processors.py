@@ -1,0 +1,162 @@
+"""The logits-processor component kind (plugin API 1.4), with processors registered in-process.
+
+A processor that bans every token of the request's sequence gives, greedy, what transformers'
+``generate(no_repeat_ngram_size=1)`` gives on the same checkpoint, while the requests beside it
+in the batch sample exactly as without it; after a preemption the worker makes the state anew
+from the tokens kept (checked by what ``new_request`` received, and by unchanged outputs); a
+request a processor cannot serve ends with "error" alone; ``validate`` refuses bad parameters
+naming the field; ``logits_processors.enable`` names processors, checked at its key path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corellm import LLM, SamplingParams, hookimpl
+from corellm.components import LogitsProcessorSpec
+from corellm.errors import ConfigError, InvalidRequestError
+from corellm.interfaces import LogitsProcessor, RequestsFailed
+from tests.conftest import assert_pool_whole, engine_config
+
+PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 9, 14, 77], [42], [8, 9, 10, 11, 12]]
+N = 12
+
+
+class NoRepeat(LogitsProcessor):
+    """``extra_args={"no_repeat": True}``: no token of the sequence (prompt and output) again.
+    ``{"fail": True}``: the request cannot be served."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[str, list[int]]] = []     # (request, output it replayed)
+
+    def new_request(self, req_id, params, prompt_token_ids, output_token_ids):
+        args = params.extra_args or {}
+        if args.get("fail"):
+            return {"req_id": req_id, "fail": True}
+        if not args.get("no_repeat"):
+            return None
+        self.made.append((req_id, list(output_token_ids)))
+        return {"req_id": req_id, "seen": set(prompt_token_ids) | set(output_token_ids)}
+
+    def apply(self, logits, rows, states):
+        failed = {}
+        for row, state in zip(rows, states):
+            if state.get("fail"):
+                failed[state["req_id"]] = "refused"
+                continue
+            logits[row, sorted(state["seen"])] = float("-inf")
+        if failed:
+            raise RequestsFailed(failed)
+
+    def accept(self, state, token_id):
+        state["seen"].add(token_id)
+        return True
+
+
+def _check(params) -> None:
+    if (params.extra_args or {}).get("no_repeat") not in (None, True, False):
+        raise ValueError("no_repeat: expected a boolean")
+
+
+class Plugin:
+    processor = None
+
+    @staticmethod
+    @hookimpl
+    def corellm_logits_processors():
+        def make(options, ctx):
+            Plugin.processor = NoRepeat()
+            return Plugin.processor
+        yield LogitsProcessorSpec(name="no_repeat", factory=make, validate=_check,
+                                  summary="test: bans repeated tokens")
+
+
+def _params(**extra) -> SamplingParams:
+    return SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0,
+                          extra_args=extra or None)
+
+
+def _generate(llm, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_path) -> list[list[int]]:
+    with LLM(engine_config(llama_path)) as llm:
+        return [o.token_ids for o in _generate(llm, _params())]
+
+
+def _hf_no_repeat(path, prompt: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                         no_repeat_ngram_size=1, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt):].tolist()
+
+
+def test_constrained_rows_match_transformers_and_the_others_are_untouched(llama_path, plain):
+    with LLM(engine_config(llama_path), plugins=[Plugin]) as llm:
+        outs = _generate(llm, [_params(no_repeat=True), _params(), _params(no_repeat=True),
+                               _params()])
+        for i in (1, 3):
+            assert outs[i].token_ids == plain[i]
+        for i in (0, 2):
+            ids = outs[i].token_ids
+            assert not set(ids) & set(PROMPTS[i]) and len(set(ids)) == len(ids)
+            assert ids == _hf_no_repeat(llama_path, PROMPTS[i])
+        # Finished requests' states go at the next step (the worker hears of them then).
+        llm.generate({"prompt_token_ids": [5]}, _params(), use_tqdm=False)
+        assert not llm.engine.executor.worker.runner.logits_processors.num_constrained
+        assert_pool_whole(llm)
+
+
+def test_state_is_replayed_after_preemption(llama_path):
+    params = [_params(no_repeat=True)] * len(PROMPTS)
+    with LLM(engine_config(llama_path), plugins=[Plugin]) as llm:
+        roomy = [o.token_ids for o in _generate(llm, params)]
+    # 6 blocks of 4 tokens: the four requests (up to 18 tokens each) cannot all stay.
+    with LLM(engine_config(llama_path, kv_cache={"num_blocks": 6, "block_size": 4},
+                           model={"max_model_len": 24}), plugins=[Plugin]) as llm:
+        outs = [o.token_ids for o in _generate(llm, params)]
+        assert llm.engine.get_stats().num_preemptions > 0
+        replays = [out for _, out in Plugin.processor.made if out]
+        assert replays, "no preempted request was made anew with its kept tokens"
+        assert outs == roomy
+        assert_pool_whole(llm)
+
+
+def test_a_request_a_processor_cannot_serve_ends_alone(llama_path, plain):
+    with LLM(engine_config(llama_path), plugins=[Plugin]) as llm:
+        outs = _generate(llm, [_params(), _params(fail=True), _params(), _params()])
+        assert outs[1].finish_reason == "error" and outs[1].token_ids == []
+        assert [outs[i].token_ids for i in (0, 2, 3)] == [plain[i] for i in (0, 2, 3)]
+        assert_pool_whole(llm)
+
+
+def test_validate_refuses_naming_the_field(llama_path):
+    with LLM(engine_config(llama_path), plugins=[Plugin]) as llm:
+        with pytest.raises(InvalidRequestError, match="no_repeat: expected a boolean") as info:
+            llm.generate({"prompt_token_ids": [5]}, _params(no_repeat="yes"), use_tqdm=False)
+        assert info.value.field == "sampling_params.extra_args"
+        assert not llm.engine.has_unfinished_requests()
+
+
+def test_enable_names_processors_at_its_key_path(llama_path):
+    with pytest.raises(ConfigError) as info:
+        LLM(engine_config(llama_path, logits_processors={"enable": ["no_such"]}),
+            plugins=[Plugin])
+    assert "logits_processors.enable[0]" in str(info.value)
+    assert "no_such" in str(info.value)
+    # Enabled by name; and `enable: []` leaves it out even though it is installed.
+    with LLM(engine_config(llama_path, logits_processors={"enable": ["no_repeat"]}),
+             plugins=[Plugin]) as llm:
+        assert [e.spec.name for e in llm.engine.executor.worker.runner.logits_processors.entries
+                ] == ["no_repeat"]
+    with LLM(engine_config(llama_path, logits_processors={"enable": []}),
+             plugins=[Plugin]) as llm:
+        out = _generate(llm, [_params(no_repeat=True)] * len(PROMPTS))
+        assert not llm.engine.executor.worker.runner.logits_processors.entries
+        assert out[0].token_ids  # served unconstrained: no processor claims the key
