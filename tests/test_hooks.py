@@ -16,12 +16,12 @@ import torch
 from corellm import LLM, SamplingParams, hookimpl, hookspecs
 from corellm.block_pool import BlockPool
 from corellm.components import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendOptions,
-                                FrontendSpec, KVCacheManagerSpec, ModelSpec, PlatformSpec,
-                                SamplerSpec, SchedulerSpec)
+                                FrontendSpec, KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec,
+                                PlatformSpec, SamplerSpec, SchedulerSpec)
 from corellm.config import load_config
 from corellm.errors import PluginError
-from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager, Sampler,
-                                SchedulingPolicy)
+from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager,
+                                LogitsProcessor, Sampler, SchedulingPolicy)
 from corellm.ops import DeviceOps
 from corellm.platforms import ModelStepper, Platform
 from corellm.plugins import load_registry
@@ -382,6 +382,35 @@ def test_corellm_samplers(llama_path):
     llm = LLM(engine_config(llama_path, sampler={"name": "constant"}), plugins=[SamplerPlugin()])
     out = llm.generate(["a", "b"], GREEDY, use_tqdm=False)
     assert all(o.outputs[0].token_ids == [42] * 8 for o in out)
+
+
+# --------------------------------------------------------------------------- logits processors
+class OnlyToken(LogitsProcessor):
+    """``extra_args={"only": T}``: token T, whatever the model says."""
+
+    def new_request(self, req_id, params, prompt_token_ids, output_token_ids):
+        return (params.extra_args or {}).get("only")
+
+    def apply(self, logits, rows, states):
+        for row, token in zip(rows, states):
+            keep = logits[row, token].clone()
+            logits[row] = float("-inf")
+            logits[row, token] = keep
+
+
+class LogitsProcessorPlugin:
+    def corellm_logits_processors(self):
+        yield LogitsProcessorSpec(name="only", factory=lambda o, ctx: OnlyToken())
+
+
+def test_corellm_logits_processors(llama_path):
+    llm = LLM(engine_config(llama_path), plugins=[LogitsProcessorPlugin()])
+    out = llm.generate(["a", "b"], [SamplingParams(max_tokens=8, temperature=0.0,
+                                                   ignore_eos=True, extra_args={"only": 42}),
+                                    GREEDY], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [42] * 8
+    assert out[1].outputs[0].token_ids != [42] * 8
+    llm.shutdown()
 
 
 # --------------------------------------------------------------------------- models

@@ -160,3 +160,29 @@ def test_enable_names_processors_at_its_key_path(llama_path):
         out = _generate(llm, [_params(no_repeat=True)] * len(PROMPTS))
         assert not llm.engine.executor.worker.runner.logits_processors.entries
         assert out[0].token_ids  # served unconstrained: no processor claims the key
+
+
+def test_the_banned_words_example(llama_path, monkeypatch):
+    """examples/corellm-banned-words from its source tree: a word of the free greedy output is
+    gone once banned, bad arguments name the field, and a request without the key is as free."""
+    from tests.plugin_fixtures import source_module
+    from tests.test_example_sampler import REPO
+
+    module = next(source_module(monkeypatch, REPO / "examples" / "corellm-banned-words",
+                                "corellm_banned_words"))
+    cfg = engine_config(llama_path, plugins={"disable": ["banned_words"]})
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    with LLM(cfg, plugins=[module]) as llm:
+        free = llm.generate("Hello there", params, use_tqdm=False)[0].outputs[0].text
+        words = [w for w in free.split() if w.isalpha() and len(w) > 2]
+        assert words, free
+        banned = SamplingParams(max_tokens=24, temperature=0.0,
+                                extra_args={"banned_words": words[:2]})
+        text = llm.generate("Hello there", banned, use_tqdm=False)[0].outputs[0].text
+        assert text != free and not set(text.split()) & set(words[:2]), (free, text)
+        assert llm.generate("Hello there", params, use_tqdm=False)[0].outputs[0].text == free
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate("Hello", SamplingParams(extra_args={"banned_words": "x"}),
+                         use_tqdm=False)
+        assert info.value.field == "sampling_params.extra_args"
+        assert_pool_whole(llm)

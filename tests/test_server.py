@@ -784,3 +784,53 @@ def test_port_in_use_is_reported_before_loading(llama_path, tmp_path):
     assert r.returncode == 2
     assert "frontend.port: cannot listen" in r.stderr
     assert "engine core process started" not in r.stderr       # nothing was loaded
+
+
+# --------------------------------------------------------------------------- structured outputs
+SHIRT = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+         "required": ["color"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_the_openai_client(client):
+    """response_format (json_schema, json_object) on chat, vLLM's structured_outputs on both
+    routes; whatever the random weights, the text obeys."""
+    import jsonschema
+
+    pytest.importorskip("xgrammar")
+    messages = [{"role": "user", "content": "Pick a color."}]
+    chat = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {
+            "name": "shirt", "schema": SHIRT, "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SHIRT)
+    assert chat.choices[0].finish_reason == "stop"
+    choice = client.completions.create(
+        model=client.models.list().data[0].id, prompt="Answer:", max_tokens=10, temperature=0.7,
+        seed=2, extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert choice.choices[0].text in ("alpha", "beta")
+    regex = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs.pattern"),
+])
+def test_a_constraint_the_server_refuses_is_a_400_naming_the_field(client, body, param):
+    import openai
+
+    pytest.importorskip("xgrammar")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=5,
+            messages=[{"role": "user", "content": "hi"}], extra_body=body)
+    assert info.value.body["param"] == param, info.value.body
