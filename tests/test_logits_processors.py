@@ -186,3 +186,25 @@ def test_the_banned_words_example(llama_path, monkeypatch):
                          use_tqdm=False)
         assert info.value.field == "sampling_params.extra_args"
         assert_pool_whole(llm)
+
+
+def test_without_xgrammar_structured_outputs_are_refused_with_the_reason(llama_path,
+                                                                         monkeypatch):
+    """The built-in processor is listed as unavailable, with how to install it, and a request
+    asking for structured outputs is refused naming that, instead of failing in the worker."""
+    import importlib.util
+
+    from corellm.plugins import load_registry
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "xgrammar" else real(name, *a))
+    registry = load_registry()
+    entry = registry.providers["logits_processors"]["xgrammar"][0]
+    assert "corellm[structured]" in entry.spec.unavailable
+    with LLM(engine_config(llama_path)) as llm:
+        assert not llm.engine.executor.worker.runner.logits_processors.entries
+        with pytest.raises(InvalidRequestError, match="corellm\\[structured\\]") as info:
+            llm.generate({"prompt_token_ids": [5]},
+                         SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
+        assert info.value.field == "sampling_params.structured_outputs"

@@ -207,3 +207,32 @@ def test_constrained_output_on_the_random_checkpoint(llama_path):
         assert re.fullmatch("(ab|cd){2}", outs[0].outputs[0].text)
         assert outs[0].outputs[0].finish_reason == "stop"
         assert_pool_whole(llm)
+
+
+def test_a_grammar_past_its_compile_bound_ends_its_request_alone(llama_path, monkeypatch):
+    """The worker compiles in the background and waits at most COMPILE_TIMEOUT_S for it when
+    the request first samples: a slower compile ends that request ("error"), not the batch."""
+    import threading
+
+    from corellm_plugins.structured_xgrammar import processor as xp
+
+    release = threading.Event()
+    original = xp.XGrammarProcessor._compile
+
+    def slow(self, kind, text):
+        if kind == "regex" and text == "z+":
+            release.wait(10)
+        return original(self, kind, text)
+
+    monkeypatch.setattr(xp, "COMPILE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(xp.XGrammarProcessor, "_compile", slow)
+    with LLM(engine_config(llama_path)) as llm:
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, [
+            SamplingParams(max_tokens=6, temperature=0.0,
+                           structured_outputs=StructuredOutputsParams(regex="z+")),
+            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)], use_tqdm=False)
+        release.set()
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[1].outputs[0].finish_reason == "length"
+        assert len(outs[1].outputs[0].token_ids) == 6
+        assert_pool_whole(llm)

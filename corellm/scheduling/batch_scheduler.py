@@ -242,9 +242,15 @@ class BatchScheduler(Scheduler):
         i = 0
         running, allocate_slots = self.running, self.kv.allocate_slots
         num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
+        # What the executor is told of each scheduled request, gathered as it is scheduled
+        # (a preemption in this step has them gathered again below).
+        computed: dict[str, int] = {}
+        sampling: list[str] = []
         while i < len(running) and plan.budget > 0:
             request = running[i]
-            n = len(request.all_token_ids) - request.num_computed_tokens
+            c = request.num_computed_tokens
+            known = len(request.all_token_ids)
+            n = known - c
             if n > plan.budget:
                 n = plan.budget
             blocks = allocate_slots(request, n)
@@ -260,8 +266,12 @@ class BatchScheduler(Scheduler):
                 blocks = self.kv.allocate_slots(request, n)
             if blocks is None:
                 continue                               # `request` itself was preempted
-            num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = blocks
+            rid = request.request_id
+            num_scheduled[rid] = n
+            new_blocks[rid] = blocks
+            computed[rid] = c
+            if c + n >= known:
+                sampling.append(rid)
             plan.budget -= n
             i += 1
 
@@ -276,9 +286,13 @@ class BatchScheduler(Scheduler):
                 request.first_scheduled_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
         requests = self.requests
-        computed: dict[str, int] = {}
-        sampling: list[str] = []
-        for rid, n in plan.num_scheduled.items():
+        if plan.preempted:
+            computed.clear()
+            sampling.clear()
+            scheduled = plan.num_scheduled.items()
+        else:
+            scheduled = ((r.request_id, num_scheduled[r.request_id]) for r in plan.admitted)
+        for rid, n in scheduled:
             request = requests[rid]
             c = computed[rid] = request.num_computed_tokens
             if c + n >= len(request.all_token_ids):
@@ -397,7 +411,8 @@ class BatchScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        req_ids = runner_output.req_ids
+        row_of = dict(zip(req_ids, range(len(req_ids))))
         lp = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         try:
@@ -405,7 +420,8 @@ class BatchScheduler(Scheduler):
                          self.clock.time())
         finally:
             # Even when the update raised part-way, no finished request stays in `running`.
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            running = RequestStatus.RUNNING
+            self.running = [r for r in self.running if r.status is running]
         self._deliver_finished()
         return outputs
 
@@ -444,10 +460,10 @@ class BatchScheduler(Scheduler):
             if status is not None:
                 self._finish(request, status)
             cached = request.num_cached_tokens
+            # (positional: the fields in EngineCoreOutput's order, a third cheaper than keywords)
             append(EngineCoreOutput(
-                rid, [token], logprobs, finish_reason=status.finish_reason if status else None,
-                stop_reason=request.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
-                first_scheduled_time=request.first_scheduled_time))
+                rid, [token], logprobs, status.finish_reason if status else None,
+                request.stop_reason, cached if cached > 0 else 0, request.first_scheduled_time))
 
     # ------------------------------------------------------------------ decode runs
     def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:

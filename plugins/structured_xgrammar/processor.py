@@ -43,13 +43,15 @@ class _State:
 
 class XGrammarProcessor(LogitsProcessor):
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout_s: float | None = None) -> None:
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True,
                                             cache_limit_bytes=CACHE_LIMIT_BYTES)
-        self.compile_timeout_s = compile_timeout_s
-        # One compilation at a time, off the step loop: a long one delays only its request.
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xgrammar-compile")
+        self.compile_timeout_s = (COMPILE_TIMEOUT_S if compile_timeout_s is None
+                                  else compile_timeout_s)
+        # Compilations run off the step loop, two at a time: a pathological grammar (xgrammar
+        # cannot stop one) ends its own request at the bound and holds one thread, not both.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="xgrammar-compile")
         self._bitmask: torch.Tensor | None = None
 
     @classmethod
