@@ -363,6 +363,7 @@ def config_schema(registry: Registry) -> dict[str, Any]:
         "model": ModelConfig.model_json_schema(),
         "parallel": ParallelConfig.model_json_schema(),
         "plugins": PluginsConfig.model_json_schema(),
+        "logits_processors": LogitsProcessorsConfig.model_json_schema(),
     }
     for section in PLUGIN_SECTIONS:
         variants = []

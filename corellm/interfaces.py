@@ -336,8 +336,10 @@ class LogitsProcessor(ABC):
     state replays. Each step, ``apply`` gets the logits of the rows that sample (float32
     [N, V] on the worker's device) and constrains its own rows in place, all of them in one
     call; rows of other requests are not its to touch. After the sampler, ``accept`` advances a
-    state by the token its row sampled. docs/plugins.md, "A logits processor", has the whole
-    contract.
+    state by the token its row sampled. A state that is not ``ready`` (a grammar still
+    compiling) holds its request back a step without holding the batch. An exception from a
+    method ends the requests it concerns (finish reason "error"), not the batch.
+    docs/plugins.md, "A logits processor", has the whole contract.
     """
 
     @abstractmethod
@@ -355,6 +357,12 @@ class LogitsProcessor(ABC):
         becomes ``-inf``). A request that cannot be served (its grammar failed to compile, or
         took longer than the processor allows) is named in a ``RequestsFailed``: those requests
         end with finish reason "error", the rest of the batch samples as usual."""
+
+    def ready(self, state: Any) -> bool:
+        """Whether ``state`` can constrain its row this step (its grammar is compiled). A row
+        that is not ready is not sampled: the request computes its last token again next step,
+        while the rest of the batch goes on. Answer at once; never wait here. Default: True."""
+        return True
 
     def accept(self, state: Any, token_id: int) -> bool:
         """Advance ``state`` by the token its row sampled; False when the state rejects it (the

@@ -88,6 +88,10 @@ class ModelRunnerOutput:
     # Plugin API 1.4: requests the worker could not serve this step (a logits processor's
     # RequestsFailed), with why; they are not in req_ids, and the engine ends them ("error").
     failed: dict[str, str] = field(default_factory=dict)
+    # Plugin API 1.4: requests whose row was not sampled because a logits processor was not
+    # ready for it (a grammar still compiling): not in req_ids; the scheduler has them compute
+    # their last token again next step.
+    deferred: list[str] = field(default_factory=list)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -271,8 +271,9 @@ class LogitsProcessorSpec(ComponentSpec):
     requests that ask for it, so an enabled processor costs the others nothing.
     ``validate(params)`` runs where requests come in, before one enters the engine: it raises
     ``ValueError`` (or ``corellm.errors.InvalidRequestError`` naming the field) for parameters
-    this processor would refuse, which the caller gets as a 400 / ``InvalidRequestError``; it
-    must be quick and may be called off the event loop, in a thread. ``structured_outputs``:
+    this processor would refuse, which the caller gets as a 400 / ``InvalidRequestError`` (any
+    other exception is the plugin's fault: a ``PluginError``); it must be quick and may be
+    called off the event loop, in a thread. ``structured_outputs``:
     the processor implements ``SamplingParams.structured_outputs`` (JSON schema, regex,
     choice, grammar); the enabled one of the highest ``priority`` serves them.
     """

@@ -210,8 +210,9 @@ def test_constrained_output_on_the_random_checkpoint(llama_path):
 
 
 def test_a_grammar_past_its_compile_bound_ends_its_request_alone(llama_path, monkeypatch):
-    """The worker compiles in the background and waits at most COMPILE_TIMEOUT_S for it when
-    the request first samples: a slower compile ends that request ("error"), not the batch."""
+    """The worker compiles in the background; until the grammar is ready the request's row is
+    not sampled (its last token is computed again) while the batch goes on, and a compile
+    slower than COMPILE_TIMEOUT_S ends that request ("error"), not the batch."""
     import threading
 
     from corellm_plugins.structured_xgrammar import processor as xp
@@ -236,3 +237,35 @@ def test_a_grammar_past_its_compile_bound_ends_its_request_alone(llama_path, mon
         assert outs[1].outputs[0].finish_reason == "length"
         assert len(outs[1].outputs[0].token_ids) == 6
         assert_pool_whole(llm)
+
+
+def test_a_finished_grammar_with_ignore_eos_leaves_the_rest_free(llama_path):
+    """With ignore_eos the request goes on after its grammar is complete (the end-of-sequence
+    token accepted): the rest of its output is unconstrained, and nothing fails."""
+    with LLM(engine_config(llama_path)) as llm:
+        out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True,
+            structured_outputs=StructuredOutputsParams(choice=["ab"])),
+            use_tqdm=False)[0].outputs[0]
+        assert out.text.startswith("ab") and out.finish_reason == "length"
+        assert len(out.token_ids) == 10
+        assert_pool_whole(llm)
+
+
+def test_min_tokens_is_refused_with_structured_outputs(llama_path):
+    with LLM(engine_config(llama_path)) as llm:
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate({"prompt_token_ids": [5]}, SamplingParams(
+                min_tokens=3, structured_outputs={"regex": "a+"}), use_tqdm=False)
+        assert info.value.field == "sampling_params.min_tokens"
+
+
+def test_a_schema_keeps_its_property_order(llama_path):
+    schema = {"type": "object", "properties": {"zeta": {"enum": ["z"]}, "alpha": {"enum": ["a"]}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    with LLM(engine_config(llama_path)) as llm:
+        text = llm.generate({"prompt_token_ids": [5]}, SamplingParams(
+            max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputsParams(
+                json=schema)), use_tqdm=False)[0].outputs[0].text
+        assert json.loads(text) == {"zeta": "z", "alpha": "a"}
+        assert text.index("zeta") < text.index("alpha")

@@ -444,6 +444,11 @@ class BatchScheduler(Scheduler):
             row = row_of.get(rid)
             if row is None:
                 if before + n >= len(request.all_token_ids):
+                    if rid in runner_output.deferred:
+                        # A logits processor was not ready for it: its last token is
+                        # computed again next step (its KV is rewritten, the same).
+                        request.num_computed_tokens -= 1
+                        continue
                     raise RuntimeError(f"request {rid} completed its tokens but nothing was "
                                        "sampled for it")
                 continue                                   # a partial prefill chunk

@@ -296,9 +296,21 @@ class ModelRunner:
         t0 = time.perf_counter()
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
+        # A row a logits processor is not ready for (its grammar still compiling) is not
+        # sampled: the request computes its last token again next step, the batch goes on.
+        processors = self.logits_processors
+        waiting = processors.deferred(states)
+        deferred = [states[i].req_id for i in waiting]
+        if waiting:
+            keep = [i for i in range(len(states)) if i not in set(waiting)]
+            states = [states[i] for i in keep]
+            if not states:
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings,
+                                         deferred=deferred)
+            logits = logits[torch.tensor(keep, device=logits.device)]
         # Logits processors constrain their rows in place before the sampler sees them; a
         # request one of them cannot serve ends alone (its row is sampled, then dropped).
-        failed = self.logits_processors.apply(logits, states)
+        failed = processors.apply(logits, states)
         md = sampling_metadata(states, self.model_info.vocab_size, self.device, self.generator)
         # The bans as the engine made them (a sampler may change its metadata): usually none.
         bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
@@ -330,4 +342,5 @@ class ModelRunner:
         self.logits_processors.accept(states, sampled)
         timings["sample"] = time.perf_counter() - t0
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
-                                 logprobs=logprobs, timings=timings, failed=failed)
+                                 logprobs=logprobs, timings=timings, failed=failed,
+                                 deferred=deferred)

@@ -53,9 +53,10 @@ def structured_outputs(req: Any) -> StructuredOutputsParams | None:
 def constraint_fields(req: Any) -> dict[str, str]:
     """``InvalidRequestError`` fields of a constraint -> the request field they came from."""
     fmt = getattr(req, "response_format", None)
+    fields = {"extra_args": "vllm_xargs"}
     if req.structured_outputs is None and fmt and fmt.get("type") in ("json_object",
                                                                        "json_schema"):
-        return {"structured_outputs.json": "response_format.json_schema.schema",
-                "structured_outputs.json_object": "response_format",
-                "structured_outputs": "response_format"}
-    return {"extra_args": "vllm_xargs"}
+        fields.update({"structured_outputs.json": "response_format.json_schema.schema",
+                       "structured_outputs.json_object": "response_format",
+                       "structured_outputs": "response_format"})
+    return fields

@@ -33,7 +33,16 @@ def _make(options: NoOptions, ctx: BuildContext):
 def _validate(params) -> None:
     if params.structured_outputs is None:
         return
+    from corellm.errors import InvalidRequestError
     from corellm_plugins.structured_xgrammar.grammars import check
+
+    if params.min_tokens > 0:
+        # A grammar may be complete before min_tokens: then only the end of the sequence is
+        # allowed, and min_tokens bans it.
+        raise InvalidRequestError("sampling_params.min_tokens",
+                                  "cannot be combined with structured_outputs (a complete "
+                                  "grammar allows only the end of the sequence, which "
+                                  "min_tokens holds back)")
     check(params.structured_outputs)
 
 

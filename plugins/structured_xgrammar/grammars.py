@@ -21,16 +21,19 @@ def source(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
     if kind == "json":
         schema = so.json
-        if isinstance(schema, str):
-            try:
+        try:
+            if isinstance(schema, str):
                 schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError("structured_outputs.json",
-                                          f"is not valid JSON: {exc}") from None
+            # The schema's own key order: xgrammar writes properties in it (a "reasoning"
+            # before an "answer" stays first).
+            text = json.dumps(schema, ensure_ascii=False)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError("structured_outputs.json",
+                                      f"is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("structured_outputs.json",
                                       f"a JSON schema is an object, got {type(schema).__name__}")
-        return JSON_SCHEMA, json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        return JSON_SCHEMA, text
     if kind == "json_object":
         return JSON_OBJECT, ""
     if kind == "regex":

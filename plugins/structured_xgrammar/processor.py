@@ -4,10 +4,10 @@ model's vocabulary, its matcher, and one token mask per step for all of them."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -42,11 +42,16 @@ class _State:
 
 
 class XGrammarProcessor(LogitsProcessor):
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int,
-                 compile_timeout_s: float | None = None) -> None:
+    """``tokenizer_info``: xgrammar's view of the vocabulary, or a function making it, called
+    (in the compile pool) by the first constrained request: an engine that never gets one never
+    loads the tokenizer for it, and a checkpoint without a tokenizer fails only such requests."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo | Callable[[], xgr.TokenizerInfo],
+                 vocab_size: int, compile_timeout_s: float | None = None) -> None:
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True,
-                                            cache_limit_bytes=CACHE_LIMIT_BYTES)
+        self._info = tokenizer_info
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self.compile_timeout_s = (COMPILE_TIMEOUT_S if compile_timeout_s is None
                                   else compile_timeout_s)
         # Compilations run off the step loop, two at a time: a pathological grammar (xgrammar
@@ -58,28 +63,40 @@ class XGrammarProcessor(LogitsProcessor):
     def for_engine(cls, ctx: BuildContext) -> XGrammarProcessor:
         from corellm.model_config import load_generation_eos_ids, model_path
 
-        path = model_path(ctx.config)
-        tokenizer = ctx.tokenizer()
         vocab = ctx.setup.arch.vocab_size
-        # The ids that end a request here: a finished grammar allows only these.
-        stops = list(dict.fromkeys(
-            [i for i in [tokenizer.eos_token_id, *load_generation_eos_ids(path)]
-             if i is not None and i < vocab]))
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab,
-                                                  stop_token_ids=stops or None)
-        return cls(info, vocab)
+
+        def tokenizer_info() -> xgr.TokenizerInfo:
+            path = model_path(ctx.config)
+            tokenizer = ctx.tokenizer()
+            # The ids that end a request here: a finished grammar allows only these.
+            stops = list(dict.fromkeys(
+                [i for i in [tokenizer.eos_token_id, *load_generation_eos_ids(path)]
+                 if i is not None and i < vocab]))
+            return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab,
+                                                      stop_token_ids=stops or None)
+        return cls(tokenizer_info, vocab)
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = self._info() if callable(self._info) else self._info
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
+                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
+            return self._compiler
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        compiler = self.compiler
         if kind == JSON_SCHEMA:
             # Compact JSON (vLLM's disable_any_whitespace): a small model let free to put
             # whitespace anywhere may never stop putting it.
-            return self.compiler.compile_json_schema(text, any_whitespace=False)
+            return compiler.compile_json_schema(text, any_whitespace=False)
         if kind == JSON_OBJECT:
-            return self.compiler.compile_builtin_json_grammar()
+            return compiler.compile_builtin_json_grammar()
         if kind == REGEX:
-            return self.compiler.compile_regex(text)
+            return compiler.compile_regex(text)
         assert kind == GRAMMAR
-        return self.compiler.compile_grammar(text)
+        return compiler.compile_grammar(text)
 
     # ------------------------------------------------------------------ LogitsProcessor
     def new_request(self, req_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -90,12 +107,17 @@ class XGrammarProcessor(LogitsProcessor):
         return _State(req_id, self.pool.submit(self._compile, kind, text),
                       list(output_token_ids), time.monotonic() + self.compile_timeout_s)
 
-    def _ready(self, state: _State) -> str | None:
-        """Make ``state``'s matcher (waiting for its grammar if need be); why not, or None."""
-        try:
-            compiled = state.compiled.result(timeout=max(0.0, state.deadline - time.monotonic()))
-        except FutureTimeout:
+    def ready(self, state: Any) -> bool:
+        # Past its bound, a state is "ready" to be failed by apply.
+        return (state.matcher is not None or state.compiled.done()
+                or time.monotonic() >= state.deadline)
+
+    def _make_matcher(self, state: _State) -> str | None:
+        """Make ``state``'s matcher from its compiled grammar; why not, or None."""
+        if not state.compiled.done():
             return f"its grammar was not compiled within {self.compile_timeout_s:g} s"
+        try:
+            compiled = state.compiled.result()
         except Exception as exc:
             return f"its grammar did not compile: {exc}"
         matcher = xgr.GrammarMatcher(compiled)
@@ -107,33 +129,38 @@ class XGrammarProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[Any]) -> None:
         failed: dict[str, str] = {}
-        ready_rows: list[int] = []
-        ready: list[_State] = []
+        masked_rows: list[int] = []
+        masked: list[_State] = []
         for row, state in zip(rows, states):
             if state.matcher is None:
-                why = self._ready(state)
+                why = self._make_matcher(state)
                 if why is not None:
                     failed[state.req_id] = why
                     continue
-            ready_rows.append(row)
-            ready.append(state)
-        if ready:
+            # A finished grammar (its end accepted, the request going on: ignore_eos) leaves
+            # the rest of the output free.
+            if not state.matcher.is_terminated():
+                masked_rows.append(row)
+                masked.append(state)
+        if masked:
             # xgrammar's mask has one row per logits row; only the constrained ones are filled
             # and applied (indices), the others keep their logits.
             n = logits.shape[0]
             if self._bitmask is None or self._bitmask.shape[0] < n:
                 self._bitmask = xgr.allocate_token_bitmask(max(n, 8), self.vocab_size)
             bitmask = self._bitmask[:n]
-            for row, state in zip(ready_rows, ready):
+            for row, state in zip(masked_rows, masked):
                 state.matcher.fill_next_token_bitmask(bitmask, row)
             xgr.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
-                indices=ready_rows)
+                indices=masked_rows)
         if failed:
             raise RequestsFailed(failed)
 
     def accept(self, state: Any, token_id: int) -> bool:
-        return state.matcher is not None and state.matcher.accept_token(token_id)
+        if state.matcher is None:
+            return False
+        return state.matcher.is_terminated() or state.matcher.accept_token(token_id)
 
     def free(self, state: Any) -> None:
         state.compiled.cancel()
