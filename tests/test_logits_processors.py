@@ -144,7 +144,7 @@ def test_validate_refuses_naming_the_field(llama_path):
         assert not llm.engine.has_unfinished_requests()
 
 
-def test_enable_names_processors_at_its_key_path(llama_path):
+def test_enable_names_processors_at_its_key_path(llama_path, plain):
     with pytest.raises(ConfigError) as info:
         LLM(engine_config(llama_path, logits_processors={"enable": ["no_such"]}),
             plugins=[Plugin])
@@ -159,7 +159,8 @@ def test_enable_names_processors_at_its_key_path(llama_path):
              plugins=[Plugin]) as llm:
         out = _generate(llm, [_params(no_repeat=True)] * len(PROMPTS))
         assert not llm.engine.executor.worker.runner.logits_processors.entries
-        assert out[0].token_ids  # served unconstrained: no processor claims the key
+        # Served unconstrained: no enabled processor reads the key.
+        assert [o.token_ids for o in out] == plain
 
 
 def test_the_banned_words_example(llama_path, monkeypatch):
@@ -208,3 +209,34 @@ def test_without_xgrammar_structured_outputs_are_refused_with_the_reason(llama_p
             llm.generate({"prompt_token_ids": [5]},
                          SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
         assert info.value.field == "sampling_params.structured_outputs"
+
+
+class Broken(LogitsProcessor):
+    """Raises from new_request for ``{"boom": "new"}`` and from apply for ``{"boom": "apply"}``."""
+
+    def new_request(self, req_id, params, prompt_token_ids, output_token_ids):
+        boom = (params.extra_args or {}).get("boom")
+        if boom == "new":
+            raise ValueError("cannot prepare")
+        return boom
+
+    def apply(self, logits, rows, states):
+        raise RuntimeError("cannot apply")
+
+
+class BrokenPlugin:
+    @staticmethod
+    @hookimpl
+    def corellm_logits_processors():
+        yield LogitsProcessorSpec(name="broken", factory=lambda o, ctx: Broken())
+
+
+def test_a_processor_that_raises_ends_only_its_requests(llama_path, plain):
+    with LLM(engine_config(llama_path), plugins=[BrokenPlugin]) as llm:
+        outs = _generate(llm, [_params(), _params(boom="new"), _params(boom="apply"),
+                               _params()])
+        assert [o.finish_reason for o in outs[1:3]] == ["error", "error"]
+        assert [outs[i].token_ids for i in (0, 3)] == [plain[i] for i in (0, 3)]
+        llm.generate({"prompt_token_ids": [5]}, _params(), use_tqdm=False)
+        assert llm.engine.executor.worker.runner.logits_processors.num_constrained == 0
+        assert_pool_whole(llm)
