@@ -11,12 +11,30 @@ Scenarios (the load each one puts on the server):
 - ``request-id``: a 900 KB ``request_id`` on a streamed ``n: 128`` x 16-token request; every
   chunk of every sample echoes the id unless it is bounded.
 - ``worst-allowed``: the largest request the default limits allow: 128 streamed samples to the
-  end of the context (within ``max_generated_tokens``), 64 stop strings of 256 characters, 8
-  logprobs. 128 samples exceed the default 64 seats. Probing starts once it streams and the
+  end of the context (within ``max_generated_tokens``), 64 stop strings of 256 characters, the
+  logprobs ``max_output_entries`` leaves (2). 128 samples exceed the default 64 seats. Probing starts once it streams and the
   request is dropped when the probes end; the row gives its own pace meanwhile.
 - ``slowloris``: 1,100 connections that send their request head a few bytes a second, against
   a server whose open-file limit is 1,024 (a common default); the row gives the log the server
   wrote meanwhile.
+- ``body-drip``: as many connections as the server holds (its open-file limit 256; the cap its
+  start-up log gives), each sending a complete head for a completion with a 200,000-byte body on
+  time and then a byte of the body a second, refilled as the server closes them, for 15 s (past
+  the default body deadline, 10 s); probed once a second.
+- ``pattern-check``: two ~150-byte requests at once whose JSON schema's ``pattern`` is
+  ``[a-z]{1,10000}`` (checking it costs xgrammar seconds, growing with the square of the count).
+- ``compile-flood``: four requests at once with schemas of 3,000 optional integer properties
+  (~150 KB; cheap to check, tens of seconds to compile against the vocabulary); besides the usual
+  probes, a small constrained request (a ``choice``) is timed each round: the row gives its
+  latencies and what the four got. This and ``pattern-check`` first send one small constrained
+  request, so that they measure a server that has served one.
+- ``schema-memory``: 150 distinct schemas of 900 KB each (a description padding a small
+  schema), one after the other; the row gives the growth of the server's processes (API, engine
+  and their children; proportional set size, shared pages counted once) from a first
+  constrained request to the end.
+- ``amplification``: a ~200-byte streamed chat request (``n`` 51, ``top_logprobs`` 20,
+  ``max_tokens`` 2570, ``ignore_eos``): probing starts once it streams, and it is dropped when
+  the probes end (it would stream ~274 MB for ten minutes); the row gives its status and pace.
 - ``chat-flood``: 20 clients in a loop, each sending 1 MiB chat bodies of 30,000 messages.
 - ``group-sigterm``: SIGTERM to the server's whole process group (Ctrl-C in a terminal,
   systemd's ``KillMode=control-group``) while 8 streams run: how many finish (drain) and how
@@ -55,10 +73,16 @@ from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
 
 log = logger("server_abuse")
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ["idle", "stop-flood", "request-id", "worst-allowed", "slowloris", "chat-flood",
+SCENARIOS = ["idle", "stop-flood", "request-id", "worst-allowed", "slowloris", "body-drip",
+             "pattern-check", "compile-flood", "schema-memory", "amplification", "chat-flood",
              "group-sigterm"]
 SLOWLORIS_FILE_LIMIT = 1024
 SLOWLORIS_CONNECTIONS = 1100
+BODY_DRIP_FILE_LIMIT = 256
+BODY_DRIP_CONNECTIONS = 170       # the cap at that limit, for a server whose log is not read here
+BODY_DRIP_BYTES = 200_000
+BODY_DRIP_S = 15.0
+BODY_DRIP_MAX_CONNECTIONS = 2000  # opened in all, refills included
 
 
 # --------------------------------------------------------------------------- probes
@@ -204,10 +228,12 @@ def scenario_request_id(url: str, model: str, server: ServerProcess | None,
 def worst_allowed_body(max_model_len: int) -> dict[str, Any]:
     """The largest request the default frontend.limits allow: 128 streamed samples to the end
     of the context within max_generated_tokens (131072), 64 stop strings of 256 characters,
-    8 logprobs (1024 alternatives over 128 samples)."""
+    and as many logprobs as max_output_entries (524288) leaves: 2 at 1,024 tokens a sample."""
     stops = [f"{i:03d}" + "\u00e9z" * 126 + "q" for i in range(64)]
-    return {"prompt": "The meaning of life", "max_tokens": min(131072 // 128, max_model_len - 8),
-            "n": 128, "ignore_eos": True, "stop": stops, "logprobs": 8, "stream": True}
+    max_tokens = min(131072 // 128, max_model_len - 8)
+    logprobs = min(8, (1 << 19) // (128 * max_tokens) - 2)
+    return {"prompt": "The meaning of life", "max_tokens": max_tokens, "n": 128,
+            "ignore_eos": True, "stop": stops, "logprobs": logprobs, "stream": True}
 
 
 def scenario_worst_allowed(url: str, model: str, server: ServerProcess | None,
@@ -271,6 +297,276 @@ def scenario_slowloris(url: str, model: str, server: ServerProcess | None,
     return row
 
 
+def scenario_body_drip(url: str, model: str, server: ServerProcess | None,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    held = [line for line in (server.tail if server is not None else ())
+            if "holding up to " in line]
+    want = int(held[0].split("holding up to ", 1)[1].split()[0]) if held \
+        else BODY_DRIP_CONNECTIONS
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {BODY_DRIP_BYTES}\r\n\r\n"
+            "{").encode()
+    stop = threading.Event()
+    stats = {"opened": 0, "refused": 0, "closed_by_server": 0, "answered_408": 0}
+    socks: dict[socket.socket, bytes] = {}          # what the server has answered on each
+
+    def open_one() -> None:
+        if stats["opened"] + stats["refused"] >= BODY_DRIP_MAX_CONNECTIONS:
+            return
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect((host, int(port)))
+            s.sendall(head)
+            s.setblocking(False)
+        except OSError:
+            stats["refused"] += 1
+            s.close()
+            return
+        socks[s] = b""
+        stats["opened"] += 1
+
+    def drip() -> None:
+        """Fill the cap; then every second: count the connections the server closed (a 503 as
+        refused) and open one in each one's place, and send a byte of body on the others."""
+        for _ in range(want):
+            if stop.is_set():
+                return
+            open_one()
+        while not stop.is_set():
+            for s in list(socks):
+                try:
+                    data = s.recv(65536)
+                except BlockingIOError:
+                    try:
+                        s.send(b" ")
+                    except OSError:
+                        pass                            # a reset shows on the next recv
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    socks[s] += data                    # an answer; EOF comes next
+                    continue
+                answer = socks.pop(s)
+                s.close()
+                if answer.startswith(b"HTTP/1.1 503"):
+                    stats["refused"] += 1
+                    stats["opened"] -= 1
+                else:
+                    stats["closed_by_server"] += 1
+                    stats["answered_408"] += answer.startswith(b"HTTP/1.1 408")
+                open_one()
+            stop.wait(1.0)
+
+    done = background(drip)
+    until = time.monotonic() + BODY_DRIP_S
+    time.sleep(2)                     # every connection open, bodies dripping
+    open_at_probe = len(socks)
+
+    def paced() -> bool:
+        """One probe a second, while the drip runs."""
+        stop.wait(1.0)
+        return time.monotonic() < until and not done.is_set()
+
+    row = probe_while(url, model, paced, args)
+    stop.wait(max(0.0, until - time.monotonic()))  # on past the first bodies' deadline
+    stop.set()
+    done.wait(10)
+    for s in list(socks):
+        s.close()
+    row["load"] = (f"{open_at_probe} dripping when probed; {stats['opened']} opened in "
+                   f"{BODY_DRIP_S:.0f} s, {stats['closed_by_server']} closed by the server "
+                   f"({stats['answered_408']} with a 408), {stats['refused']} refused")
+    row.update({f"drip_{k}": v for k, v in stats.items()}, drip_open_at_probe=open_at_probe)
+    return row
+
+
+def _post_json(url: str, path: str, body: dict[str, Any], timeout: float,
+               out: list[Any]) -> None:
+    """POST ``body``; append (status or exception name, seconds, error code) to ``out``."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        r = httpx.post(f"{url}{path}", json=body, timeout=timeout)
+        code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
+        out.append((r.status_code, time.perf_counter() - t0, code))
+    except httpx.HTTPError as exc:
+        out.append((type(exc).__name__, time.perf_counter() - t0, None))
+
+
+def _answers(out: list[Any]) -> str:
+    counts: dict[str, int] = {}
+    for status, _, code in out:
+        key = f"{status}" + (f" {code}" if code else "")
+        counts[key] = counts.get(key, 0) + 1
+    slowest = max((s for _, s, _ in out), default=0.0)
+    return ", ".join(f"{n} x {k}" for k, n in sorted(counts.items())) + \
+        f" (last in {slowest:.1f} s)"
+
+
+def scenario_pattern_check(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    _warm(url, model, args)
+    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "structured_outputs": {
+        "json": {"type": "string", "pattern": "[a-z]{1,10000}"}}}
+    out: list[Any] = []
+    dones = [background(lambda: _post_json(url, "/v1/completions", body, args.timeout, out))
+             for _ in range(2)]
+    time.sleep(0.2)
+    row = probe_while(url, model, lambda: not all(d.is_set() for d in dones), args)
+    for d in dones:
+        d.wait(args.timeout)
+    row["load"] = "2 requests: " + _answers(out)
+    row["attack_statuses"] = [o[0] for o in out]
+    return row
+
+
+def _properties_schema(n: int, tag: str) -> dict[str, Any]:
+    return {"type": "object", "title": tag,
+            "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def _warm(url: str, model: str, args: argparse.Namespace) -> None:
+    """One small constrained request, so that a scenario measures a server that has served
+    one before (the first loads xgrammar in the processes that check and compile)."""
+    _post_json(url, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2,
+                                        "structured_outputs": {"choice": ["a", "b"]}},
+               args.timeout, [])
+
+
+def scenario_compile_flood(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    _warm(url, model, args)
+    out: list[Any] = []
+    dones = []
+    for i in range(4):
+        schema = _properties_schema(3000, f"flood {i}")
+        schema["properties"][f"q{i}"] = {"type": "string"}          # four distinct schemas
+        body = {"model": model, "prompt": "Hi", "max_tokens": 2,
+                "structured_outputs": {"json": schema}}
+        dones.append(background(lambda b=body: _post_json(url, "/v1/completions", b,
+                                                          args.timeout, out)))
+    time.sleep(0.5)
+    small: list[Any] = []
+
+    def busy() -> bool:
+        _post_json(url, "/v1/completions", {
+            "model": model, "prompt": "Hi", "max_tokens": 3,
+            "structured_outputs": {"choice": ["yes", "no"]}}, args.probe_timeout, small)
+        return not all(d.is_set() for d in dones)
+
+    row = probe_while(url, model, busy, args)
+    for d in dones:
+        d.wait(args.timeout)
+    row["load"] = (f"4 requests: {_answers(out)}; small constrained: "
+                   f"{_answers(small)}, max {max(s for _, s, _ in small):.2f} s")
+    row["small_constrained_max_s"] = max(s for _, s, _ in small)
+    row["small_constrained_ok"] = sum(st == 200 for st, _, _ in small)
+    row["attack_statuses"] = [o[0] for o in out]
+    return row
+
+
+def _tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and its descendants (bytes; shared pages once)."""
+    found, todo = {pid}, [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()} - found
+            except OSError:
+                continue
+            found |= kids
+            todo.extend(kids)
+    total = 0
+    for p in found:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def scenario_schema_memory(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    if server is None:
+        return {"load": "needs a server started here (not --url)"}
+    out: list[Any] = []
+
+    def schema(i: int) -> dict[str, Any]:
+        return {"type": "object", "description": f"{i:04d}" + "d" * 900_000,
+                "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+
+    def body(i: int) -> dict[str, Any]:
+        return {"model": model, "prompt": "Hi", "max_tokens": 1,
+                "structured_outputs": {"json": schema(i)}}
+
+    _post_json(url, "/v1/completions", body(-1), args.timeout, out)     # starts every process
+    before = _tree_pss(server.proc.pid)
+    t0 = time.perf_counter()
+    for i in range(150):
+        _post_json(url, "/v1/completions", body(i), args.timeout, out)
+        if (i + 1) % 50 == 0:
+            log(f"  {i + 1}/150 schemas, {(_tree_pss(server.proc.pid) - before) / 2**20:+.0f} "
+                "MiB")
+    took = time.perf_counter() - t0
+    after = _tree_pss(server.proc.pid)
+    row = probe_while(url, model, lambda: False, args)
+    grown = (after - before) / 2**20
+    row["load"] = (f"150 x 900 KB schemas in {took:.0f} s: {_answers(out[1:])}; the server's "
+                   f"processes {before / 2**20:.0f} -> {after / 2**20:.0f} MiB "
+                   f"({grown:+.0f} MiB)")
+    row["memory_growth_mib"] = grown
+    return row
+
+
+def scenario_amplification(url: str, model: str, server: ServerProcess | None,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}],
+            "n": 51, "logprobs": True, "top_logprobs": 20, "max_tokens": 2570,
+            "ignore_eos": True, "stream": True}
+    out: dict[str, Any] = {"status": None, "bytes": 0, "events": 0}
+    stop = threading.Event()
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                              timeout=args.timeout) as r:
+                out["status"] = r.status_code
+                for chunk in r.iter_bytes():
+                    out["bytes"] += len(chunk)
+                    out["events"] += chunk.count(b"data: ")
+                    if stop.is_set():
+                        break
+        except httpx.HTTPError as exc:
+            out["status"] = out["status"] or type(exc).__name__
+        out["seconds"] = time.perf_counter() - t0
+
+    done = background(run)
+    deadline = time.monotonic() + 60
+    while out["events"] < 52 and not done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0, bytes0 = time.perf_counter(), out["bytes"]
+    row = probe_while(url, model, lambda: not done.is_set(), args)
+    rate = (out["bytes"] - bytes0) / (time.perf_counter() - t0)
+    stop.set()
+    done.wait(args.timeout)
+    row["load"] = (f"{out['status']}" + (f", streaming {rate / 1e6:.2f} MB/s while probed "
+                                         f"({out['bytes'] / 1e6:.0f} MB sent; dropped after "
+                                         "the probes)" if out["status"] == 200 else
+                                         f" in {out.get('seconds', 0):.2f} s"))
+    row["load_status"] = out["status"]
+    row["load_bytes"] = out["bytes"]
+    return row
+
+
 def scenario_chat_flood(url: str, model: str, server: ServerProcess | None,
                         args: argparse.Namespace) -> dict[str, Any]:
     import httpx
@@ -329,7 +625,10 @@ def scenario_group_sigterm(url: str, model: str, server: ServerProcess | None,
 RUN: dict[str, Callable[..., dict[str, Any]]] = {
     "idle": scenario_idle, "stop-flood": scenario_stop_flood,
     "request-id": scenario_request_id, "worst-allowed": scenario_worst_allowed,
-    "slowloris": scenario_slowloris, "chat-flood": scenario_chat_flood,
+    "slowloris": scenario_slowloris, "body-drip": scenario_body_drip,
+    "pattern-check": scenario_pattern_check, "compile-flood": scenario_compile_flood,
+    "schema-memory": scenario_schema_memory, "amplification": scenario_amplification,
+    "chat-flood": scenario_chat_flood,
     "group-sigterm": scenario_group_sigterm}
 
 
@@ -366,8 +665,8 @@ def run_scenario(name: str, label: str, rev: Revision | None,
         config = None if args.config is None else str(Path(args.config).resolve())
         server = ServerProcess(config, env=rev.env if rev else None,
                                cwd=rev.path if rev else None,
-                               max_open_files=SLOWLORIS_FILE_LIMIT if name == "slowloris"
-                               else None)
+                               max_open_files={"slowloris": SLOWLORIS_FILE_LIMIT,
+                                               "body-drip": BODY_DRIP_FILE_LIMIT}.get(name))
         server.start()
         url = server.url
     try:

@@ -111,6 +111,15 @@ class LogitsProcessorsConfig(BaseModel):
                           "distribution:name picks one of two). Absent: every available one. "
                           "[] turns them all off (requests asking for structured outputs are "
                           "then refused).")
+    compile_timeout_s: float = Field(
+        10.0, gt=0, description="A request whose constraint (a structured-output grammar) is "
+                                "not compiled against the vocabulary this long after it reached "
+                                "the worker ends with an error naming the constraint (a 400 "
+                                "from the server); the compile runs in a child process, killed "
+                                "then.")
+    cache_bytes: int = Field(
+        64 << 20, ge=0, description="Compiled constraints kept for reuse, bounded by their "
+                                     "size in bytes (keys included).")
 
 
 class EngineConfig(BaseModel):

@@ -71,6 +71,10 @@ class InvalidRequestError(CorellmError, ValueError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self) -> tuple:
+        # Pickled as (field, message): raised in a check process, it reaches the server whole.
+        return type(self), (self.field, self.message)
+
 
 class CheckpointError(CorellmError):
     """A model checkpoint directory is missing, incomplete or malformed."""

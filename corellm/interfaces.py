@@ -375,11 +375,22 @@ class LogitsProcessor(ABC):
 
 class RequestsFailed(Exception):
     """Raised by ``LogitsProcessor.apply`` for requests it cannot serve: ``failed`` maps their
-    ids to the reason, and only they end (finish reason "error")."""
+    ids to the reason, and only they end (finish reason "error").
 
-    def __init__(self, failed: dict[str, str]) -> None:
-        super().__init__("; ".join(f"{rid}: {why}" for rid, why in failed.items()))
+    Plugin API 1.5: ``invalid`` maps the ids of requests that cannot be served because of what
+    they ask (a grammar that does not compile within the processor's deadline) to a reason that
+    starts with the request field at fault (``"structured_outputs.json: ..."``), and ``busy``
+    those that could not be served in time because of others' work (a compile queue too long):
+    they end the same way, and a server answers them with a 400, or a 503 to retry, not a 500.
+    """
+
+    def __init__(self, failed: dict[str, str], invalid: dict[str, str] | None = None,
+                 busy: dict[str, str] | None = None) -> None:
+        everything = {**failed, **(invalid or {}), **(busy or {})}
+        super().__init__("; ".join(f"{rid}: {why}" for rid, why in everything.items()))
         self.failed = failed
+        self.invalid = invalid or {}
+        self.busy = busy or {}
 
 
 class Executor(ABC):

@@ -86,7 +86,9 @@ class ModelRunnerOutput:
     # Seconds spent in the worker's phases this step: "prepare_inputs", "forward", "sample".
     timings: dict[str, float] = field(default_factory=dict)
     # Plugin API 1.4: requests the worker could not serve this step (a logits processor's
-    # RequestsFailed), with why; they are not in req_ids, and the engine ends them ("error").
+    # RequestsFailed), with why; they are not in req_ids, and the engine ends them ("error"),
+    # the reason as their stop_reason. A reason that starts with INVALID_REQUEST blames the
+    # request, one with SERVER_BUSY the server's load (plugin API 1.5).
     failed: dict[str, str] = field(default_factory=dict)
     # Plugin API 1.4: requests whose row was not sampled because a logits processor was not
     # ready for it (a grammar still compiling): not in req_ids; the scheduler has them compute
@@ -95,6 +97,13 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+# The start of the reason (the stop_reason of a request that ended with finish reason "error")
+# when the request itself is at fault, followed by the field and why: "invalid_request:
+# structured_outputs.json: ...". A server answers it with a 400 naming the field.
+INVALID_REQUEST = "invalid_request: "
+# ... and when the server was too busy with other requests' work to serve it in time: a 503.
+SERVER_BUSY = "server_busy: "
 
 
 @dataclass

@@ -272,8 +272,11 @@ class LogitsProcessorSpec(ComponentSpec):
     ``validate(params)`` runs where requests come in, before one enters the engine: it raises
     ``ValueError`` (or ``corellm.errors.InvalidRequestError`` naming the field) for parameters
     this processor would refuse, which the caller gets as a 400 / ``InvalidRequestError`` (any
-    other exception is the plugin's fault: a ``PluginError``); it must be quick and may be
-    called off the event loop, in a thread. ``structured_outputs``:
+    other exception is the plugin's fault: a ``PluginError``); it may be called off the event
+    loop, in a thread, or (the server) in a child process that is killed when it takes longer
+    than ``frontend.limits.constraints.check_timeout_s``. ``validate_imports`` (plugin API
+    1.5): modules ``validate`` imports, which such a process imports ahead (once, in its fork
+    server). ``structured_outputs``:
     the processor implements ``SamplingParams.structured_outputs`` (JSON schema, regex,
     choice, grammar); the enabled one of the highest ``priority`` serves them.
     """
@@ -281,6 +284,7 @@ class LogitsProcessorSpec(ComponentSpec):
     kind: ClassVar[str] = "logits_processor"
     section: ClassVar[str] = "logits_processors"
     validate: Callable[[Any], None] = _no_check
+    validate_imports: tuple[str, ...] = ()
     structured_outputs: bool = False
     priority: int = 0
 

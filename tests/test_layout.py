@@ -35,7 +35,8 @@ def imports_of(path: Path) -> set[str]:
 # package an imported module sits in (Python runs it first). The package's facade,
 # corellm/__init__.py, is left out: it re-exports from every layer, lazily.
 CORE_LAYERS: dict[str, list[str]] = {
-    "foundation": ["errors", "clock", "cache", "deprecation", "devices", "logs"],
+    "foundation": ["errors", "clock", "cache", "deprecation", "devices", "logs", "lru", "fair",
+                   "sandbox"],
     "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling"],
     "interfaces": ["attention", "policy_view", "interfaces"],
     "component specs": ["specs"],

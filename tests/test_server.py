@@ -610,6 +610,137 @@ def test_metrics_abort_of_a_waiting_request_is_an_event_record(llama_path, tmp_p
                         max_num_seqs=1)
 
 
+# --------------------------------------------------------------------------- /metrics: bytes sent
+def _response_bytes(text: str) -> dict[tuple[str, str], float]:
+    """{(stream label, "count" or "sum"): value} of ``corellm:response_bytes`` in /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.labels["stream"], s.name.rsplit("_", 1)[1]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "corellm:response_bytes"
+            for s in family.samples if s.name.endswith(("_count", "_sum"))}
+
+
+def test_metrics_response_bytes_are_the_bytes_the_client_received(server):
+    """One ``corellm:response_bytes`` observation per completions response, of exactly the
+    body bytes the client read: a stream's events and [DONE] (stream="true"), a JSON answer or
+    error whole (stream="false"). Observed as the stream's last byte is written, so a scrape
+    sent once the client has read it already shows it."""
+    def scrape() -> dict[tuple[str, str], float]:
+        return _response_bytes(httpx.get(server.url + "/metrics", timeout=30).text)
+
+    before = scrape()
+    assert set(before) == {(s, k) for s in ("true", "false") for k in ("count", "sum")}
+    comp = {"prompt": "Héllo", "max_tokens": 6, "n": 2, "logprobs": 3}
+    chat = {"messages": [{"role": "user", "content": "Héllo"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 3}
+    streamed = []
+    for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+        with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                          timeout=60) as r:
+            assert r.status_code == 200
+            raw = b"".join(r.iter_raw())
+        assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") > 3, raw
+        streamed.append(len(raw))
+    whole = []
+    for path, body, status in (("/v1/completions", comp, 200),
+                               ("/v1/chat/completions", chat, 200),
+                               ("/v1/completions", {**comp, "model": "gpt-17"}, 404)):
+        r = _post(server, path, body)
+        assert r.status_code == status, r.text
+        whole.append(len(r.content))
+    after = scrape()
+    grown = {key: after[key] - before[key] for key in before}
+    assert grown == {("true", "count"): 2, ("true", "sum"): sum(streamed),
+                     ("false", "count"): 3, ("false", "sum"): sum(whole)}, (streamed, whole)
+
+
+def test_metrics_response_bytes_of_an_event_stream_as_written():
+    """An event stream counts the encoded bytes Starlette sends: every event, the error event
+    and [DONE] included; a client gone mid-stream counts what was sent until then, whether the
+    server says so by a disconnect message (ASGI 2.3, uvicorn) or by a send that raises (2.4).
+    vLLM's naming has no such metric: nothing is counted there."""
+    from fastapi.responses import JSONResponse
+    from prometheus_client import generate_latest
+    from starlette.requests import ClientDisconnect
+
+    from corellm_plugins.frontend_openai.errors import APIError
+    from corellm_plugins.frontend_openai.metrics import EngineMetrics
+    from corellm_plugins.frontend_openai.streaming import _sse, _sse_data
+
+    class Engine:                       # what EngineMetrics asks of an AsyncLLM here
+        def add_stats_listener(self, listener) -> None:
+            pass
+
+    metrics = EngineMetrics(Engine(), "m")
+
+    def observed(stream: str) -> tuple[float, float]:
+        labels = {"model_name": "m", "stream": stream}
+        get = metrics.registry.get_sample_value
+        return (get("corellm:response_bytes_count", labels),
+                get("corellm:response_bytes_sum", labels))
+
+    async def serve(response, spec: str, receive, fail_at: int | None = None) -> list[bytes]:
+        """``response`` over ASGI; its body messages, the one numbered ``fail_at`` raising."""
+        bodies: list[bytes] = []
+
+        async def send(message) -> None:
+            if message["type"] == "http.response.body":
+                if len(bodies) == fail_at:
+                    raise OSError("connection reset")
+                bodies.append(message["body"])
+        await response({"type": "http", "asgi": {"spec_version": spec}}, receive, send)
+        return bodies
+
+    async def never() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def main() -> None:
+        async def failing():
+            yield _sse_data({"text": "héllo ✓"})
+            raise APIError(400, "too many")
+
+        response = metrics.count_response(_sse(failing(), []))
+        bodies = await serve(response, "2.3", never)
+        sent = b"".join(bodies)
+        assert sent.startswith(b'data: {"text": "h\xc3\xa9llo \xe2\x9c\x93"}\n\n')
+        assert b"too many" in sent and sent.endswith(b"data: [DONE]\n\n")
+        assert observed("true") == (1, len(sent))
+
+        gone = asyncio.Event()
+
+        async def endless():
+            for i in range(2):
+                yield _sse_data({"i": i})
+            gone.set()                  # both events sent: the client leaves
+            await asyncio.Event().wait()
+
+        async def disconnect() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        response = metrics.count_response(_sse(endless(), []))
+        bodies = await serve(response, "2.3", disconnect)
+        assert len(bodies) == 2 and observed("true") == (2, len(sent) + len(b"".join(bodies)))
+        response = metrics.count_response(_sse(endless(), []))
+        with pytest.raises(ClientDisconnect):
+            await serve(response, "2.4", never, fail_at=1)
+        assert observed("true") == (3, len(sent) + 2 * len(_sse_data({"i": 0})) +
+                                    len(_sse_data({"i": 1})))
+
+        assert observed("false") == (0, 0)
+        response = metrics.count_response(JSONResponse({"text": "héllo"}))
+        assert observed("false") == (1, len(response.body))
+
+        vllm = EngineMetrics(Engine(), "m", "vllm", max_model_len=64)
+        assert b"response_bytes" not in generate_latest(vllm.registry)
+        response = vllm.count_response(_sse(endless(), []))
+        assert response.on_sent is None
+
+    asyncio.run(main())
+
+
 # --------------------------------------------------------------------------- auth, faults
 @pytest.fixture
 def fragile_server(llama_path, tmp_path):

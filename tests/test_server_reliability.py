@@ -3,7 +3,10 @@ of the server keeps answering while the largest allowed request runs; malformed 
 naming the field, and every answer is the one /openapi.json documents (a seeded schemathesis
 run with its conformance checks); one request cannot starve the others of seats or of the API
 process; SIGTERM drains; the death of either process ends the other and leaves nothing behind;
-slow clients cannot take every connection, nor flood the log.
+slow clients cannot take every connection, nor flood the log, and bodies that drip cannot hold
+the connections; an output constraint cannot hold the check or compile capacity past a
+deadline, nor grow the server with each distinct schema; a response cannot grow past
+max_output_entries.
 
 Every test runs a live ``corellm serve`` on 127.0.0.1 and is bounded in time and request count,
 but for the connection rules' and the log filter's own tests, which run in process.
@@ -31,7 +34,8 @@ from tests.test_server import MAX_MODEL_LEN, Server, _pid_alive, _post, _server_
 from tests.test_sim import make_profile
 
 LIMITS = {"max_samples": 128, "max_generated_tokens": 128 * 64, "max_stop_strings": 64,
-          "max_stop_string_chars": 256, "max_stop_token_ids": 32, "max_logprobs_total": 512}
+          "max_stop_string_chars": 256, "max_stop_token_ids": 32, "max_logprobs_total": 512,
+          "max_output_entries": 32768}
 
 
 def _config(llama_path, **frontend) -> dict:
@@ -752,6 +756,275 @@ def test_slow_clients_cannot_exhaust_connections(llama_path, tmp_path):
         srv.stop(signal.SIGKILL)
 
 
+DRIP_BODY_BYTES = 200_000
+BODY_TIMEOUT_S = 10.0           # frontend.body_timeout_s's default
+DRIP_CONNECTIONS_MAX = 1000
+
+
+def test_body_drip_cannot_lock_out_new_connections(llama_path, tmp_path):
+    """Body drip against the default configuration: as many connections as the server holds
+    (its start-up log says how many; open-file limit 256), each sending a complete head for a
+    200,000-byte body on time and then a byte of it a second, refilled as the server closes
+    them. While they run, /health from a new connection answers 200, 3 of 3 times, and a
+    one-token completion is served within 15 s; the drippers are answered 408 once their body
+    deadline passes (frontend.body_timeout_s, then frontend.body_min_rate); the app's handlers
+    awaiting their bodies end without an error and the log stays small. Bounded: 1,000
+    connections, under a minute."""
+    srv = Server(tmp_path, _server_config(llama_path), preexec_fn=_low_file_limit)
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    held = next(line for line in srv.log if "holding up to " in line)
+    cap = int(held.split("holding up to ", 1)[1].split()[0])
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n{" % DRIP_BODY_BYTES)
+    sel = selectors.DefaultSelector()
+    live: set[socket.socket] = set()
+    answers: collections.Counter[str] = collections.Counter()
+    stats = {"opened": 0, "closed": 0}
+    filled, stop = threading.Event(), threading.Event()
+
+    def open_one() -> None:
+        if stats["opened"] >= DRIP_CONNECTIONS_MAX:
+            return
+        stats["opened"] += 1
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(head)
+        sock.setblocking(False)
+        live.add(sock)
+        sel.register(sock, selectors.EVENT_READ)
+
+    def drip() -> None:
+        """Fill the cap; then every second: note the connections the server closed (after
+        whatever it answered) and open one in each one's place, and send a byte of body on
+        the others."""
+        for _ in range(cap):
+            open_one()
+        filled.set()
+        while not stop.is_set():
+            for key, _ in sel.select(timeout=0):
+                sock = key.fileobj
+                try:
+                    data = sock.recv(65536)
+                    if data:
+                        answers[data.split(b"\r\n", 1)[0].decode()] += 1
+                        continue                            # an answer; EOF comes next
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                sel.unregister(sock)
+                live.discard(sock)
+                sock.close()
+                stats["closed"] += 1
+                open_one()
+            for sock in list(live):
+                try:
+                    sock.send(b" ")
+                except BlockingIOError:
+                    pass
+                except OSError:                             # reset: noted on the next select
+                    pass
+            stop.wait(1.0)
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    log_at_start = len(srv.log)
+    try:
+        model = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        t_start = time.monotonic()
+        dripper.start()
+        assert filled.wait(30), "could not open the drip connections"
+        time.sleep(1.0)                                     # every head in, bodies dripping
+        dripping = len(live)
+        assert dripping >= cap - 2 and stats["closed"] <= 2, (dripping, stats)
+        health = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r = httpx.get(srv.url + "/health", timeout=5.0)
+            health.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)
+        t0 = time.perf_counter()
+        r = httpx.post(srv.url + "/v1/completions", timeout=15.0,
+                       json={"model": model, "prompt": "Hi", "max_tokens": 1})
+        completion = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
+        _wait(lambda: answers["HTTP/1.1 408 Request Timeout"] >= cap // 2,
+              BODY_TIMEOUT_S + 10, "the server to answer the drippers 408")
+        timed_out = time.monotonic() - t_start
+        assert httpx.get(srv.url + "/health", timeout=5.0).status_code == 200
+        stop.set()
+        dripper.join(10)
+        log = srv.log[log_at_start:]
+        log_bytes = sum(map(len, log))
+        print(f"\n{cap} body drippers (file limit {FILE_LIMIT}), {stats['opened']} opened in "
+              f"all: /health {', '.join(f'{t * 1e3:.0f}' for t in health)} ms, a completion "
+              f"{completion * 1e3:.0f} ms with {dripping} of them open; {dict(answers)}, "
+              f"half the first wave answered 408 {timed_out:.1f} s in; {len(log)} log lines "
+              f"({log_bytes} bytes)")
+        assert not answers.keys() - {"HTTP/1.1 408 Request Timeout"}, answers
+        assert timed_out < BODY_TIMEOUT_S + 8
+        assert not any("Exception in ASGI application" in line for line in log), "".join(log)
+        assert log_bytes < 20_000, "".join(log[:40])
+        for sock in list(live):
+            sock.close()                # else the drain waits for their requests
+        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+    finally:
+        stop.set()
+        if dripper.is_alive():
+            dripper.join(5)
+        for sock in list(live):
+            sock.close()
+        srv.stop(signal.SIGKILL)
+
+
+def test_body_rules_in_process():
+    """The body rules, against a small app with short timeouts (no engine): a body trickled
+    under ``body_min_rate`` past ``body_timeout_s`` is a 408 and the connection is closed, the
+    app's handler awaiting the body seeing the client gone (no error of its own); a body at a
+    good rate is served though it takes longer than ``body_timeout_s``; a body still arriving
+    after the app has answered is cut off at its deadline without a 408 behind the answer; at
+    the cap a new connection takes the place of a connection waiting for a head, then of the
+    one receiving a body longest, never of a request in progress, and gets no 503."""
+    import asyncio
+
+    import uvicorn
+
+    from corellm_plugins.frontend_openai.server import _uvicorn_server
+
+    release = asyncio.Event()
+    gone: list[str] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/wait":
+            await release.wait()
+        size = 0
+        while scope["path"] != "/early":           # /early answers without reading the body
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.append(scope["path"])
+                return
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"%d" % size
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def reply(reader) -> bytes:
+        return await asyncio.wait_for(reader.read(), 5)        # to EOF: the server closes
+
+    def post(path: str, length: int) -> bytes:
+        return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (
+            path.encode(), length)
+
+    async def trickle(reader, writer, chunk: bytes, every_s: float, total: int) -> None:
+        """``chunk`` every ``every_s`` seconds, up to ``total`` bytes (cancelled once the
+        server has answered)."""
+        sent = 0
+        while sent < total and not reader.at_eof():
+            writer.write(chunk[:total - sent])
+            sent += len(chunk)
+            await asyncio.sleep(every_s)
+
+    async def main() -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11", ws="none",
+                                timeout_keep_alive=5)
+        # A body has 1 s, then must come at 100 bytes/s.
+        server = _uvicorn_server(config, sock, cap=3, header_timeout_s=0.5, body_timeout_s=1.0,
+                                 body_min_rate=100)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+
+        def connect():
+            return asyncio.open_connection("127.0.0.1", port)
+
+        async def slow(r, w) -> tuple[bytes, float]:
+            """10 bytes/s of a 1,000-byte body: 408 once the 1 s has passed."""
+            t0 = time.monotonic()
+            w.write(post("/slow", 1000))
+            dripping = asyncio.create_task(trickle(r, w, b"x", 0.1, 1000))
+            answer = await reply(r)
+            dripping.cancel()
+            return answer, time.monotonic() - t0
+
+        async def steady(r, w) -> bytes:
+            """300 bytes/s of a 450-byte body: 1.5 s, longer than the 1 s, and served."""
+            w.write(post("/steady", 450))
+            dripping = asyncio.create_task(trickle(r, w, b"x" * 30, 0.1, 450))
+            answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n450"), 5)
+            await dripping
+            return answer
+
+        async def early(r, w) -> bytes:
+            """Answered at once; the body then dripped: closed at the deadline, no 408."""
+            w.write(post("/early", 1000))
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n0"), 5)
+            dripping = asyncio.create_task(trickle(r, w, b"x", 0.1, 1000))
+            try:
+                rest = await reply(r)
+            except ConnectionResetError:            # aborted with a byte of body unread
+                rest = b""
+            dripping.cancel()
+            return head + rest
+
+        conns = [await connect() for _ in range(3)]
+        (too_slow, took), served, answered = await asyncio.gather(
+            slow(*conns[0]), steady(*conns[1]), early(*conns[2]))
+        assert too_slow.startswith(b"HTTP/1.1 408"), too_slow
+        assert 0.9 < took < 3, took
+        assert served.startswith(b"HTTP/1.1 200"), served
+        assert answered.startswith(b"HTTP/1.1 200") and b"408" not in answered, answered
+        await asyncio.sleep(0.1)
+        assert gone == ["/slow"]                    # its handler saw the client go, and ended
+        for _, w in conns:
+            w.close()
+        await asyncio.sleep(0.1)
+
+        # at the cap (3): a request in progress and two bodies arriving; a new connection takes
+        # the place of the older body, and then, kept alive, is the one that makes room
+        busy_r, busy_w = await connect()
+        busy_w.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        bodies = []
+        for _ in range(2):
+            r, w = await connect()
+            w.write(post("/", 1000) + b"x")
+            bodies.append((r, w))
+            await asyncio.sleep(0.1)
+        t_body = time.monotonic()
+        r, w = await connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n0"), 5)).startswith(
+            b"HTTP/1.1 200")
+        assert await reply(bodies[0][0]) == b""
+        r2, w2 = await connect()
+        w2.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r2.readuntil(b"\r\n\r\n0"), 5)).startswith(
+            b"HTTP/1.1 200")
+        assert await reply(r) == b""                # the idle one went before the body
+        assert time.monotonic() - t_body < 0.8      # and the younger body is still open
+        assert not bodies[1][0].at_eof()
+        assert (await reply(bodies[1][0])).startswith(b"HTTP/1.1 408")    # at its deadline
+        await asyncio.sleep(0.1)
+        assert gone == ["/slow", "/", "/"]          # the evicted body's handler ended too
+        release.set()
+        assert b"200" in await asyncio.wait_for(busy_r.readuntil(b"\r\n\r\n0"), 5)
+        for _, writer in [(busy_r, busy_w), *bodies, (r, w), (r2, w2)]:
+            writer.close()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+
+
 def test_connection_rules_in_process():
     """The listener's rules, against a small app with short timeouts (no engine): a head begun
     on a kept-alive connection and not finished is a 408; a connection that sends nothing is
@@ -845,7 +1118,7 @@ def test_repeated_log_lines_collapse():
     """Like lines (same logger, level and template) within the window log once, then a count."""
     import logging
 
-    from corellm_plugins.frontend_openai.connections import RepeatFilter
+    from corellm_plugins.frontend_openai.log_repeats import RepeatFilter
 
     records = []
 
@@ -1073,3 +1346,207 @@ def test_recursion_in_chat_template_kwargs_names_it(default_server, path):
     err = r.json()["error"]
     assert err["param"] == "chat_template_kwargs" and \
         err["message"].startswith("chat_template_kwargs: "), err
+
+
+# --------------------------------------------------------------------------- constraints
+# What structured outputs let one client do to the others: a constraint that is expensive to
+# check or to compile, many distinct large constraints, and a response many times its request.
+def _constraint_config(llama_path) -> dict:
+    """Bounds raised out of the way and short deadlines, so that what is measured is the
+    deadlines: the check processes' (1 s) and the compile processes' (2 s)."""
+    cfg = _config(llama_path, limits={**LIMITS, "constraints": {
+        "max_repetition": 1_000_000, "max_properties": 1_000_000, "check_timeout_s": 1.0}})
+    cfg["logits_processors"] = {"compile_timeout_s": 2.0}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def constraint_server(llama_path, tmp_path_factory):
+    pytest.importorskip("xgrammar")
+    srv = Server(tmp_path_factory.mktemp("reliability-constraints"),
+                 _constraint_config(llama_path))
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+
+
+def _props(n: int, pad: int = 0) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)},
+            **({"description": "d" * pad} if pad else {})}
+
+
+@pytest.mark.parametrize("so, field, key", [
+    ({"json": {"type": "string", "pattern": "[a-z]{1,10000}"}}, "structured_outputs.json",
+     "max_repetition"),
+    ({"regex": "([a-z]{1,100}){1,100}"}, "structured_outputs.regex", "max_repetition"),
+    ({"grammar": 'root ::= [a-z]{1,5000}'}, "structured_outputs.grammar", "max_repetition"),
+    ({"json": _props(3000)}, "structured_outputs.json", "max_properties"),
+    (None, None, None),
+])
+def test_constraint_bounds_are_400s_naming_field_and_key(default_server, so, field, key):
+    """Before anything parses a constraint, its shape is held to frontend.limits.constraints:
+    a pattern's counted repetitions, a schema's properties, its depth, its size."""
+    if field is None:                   # a schema nested 40 deep: max_depth (32)
+        deep: dict = {"type": "string"}
+        for _ in range(40):
+            deep = {"type": "array", "items": deep}
+        so, field, key = {"json": deep}, "structured_outputs.json", "max_depth"
+    t0 = time.perf_counter()
+    r = _post(default_server, "/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                                  "structured_outputs": so})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"frontend.limits.constraints.{key}" in err["message"], err
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_response_format_bounds_name_the_openai_field(default_server):
+    r = _post(default_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "[a-z]{1,10000}"}}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_a_slow_constraint_check_is_killed_and_delays_nobody(constraint_server):
+    """Two ~150-byte requests whose pattern xgrammar takes minutes to parse (the bounds raised
+    out of the way here): each check runs in a check process killed at check_timeout_s (1 s),
+    each request gets a 400 naming the field and the key, and meanwhile plain one-token
+    completions (tokenized on other threads) are answered at once; the check processes take
+    the next constraint at once."""
+    srv = constraint_server
+    attack = {"prompt": "x", "max_tokens": 1,
+              "structured_outputs": {"json": {"type": "string", "pattern": "[a-z]{1,40000}"}}}
+    answers: list = []
+
+    def send() -> None:
+        r = _post(srv, "/v1/completions", attack)
+        answers.append((time.perf_counter(), r))
+
+    attackers = [threading.Thread(target=send) for _ in range(2)]
+    t0 = time.perf_counter()
+    for t in attackers:
+        t.start()
+    time.sleep(0.2)
+    plain = []
+    while any(t.is_alive() for t in attackers) and len(plain) < 20:
+        t1 = time.perf_counter()
+        r = _post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        plain.append(time.perf_counter() - t1)
+    for t in attackers:
+        t.join(60)
+    print(f"\ntwo slow constraint checks: answered in "
+          f"{', '.join(f'{a - t0:.1f}' for a, _ in answers)} s; {len(plain)} plain completions "
+          f"meanwhile, max {max(plain, default=0) * 1e3:.0f} ms")
+    for _, r in answers:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "structured_outputs.json", err
+        assert "frontend.limits.constraints.check_timeout_s" in err["message"], err
+    assert all(a - t0 < 15 for a, _ in answers)
+    assert plain and max(plain) < 3.0, plain
+    r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                       "structured_outputs": {"regex": "(ab|cd){2}"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in (
+        "abab", "abcd", "cdab", "cdcd"), r.text
+
+
+def test_slow_compiles_are_killed_and_small_constraints_keep_being_served(constraint_server):
+    """Four schemas of 6,000 properties (parsed at once, compiled against the vocabulary far
+    slower than compile_timeout_s: 2 s): each compile runs in a compile process killed at the
+    deadline, its request a 400 naming the field and the key; one still queued behind the
+    others after 3 x the deadline is a 503 to retry; none is a 500. Small constrained requests
+    sent meanwhile are answered with a 200 well within 15 s (compiles are queued cheapest
+    first, one compile worker kept for small ones), and the compile workers serve the next
+    constraint at once."""
+    srv = constraint_server
+    answers: list = []
+
+    def attack(i: int) -> None:
+        so = {"json": {**_props(6000), "title": f"attack {i}"}}
+        so["json"]["properties"][f"x{i}"] = {"type": "string"}   # distinct: no cache shared
+        answers.append(_post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                      "structured_outputs": so}))
+
+    attackers = [threading.Thread(target=attack, args=(i,)) for i in range(4)]
+    for t in attackers:
+        t.start()
+    time.sleep(0.5)
+    small = []
+    for i in range(3):
+        t1 = time.perf_counter()
+        r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4, "structured_outputs": {
+            "choice": [f"yes{i}", f"no{i}"]}})
+        small.append(time.perf_counter() - t1)
+        assert r.status_code == 200, r.text
+    for t in attackers:
+        t.join(120)
+    print(f"\nfour slow compiles: small constrained requests answered in "
+          f"{', '.join(f'{s:.2f}' for s in small)} s")
+    assert max(small) < 15, small
+    assert len(answers) == 4, [r.text for r in answers]
+    for r in answers:
+        err = r.json()["error"]
+        if r.status_code == 503:
+            assert err["code"] == "server_busy" and r.headers["retry-after"], err
+            continue
+        assert r.status_code == 400, r.text
+        assert err["param"] == "structured_outputs.json", err
+        assert "logits_processors.compile_timeout_s" in err["message"], err
+    assert sum(r.status_code == 400 for r in answers) >= 2, [r.text for r in answers]
+    r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4, "structured_outputs": {
+        "regex": "(ab|cd){2}"}})
+    assert r.status_code == 200, r.text
+
+
+def _tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and all its descendants, in bytes: shared pages (the
+    fork servers' preloaded modules) counted once over the processes sharing them."""
+    total = 0
+    for p in {pid, *_children(pid)}:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def test_distinct_large_schemas_do_not_grow_the_server(constraint_server):
+    """150 distinct schemas of 900 KB each (a description padding a small schema): every cache
+    on their way is bounded by bytes and keyed by a digest of what constrains (annotations
+    dropped), so the server's processes (API, engine, their check and compile processes) grow
+    by under 96 MiB, measured after a first constrained request has started them."""
+    srv = constraint_server
+    body = {"prompt": "x", "max_tokens": 1}
+    assert _post(srv, "/v1/completions", {**body, "structured_outputs": {
+        "json": _props(3, pad=900_000)}}).status_code == 200
+    before = _tree_pss(srv.proc.pid)
+    for i in range(150):
+        schema = _props(3)
+        schema["description"] = f"{i:04d}" + "d" * 900_000
+        r = _post(srv, "/v1/completions", {**body, "structured_outputs": {"json": schema}})
+        assert r.status_code == 200, r.text
+    after = _tree_pss(srv.proc.pid)
+    print(f"\n150 distinct 900 KB schemas: the server's processes {before / 2**20:.0f} -> "
+          f"{after / 2**20:.0f} MiB (PSS)")
+    assert after - before < 96 << 20, (before, after)
+
+
+def test_output_amplification_is_refused(server):
+    """n x max_tokens x logprob width is bounded (frontend.limits.max_output_entries, 32,768
+    here): a request that each other limit lets through (32 samples x 200 tokens within
+    max_generated_tokens, 10 alternatives x 32 within max_logprobs_total) but whose response
+    would carry 76,800 entries is a 400 naming the fields; without logprobs it is served."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 32, "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    r = _post(server, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 10})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "frontend.limits.max_output_entries" in \
+        err["message"] and "top_logprobs" in err["message"], err
+    r = _post(server, "/v1/chat/completions", {**body, "max_tokens": 2, "logprobs": True,
+                                               "top_logprobs": 10})
+    assert r.status_code == 200, r.text

@@ -73,6 +73,7 @@ CORELLM_FAMILIES = {
     "corellm:time_per_output_token_seconds", "corellm:e2e_request_latency_seconds",
     "corellm:request_queue_time_seconds", "corellm:request_aborted",
     "corellm:iteration_tokens_total",     # from the StepStats stream
+    "corellm:response_bytes",             # observed as responses are written
 }
 
 
@@ -341,7 +342,8 @@ def test_default_prefix_names_unchanged(dserver):
     assert _families(dserver) == CORELLM_FAMILIES
     assert not any(name.startswith("vllm:") for name, _ in after)
     for name, labels in after:
-        assert set(dict(labels)) <= {"model_name", "finished_reason", "reason", "le"}, \
+        assert set(dict(labels)) <= {"model_name", "finished_reason", "reason", "stream",
+                                     "le"}, \
             (name, labels)
     for name, moved in (("corellm:generation_tokens_total", 3),
                         ("corellm:e2e_request_latency_seconds_count", 1),

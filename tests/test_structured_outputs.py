@@ -202,33 +202,40 @@ def test_constrained_output_on_the_random_checkpoint(llama_path):
         assert_pool_whole(llm)
 
 
-def test_a_grammar_past_its_compile_bound_ends_its_request_alone(llama_path, monkeypatch):
-    """The worker compiles in the background; until the grammar is ready the request's row is
-    not sampled (its last token is computed again) while the batch goes on, and a compile
-    slower than COMPILE_TIMEOUT_S ends that request ("error"), not the batch."""
-    import threading
+def test_a_grammar_past_its_compile_deadline_ends_its_request_alone_with_a_400_reason(
+        llama_path):
+    """The worker compiles in the background, first in a compile process: a schema that xgrammar
+    parses at once but compiles against the vocabulary far slower than
+    ``logits_processors.compile_timeout_s`` (1 s here; 6,000 properties take tens of seconds,
+    growing faster than linearly) has that process killed at the deadline, and its request
+    ends ("error") with a reason that blames the request, names its field and the key (a 400
+    from the server), while the batch goes on; the compile workers are free again at once (a
+    small constraint compiles next), and every KV block is back in the pool."""
+    import time
 
-    from corellm_plugins.structured_xgrammar import processor as xp
+    from corellm.outputs import INVALID_REQUEST
 
-    release = threading.Event()
-    original = xp.XGrammarProcessor._compile
-
-    def slow(self, kind, text):
-        if kind == "regex" and text == "z+":
-            release.wait(10)
-        return original(self, kind, text)
-
-    monkeypatch.setattr(xp, "COMPILE_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(xp.XGrammarProcessor, "_compile", slow)
-    with LLM(engine_config(llama_path)) as llm:
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
+    with LLM(engine_config(llama_path, logits_processors={"compile_timeout_s": 1.0})) as llm:
+        t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, [
             SamplingParams(max_tokens=6, temperature=0.0,
-                           structured_outputs=StructuredOutputsParams(regex="z+")),
+                           structured_outputs=StructuredOutputsParams(json=slow)),
             SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)], use_tqdm=False)
-        release.set()
-        assert outs[0].outputs[0].finish_reason == "error"
+        took = time.perf_counter() - t0
+        bad = outs[0].outputs[0]
+        assert bad.finish_reason == "error"
+        assert bad.stop_reason.startswith(INVALID_REQUEST + "structured_outputs.json: ")
+        assert "logits_processors.compile_timeout_s" in bad.stop_reason
         assert outs[1].outputs[0].finish_reason == "length"
         assert len(outs[1].outputs[0].token_ids) == 6
+        # The fork server's start (importing xgrammar) plus the deadline, not the compile.
+        assert took < 30, took
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            max_tokens=12, temperature=0.0,
+            structured_outputs=StructuredOutputsParams(regex="(ab|cd){2}")),
+            use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch("(ab|cd){2}", out.text) and out.finish_reason == "stop"
         assert_pool_whole(llm)
 
 

@@ -125,12 +125,14 @@ class AsyncLLM:
                           user: str | None = None, session_id: str | None = None,
                           group_id: str | None = None,
                           output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                          ) -> RequestStream:
+                          params_checked: bool = False) -> RequestStream:
         """Validate and submit a request now; return the iterator of its outputs. A server uses
         this to answer bad input with an error status before it starts a streaming response.
         Requests given the same ``group_id`` (the prompts of one client call) share that call's
         seats in the batch (``scheduler.max_num_seqs_per_request``); the ``n`` samples of one
-        request always do."""
+        request always do. ``params_checked``: the caller has had the logits processors check
+        ``sampling_params`` (``processor.checker``) already, as the server does in its check
+        processes; they are not checked again here, on the event loop."""
         if self.is_dead:
             raise self.dead_error or EngineDeadError(self.client.dead_reason or "engine is dead")
         if self._rejecting is not None:
@@ -138,7 +140,8 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         text, core_request = self.processor.process(rid, prompt, sampling_params, priority,
                                                     user=user, session_id=session_id,
-                                                    group_id=group_id)
+                                                    group_id=group_id,
+                                                    params_checked=params_checked)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         state = self.output_processor.add_request(rid, text, core_request, output_kind, queue)
         try:

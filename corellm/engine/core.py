@@ -346,7 +346,10 @@ class EngineCore:
         end with reason "error" before the step's update, which then passes them by."""
         for rid, why in failed.items():
             logger.warning("request %s ended: %s", rid, why)
-        return self.scheduler.abort_requests(list(failed), RequestStatus.FINISHED_ERROR)
+        outputs = self.scheduler.abort_requests(list(failed), RequestStatus.FINISHED_ERROR)
+        for out in outputs:
+            out.stop_reason = failed[out.request_id]      # why, for its client
+        return outputs
 
     def _fail(self, request_ids: Iterable[str]) -> None:
         """Nothing is lost when a step raises: the requests it touched end with reason "error"

@@ -45,8 +45,8 @@ class Processor:
     def check_params(self, params: SamplingParams) -> None:
         """The enabled logits processors' checks of ``params`` (a structured-output schema
         that does not compile, say): an ``InvalidRequestError`` naming the field. The server
-        runs it in a thread first (parsing a schema may take a while), then ``process`` again,
-        which the processors answer from their caches."""
+        runs the checker in its check processes instead (parsing a schema may take a while:
+        there a deadline can stop it), then ``process`` with ``params_checked``."""
         if params.structured_outputs is not None or self.checker.entries:
             try:
                 self.checker.check(params)
@@ -102,12 +102,13 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, *, user: str | None = None, session_id: str | None = None,
                 group_id: str | None = None, arrival_time: float | None = None,
-                ) -> tuple[str | None, EngineCoreRequest]:
+                params_checked: bool = False) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant),
         ``session_id`` and ``group_id`` (the client call it belongs to) are scheduling
         attributes: policies read them, the model never does.
         ``arrival_time`` defaults to now (``time.time()``); a caller driving an engine on a
-        virtual clock passes that clock's ``time()``."""
+        virtual clock passes that clock's ``time()``. ``params_checked``: ``check_params``
+        has run on ``params`` already (a server runs it in processes a deadline can kill)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got "
                                       f"{type(params).__name__}")
@@ -125,7 +126,8 @@ class Processor:
             raise InvalidRequestError("sampling_params.stop", "stop strings are matched in the "
                                       "text, which an engine without its tokenizer "
                                       "(skip_tokenizer_init) does not make; use stop_token_ids")
-        self.check_params(params)
+        if not params_checked:
+            self.check_params(params)
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:

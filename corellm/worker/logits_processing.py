@@ -13,6 +13,7 @@ import torch
 from corellm.components import BuildContext
 from corellm.errors import PluginError
 from corellm.interfaces import LogitsProcessor, RequestsFailed
+from corellm.outputs import INVALID_REQUEST, SERVER_BUSY
 from corellm.registry import RegisteredComponent, call_factory
 from corellm.worker.request_state import CachedRequestState
 
@@ -118,6 +119,10 @@ class LogitsProcessorSet:
             except RequestsFailed as exc:
                 for rid, why in exc.failed.items():
                     failed[rid] = f"{self.entries[k].describe()}: {why}"
+                for rid, why in exc.invalid.items():
+                    failed[rid] = INVALID_REQUEST + why
+                for rid, why in exc.busy.items():
+                    failed[rid] = SERVER_BUSY + why
             except Exception as exc:            # its requests fail; the batch samples on
                 logger.error("%s: apply() raised", self.entries[k].describe(), exc_info=exc)
                 for rid in rids:

@@ -119,13 +119,13 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
         "The completion; with stream: true, its chunks as server-sent events.", Completion,
         stream=CompletionChunk), REQUEST_ERRORS))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await run(request, serving.completions(body))
+        return metrics.count_response(await run(request, serving.completions(body)))
 
     @app.post("/v1/chat/completions", responses=responses(json_body(
         "The chat completion; with stream: true, its chunks as server-sent events.",
         ChatCompletion, stream=ChatCompletionChunk), REQUEST_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await run(request, serving.chat(body))
+        return metrics.count_response(await run(request, serving.chat(body)))
 
     @app.post("/tokenize", openapi_extra=_tokenize_body_schema(), responses=responses(
         json_body("The token ids.", TokenizeResponse), REQUEST_ERRORS))

@@ -1,5 +1,5 @@
-"""The server's connections: how many it holds, how long a client may take to send a request
-head, and a log that a flood of connections cannot flood.
+"""The server's connections: how many it holds, and how long a client may take to send a request
+head and its body (the log that a flood of connections cannot flood: ``log_repeats``).
 
 A connection costs the process an open file. Left to asyncio, the listening socket is accepted
 from until the file limit is reached; then ``accept()`` fails with EMFILE, asyncio logs each
@@ -9,10 +9,13 @@ by a ``Listener`` that holds at most ``frontend.max_connections`` connections, w
 is what the file limit leaves once the engine's own files are open. At the cap it makes room by
 closing the connection that has waited longest for a request head (an idle keep-alive or a slow
 client: nothing in progress is lost), as nginx reuses its idle connections when
-``worker_connections`` runs out; only when every connection has a request in progress is a new
-one refused, with a canned 503 written without parsing anything. A connection that has not sent
-a complete request head within ``frontend.header_timeout_s`` is closed (a 408 when part of a
-head came), so slow clients give their files back.
+``worker_connections`` runs out, else the one that has been receiving a request body longest
+(its request cannot have started to be served); only when every connection has its whole
+request in and a response in progress is a new one refused, with a canned 503 written without
+parsing anything. A connection that has not sent a complete request head within
+``frontend.header_timeout_s`` is closed (a 408 when part of a head came), and so is one whose
+body does not keep arriving: ``frontend.body_timeout_s``, then ``frontend.body_min_rate`` bytes a
+second (a 408), as Apache's mod_reqtimeout does; so slow clients give their files back.
 """
 
 from __future__ import annotations
@@ -24,12 +27,11 @@ import logging
 import os
 import resource
 import socket
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import h11
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from corellm.errors import CorellmError
@@ -131,51 +133,165 @@ def connection_cap(configured: int | None) -> int:
 
 
 # --------------------------------------------------------------------------- connections
+class _Flow(FlowControl):
+    """uvicorn's flow control, which also counts the time reading is paused: uvicorn stops
+    reading a body while the app has not taken the last 64 KiB read (``HIGH_WATER_LIMIT``), and
+    that time is the server's, not the client's, so the body deadline does not count it."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
+        self.clock = asyncio.get_running_loop().time
+        self.paused_at: float | None = None
+        self.paused_total = 0.0
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.paused_at = self.clock()
+        super().pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused and self.paused_at is not None:
+            self.paused_total += self.clock() - self.paused_at
+            self.paused_at = None
+        super().resume_reading()
+
+    def paused_s(self) -> float:
+        """Seconds reading has been paused so far, a pause in progress included."""
+        now = 0.0 if self.paused_at is None else self.clock() - self.paused_at
+        return self.paused_total + now
+
+
 class Connection(H11Protocol):
-    """uvicorn's h11 protocol, on a deadline while it waits for a request head and known to its
-    ``Listener``, which may close it then to make room.
+    """uvicorn's h11 protocol, on a deadline while it waits for a request head or receives a
+    request body, and known to its ``Listener``, which may close it then to make room.
 
     A new connection has ``header_timeout_s`` to send its first request head. Between requests
     uvicorn's keep-alive timeout closes an idle connection, but any byte cancels that timer, so
-    from a next request's first byte its head has ``header_timeout_s`` too."""
+    from a next request's first byte its head has ``header_timeout_s`` too.
+
+    A body (h11's ``SEND_BODY``: the head came, the body has not all come) has
+    ``body_timeout_s`` from the end of the head, extended by a second for every
+    ``body_min_rate`` bytes received (0: the whole body within ``body_timeout_s``), as Apache's
+    mod_reqtimeout does with ``body=10,MinRate=500``: a client on a slow link keeps sending, one
+    that drips a byte a second to hold the connection does not. Time while the server has paused
+    reading (the app has not taken the body read so far) is not counted. The deadline is
+    checked when it is due, not on every read, so a fast body costs a counter."""
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], *,
-                 listener: Listener, header_timeout_s: float) -> None:
+                 listener: Listener, header_timeout_s: float, body_timeout_s: float,
+                 body_min_rate: int) -> None:
         super().__init__(config, server_state, app_state)
         self.listener = listener
         self.header_timeout_s = header_timeout_s
+        self.body_timeout_s, self.body_min_rate = body_timeout_s, body_min_rate
         self.head_timer: asyncio.TimerHandle | None = None
         self.head_started = False          # some bytes of the awaited head have come
+        self.body_timer: asyncio.TimerHandle | None = None
+        self.body_started = 0.0            # loop time at the end of the current request's head
+        self.body_received = 0             # bytes read since (the body's, its framing's)
+        self.body_paused = 0.0             # the flow's paused_s() then
         self.held = True                   # counted in the listener's ``held``
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _Flow(transport)
         self.head_timer = self.loop.call_later(self.header_timeout_s, self.head_timed_out)
         self.listener.waiting(self)
 
     def data_received(self, data: bytes) -> None:
+        receiving = self.body_timer is not None
         super().data_received(data)
         if self.transport.is_closing():
             return
-        if self.conn.their_state is h11.IDLE:
-            self.head_started = True
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if receiving:
+                self.body_received += len(data)
+            else:
+                self.start_body()
+            return
+        self.end_body()
+        if state is h11.IDLE:
+            # Some bytes of a head; or a body that ended after its response was sent (a 413 or
+            # 415 is answered without reading the body), and then maybe the next head's first.
+            self.head_started = not receiving or bool(self.conn.trailing_data[0])
             if self.head_timer is None:
                 self.head_timer = self.loop.call_later(self.header_timeout_s,
                                                        self.head_timed_out)
+            if receiving:
+                self.listener.waiting(self)
         else:
             self.cancel_head_timer()
             self.listener.busy(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE:
             self.head_started = False
             self.listener.waiting(self)
+        elif self.conn.their_state is h11.SEND_BODY and self.body_timer is None:
+            self.start_body()           # a pipelined request's head, read with the response
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.cancel_head_timer()
+        self.end_body()
         self.listener.release(self)
+
+    def start_body(self) -> None:
+        self.cancel_head_timer()
+        self.body_started = self.loop.time()
+        self.body_received = 0
+        self.body_paused = self.flow.paused_s()
+        self.body_timer = self.loop.call_later(self.body_timeout_s, self.body_timed_out)
+        self.listener.receiving(self)
+
+    def end_body(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+
+    def body_deadline(self) -> float:
+        if not self.body_min_rate:
+            extension = 0.0
+        else:
+            extension = self.body_received / self.body_min_rate
+        paused = self.flow.paused_s() - self.body_paused
+        return self.body_started + self.body_timeout_s + extension + paused
+
+    def body_timed_out(self) -> None:
+        self.body_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:
+            # Not the client's time: look again once the app may have taken the body.
+            self.body_timer = self.loop.call_later(self.body_timeout_s, self.body_timed_out)
+            return
+        deadline = self.body_deadline()
+        if now < deadline:
+            self.body_timer = self.loop.call_at(deadline, self.body_timed_out)
+            return
+        self.cancel_head_timer()
+        started = self.cycle is not None and self.cycle.response_started
+        if not started:
+            # The app, if it is awaiting the body, sees the client gone when the transport is;
+            # no response of its own can follow the 408 (the transport takes no more writes).
+            self.transport.write(_TIMED_OUT)
+            _discard_input(self.transport)
+        logger.info("closed the connection from %s: its request body was not received in time "
+                    "(%d bytes in %.1f s; frontend.body_timeout_s %g, then "
+                    "frontend.body_min_rate %d bytes/s)", _peer(self.client),
+                    self.body_received, now - self.body_started, self.body_timeout_s,
+                    self.body_min_rate)
+        if started or self.transport.get_write_buffer_size():
+            # A response begun, a 408 would corrupt; a client that does not read would hold
+            # the file.
+            self.transport.abort()
+        else:
+            self.transport.close()
 
     def cancel_head_timer(self) -> None:
         if self.head_timer is not None:
@@ -198,11 +314,28 @@ class Connection(H11Protocol):
             self.transport.close()
 
     def evict(self) -> None:
-        """Close the connection, which waits for a request head, to make room for a new one:
-        aborted, so that its file is free on the loop's next turn even if the client has left
-        part of an earlier response unread."""
+        """Close the connection, which waits for a request head or is receiving a body, to make
+        room for a new one: aborted, so that its file is free on the loop's next turn even if
+        the client has left part of an earlier response unread (an app awaiting the body sees
+        the client gone)."""
         self.cancel_head_timer()
+        self.end_body()
         self.transport.abort()
+
+
+def _discard_input(transport: asyncio.Transport) -> None:
+    """Read and drop what the client has sent that the loop has not read yet (a few reads at
+    most): a socket closed with unread input is reset, not closed, and a client that gets the
+    reset may lose the answer written just before it."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        for _ in range(4):
+            if not os.read(sock.fileno(), 65536):
+                return
+    except OSError:                 # BlockingIOError: nothing more
+        pass
 
 
 def _peer(client: tuple[str, int] | None) -> str:
@@ -215,7 +348,12 @@ class Listener:
 
     ``held`` counts the connections from accept until their transport is gone, so the files in
     use stay within the cap plus those being closed; ``idle`` holds the connections waiting for a
-    request head, oldest first: those are the ones closed to make room."""
+    request head, oldest first: those are the ones closed to make room; then ``receiving``, the
+    connections receiving a request body, by when their body began. Without them, clients that
+    send a head on time and then a body a byte a second hold every connection until their body
+    deadline, and keep doing so by reconnecting; closing the oldest keeps ``/health`` and new
+    requests coming in. A connection with its whole request in and a response in progress is
+    never closed to make room."""
 
     def __init__(self, sock: socket.socket, cap: int,
                  make_protocol: Callable[[Listener], Connection]) -> None:
@@ -223,6 +361,7 @@ class Listener:
         self.loop = asyncio.get_running_loop()
         self.held = 0
         self.idle: dict[Connection, None] = {}
+        self.receivers: dict[Connection, None] = {}
         self.evicting: set[Connection] = set()
         self.pending: set[asyncio.Task] = set()
         self.reading = False
@@ -333,115 +472,53 @@ class Listener:
                        "have a request in progress", self.cap)
 
     def evict_oldest(self) -> bool:
-        """Close the connection that has waited longest for a request head; False if none
-        does."""
-        for protocol in self.idle:
-            del self.idle[protocol]
-            if protocol.transport.is_closing():
-                continue
-            self.evicting.add(protocol)
-            protocol.evict()
+        """Close the connection that has waited longest for a request head, else the one that
+        has been receiving a request body longest; False if none does either."""
+        protocol = self._evict_first(self.idle)
+        if protocol is not None:
             logger.warning("at the limit of %d connections (frontend.max_connections): closed "
                            "the one that waited longest for a request (from %s) to take a new "
                            "one", self.cap, _peer(protocol.client))
             return True
+        protocol = self._evict_first(self.receivers)
+        if protocol is not None:
+            logger.warning("at the limit of %d connections (frontend.max_connections): closed "
+                           "the one that has been receiving a request body longest (from %s) "
+                           "to take a new one", self.cap, _peer(protocol.client))
+            return True
         return False
+
+    def _evict_first(self, queue: dict[Connection, None]) -> Connection | None:
+        """Close the first connection of ``queue`` not closing already (one that timed out is
+        until the loop's next turn); None if there is none."""
+        while queue:
+            protocol = next(iter(queue))
+            del queue[protocol]
+            if not protocol.transport.is_closing():
+                self.evicting.add(protocol)
+                protocol.evict()
+                return protocol
+        return None
 
     # ------------------------------------------------------------------ from connections
     def waiting(self, protocol: Connection) -> None:
+        self.receivers.pop(protocol, None)
         self.idle.pop(protocol, None)
         self.idle[protocol] = None
 
+    def receiving(self, protocol: Connection) -> None:
+        self.idle.pop(protocol, None)
+        self.receivers.pop(protocol, None)
+        self.receivers[protocol] = None
+
     def busy(self, protocol: Connection) -> None:
         self.idle.pop(protocol, None)
+        self.receivers.pop(protocol, None)
 
     def release(self, protocol: Connection) -> None:
         self.idle.pop(protocol, None)
+        self.receivers.pop(protocol, None)
         self.evicting.discard(protocol)
         if protocol.held:
             protocol.held = False
             self.held -= 1
-
-
-# --------------------------------------------------------------------------- the log
-def _first_line(record: logging.LogRecord) -> str:
-    try:
-        text = record.getMessage()
-    except Exception:              # noqa: BLE001 - arguments that do not fit: the handler
-        # reports those when it formats the record
-        text = str(record.msg)
-    return text.split("\n", 1)[0]
-
-
-class RepeatFilter(logging.Filter):
-    """Lets the first of a run of like records through and counts the rest: records are alike
-    when they come from the same logger at the same level with the same message template, so a
-    line logged per connection collapses whatever address it names. ``flush`` (called every
-    ``window_s``) logs, for each run that had repeats and whose window has passed, one line
-    saying how many were left out; the first record after the window starts a new run.
-
-    Installed on handlers, it sees a record once per handler: the decision for the last record
-    is remembered, so one record is counted once."""
-
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.window_s, self.clock = window_s, clock
-        # (logger, level, template) -> [start, repeats, the first record's first line]
-        self.runs: dict[tuple[str, int, str], list[Any]] = {}
-        self.lock = threading.Lock()
-        self.last: tuple[logging.LogRecord | None, bool] = (None, True)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "corellm_repeats", None) is not None:
-            return True
-        now = self.clock()
-        ended = None
-        with self.lock:
-            if self.last[0] is record:
-                return self.last[1]
-            key = (record.name, record.levelno, str(record.msg))
-            run = self.runs.get(key)
-            if run is not None and now - run[0] < self.window_s:
-                run[1] += 1
-                self.last = (record, False)
-                return False
-            if run is not None and run[1]:
-                ended = run
-            self.runs[key] = [now, 0, _first_line(record)]
-            self.last = (record, True)
-        if ended is not None:
-            self._summarize(key, ended)
-        return True
-
-    def flush(self, everything: bool = False) -> None:
-        """Summarize the runs whose window has passed (``everything``: all runs)."""
-        now = self.clock()
-        with self.lock:
-            ended = [(k, run) for k, run in self.runs.items()
-                     if everything or now - run[0] >= self.window_s]
-            for k, _ in ended:
-                del self.runs[k]
-        for k, run in ended:
-            if run[1]:
-                self._summarize(k, run)
-
-    def _summarize(self, key: tuple[str, int, str], run: list[Any]) -> None:
-        name, level, _ = key
-        logging.getLogger(name).log(level, "%s [and %d more like it within %g s]", run[2],
-                                    run[1], self.window_s, extra={"corellm_repeats": run[1]})
-
-    def install(self) -> Callable[[], None]:
-        """Add the filter to every handler of the root logger and of the loggers that have
-        their own (uvicorn's); return what removes it."""
-        handlers = {id(h): h for h in logging.getLogger().handlers}
-        for item in list(logging.Logger.manager.loggerDict.values()):
-            if isinstance(item, logging.Logger):
-                handlers.update((id(h), h) for h in item.handlers)
-        for handler in handlers.values():
-            handler.addFilter(self)
-
-        def remove() -> None:
-            self.flush(everything=True)
-            for handler in handlers.values():
-                handler.removeFilter(self)
-        return remove

@@ -26,6 +26,12 @@ tokens.
   decode, inference and inter-token times) stay observed in this process, from the request
   states that ``AsyncLLM.finished_callbacks`` reports (``observe_finished``): they measure what
   the client sees (``n`` > 1 aggregated, gaps between token arrivals, tokenization included).
+- Response sizes (``corellm:response_bytes``, corellm naming only: vLLM has no counterpart) are
+  the body bytes each ``/v1/completions`` and ``/v1/chat/completions`` response sends, observed
+  where they are written (``count_response``): a stream's server-sent events as Starlette sends
+  them, its error event and ``[DONE]`` included, and what a client that left mid-stream was sent
+  until then; a JSON answer (or error) whole. One request's ``n`` and ``top_logprobs`` can make
+  hundreds of MB of a small body: the buckets reach 1 GiB.
 
 Each server has its own ``CollectorRegistry``: nothing global, so several servers (or tests)
 never collide.
@@ -41,6 +47,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,6 +55,8 @@ from prometheus_client.registry import Collector
 
 from corellm.engine.output_processor import RequestState
 from corellm.outputs import EngineStats, SchedulerStats, StepStats
+
+from .streaming import _EventStream
 
 PREFIXES = ("corellm", "vllm")
 # vLLM's label names, and the value of its "engine" label (corellm runs one engine core).
@@ -60,6 +69,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
+# Bytes of one response: powers of 4 from 1 KiB to 1 GiB (a few chunks to n * top_logprobs
+# streams of hundreds of MB).
+_BYTE_BUCKETS = tuple(1024 * 4 ** k for k in range(11))
 # vLLM's buckets of vllm:iteration_tokens_total (tokens scheduled in one engine step).
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -233,6 +245,14 @@ class EngineMetrics:
             "corellm:iteration_tokens_total", "Tokens scheduled in one engine step (prefill and "
             "decode together), per step that scheduled work.", labels,
             buckets=_iteration_buckets(max_step_tokens), registry=r).labels(model_name)
+        # stream="true": server-sent events; "false": one JSON body (the answer, or an error).
+        response_bytes = Histogram(
+            "corellm:response_bytes", "Body bytes sent for one /v1/completions or "
+            "/v1/chat/completions request: server-sent events (stream true) as written, until "
+            "[DONE] or the client left; a JSON body (stream false) whole.",
+            ["model_name", "stream"], buckets=_BYTE_BUCKETS, registry=r)
+        self.response_bytes = {stream: response_bytes.labels(model_name, str(stream).lower())
+                               for stream in (True, False)}    # both present (at 0) at once
 
     def _init_vllm(self, max_model_len: int, max_step_tokens: int | None) -> None:
         r, labels, value = self.registry, list(VLLM_LABELS), (self.model_name, VLLM_ENGINE)
@@ -365,6 +385,22 @@ class EngineMetrics:
             if len(st.samples) == 1:       # n > 1: tokens of parallel samples interleave
                 k = m.num_generation_tokens
                 self.v_tpot.observe(max(last - first, 0.0) / (k - 1) if k > 1 else 0.0)
+
+    # ------------------------------------------------------------------ response sizes
+    def count_response(self, response: Response) -> Response:
+        """``response`` (of a completions route), its body bytes observed in
+        ``corellm:response_bytes``: an event stream's as it sends them (``on_sent``, once it
+        ends, however it ends: a runaway stream is only seen in full when it does), any other
+        body at once, whole (Starlette sends it in one message). A client that left before the
+        answer gets a bodiless 499: 0 bytes. Nothing in vLLM's naming, which has no such
+        metric."""
+        if self.prefix == "vllm":
+            return response
+        if isinstance(response, _EventStream):
+            response.on_sent = self.response_bytes[True].observe
+        else:
+            self.response_bytes[False].observe(len(response.body))
+        return response
 
     async def render(self) -> tuple[bytes, str]:
         """The scrape: a liveness check, then the registry as it stands (no stats call, but

@@ -191,7 +191,9 @@ REQUEST_ERRORS = {
     400: "The request is invalid; `param` names the field at fault and the message says why: "
          "malformed JSON, a wrong type, an unknown field, a value out of range or over "
          "`frontend.limits`, a feature this server does not implement, a prompt too long for "
-         "the context. Also a Host header not in `frontend.allowed_hosts` (code "
+         "the context, an output constraint over `frontend.limits.constraints` or that the "
+         "backend could not check or compile within its deadline (code "
+         "`constraint_too_complex`). Also a Host header not in `frontend.allowed_hosts` (code "
          "`host_not_allowed`).",
     404: "`model` is not the served model (code `model_not_found`).",
     413: "The body is larger than `frontend.max_request_bytes` (code `request_too_large`).",
@@ -199,8 +201,9 @@ REQUEST_ERRORS = {
          "none (code `unsupported_media_type`).",
     500: "The engine died or failed while it ran the request (code `engine_dead`, "
          "`engine_error`), or an internal error (`internal_error`).",
-    503: "The server is shutting down (code `server_shutting_down`, with Retry-After), or the "
-         "engine is dead (`engine_dead`).",
+    503: "The server is shutting down (code `server_shutting_down`, with Retry-After), the "
+         "engine is dead (`engine_dead`), or other requests' constraints kept this one's from "
+         "compiling in time (`server_busy`, with Retry-After).",
 }
 HOST_ERROR = {400: "The Host header is not in `frontend.allowed_hosts` (code "
                    "`host_not_allowed`)."}
@@ -210,7 +213,7 @@ HEALTH_ERRORS = {**HOST_ERROR,
 KEY_ERROR = "A key is set and the request does not carry it as `Authorization: Bearer <key>` " \
             "(code `invalid_api_key`)."
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying, while the "
-                                               "server shuts down.",
+                                               "server shuts down or is busy.",
                                 "schema": {"type": "integer"}}}
 
 

@@ -11,6 +11,34 @@ from corellm.components import FrontendOptions
 API_KEY_ENV = "CORELLM_API_KEY"
 
 
+class ConstraintLimits(BaseModel):
+    """What one request's output constraint (``structured_outputs``, ``response_format``) may
+    ask for (``frontend.limits.constraints``): each bound is checked on the constraint's text
+    before anything parses or compiles it, a 400 naming the field and the key. Parsing and
+    compiling cost grows with these, some of it faster than linearly (figures: docs/server.md);
+    what passes them is then checked in a process that is killed at ``check_timeout_s``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_bytes: int = Field(
+        1 << 20, ge=1, description="Largest constraint, in bytes of its JSON or text.")
+    max_depth: int = Field(
+        32, ge=1, description="Deepest nesting of subschemas in a JSON schema.")
+    max_properties: int = Field(
+        1024, ge=1, description="Most object properties in a JSON schema, counted over all its "
+                                "subschemas (compiling against the vocabulary grows faster "
+                                "than linearly with them).")
+    max_repetition: int = Field(
+        2048, ge=0, description="Most atoms the counted repetitions ({m,n}) of a constraint's "
+                                "regular expressions unroll to, summed over them, nested ones "
+                                "multiplying: a JSON schema's patterns and patternProperties, "
+                                "a regex, a grammar.")
+    check_timeout_s: float = Field(
+        5.0, gt=0, description="A constraint that the structured-output backend has not "
+                               "finished checking (parsing) in this long is refused with a 400; "
+                               "the check runs in a child process, killed then.")
+
+
 class RequestLimits(BaseModel):
     """What one request may ask for (``frontend.limits``). Each bound keeps a single request
     from taking the server from everyone else; a request over one is a 400 naming the field and
@@ -33,6 +61,16 @@ class RequestLimits(BaseModel):
     max_logprobs_total: int = Field(
         1024, ge=0, description="Most log-probability alternatives per generated position "
                                 "over all samples: (logprobs or top_logprobs) x samples.")
+    # What a response can grow to: each generated position is the token and, with logprobs, one
+    # entry per alternative (~60 bytes each in a chat stream). max_generated_tokens and
+    # max_logprobs_total bound the two factors, not their product: n=51 x 2,570 tokens x 21
+    # entries passes both and streams ~274 MB from a 200-byte body.
+    max_output_entries: int = Field(
+        1 << 19, ge=1, description="Most entries one response may carry: the sum over its "
+                                   "samples of max_tokens, times (2 + logprobs or top_logprobs) "
+                                   "when log-probabilities are asked for (the token, its own "
+                                   "and the alternatives'), about 60 bytes an entry (the "
+                                   "default, 524,288, is about 30 MB).")
     # Each message costs the chat template's work and its framing tokens (ChatML's are five), so
     # 2048 messages already spend 10k tokens on framing: more than conversations hold. Without
     # a bound, a body under the size limit could hold tens of thousands of tiny messages, whose
@@ -42,6 +80,8 @@ class RequestLimits(BaseModel):
         2048, ge=1, description="Most messages in one chat request (/v1/chat/completions, "
                                 "/tokenize); a content given as a list of parts counts each "
                                 "part.")
+    constraints: ConstraintLimits = Field(default_factory=ConstraintLimits,
+                                          description="What one output constraint may ask for.")
 
 
 class OpenAIServerOptions(FrontendOptions):
@@ -64,14 +104,25 @@ class OpenAIServerOptions(FrontendOptions):
         10.0, gt=0, description="A connection that has not sent a complete request head this "
                                 "long after it opened (or after the first byte of a next "
                                 "request) is closed; 408 when part of a head came.")
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="A request body must arrive within this long after its head, "
+                                "plus a second for every body_min_rate bytes received; else "
+                                "408 and the connection is closed.")
+    body_min_rate: int = Field(
+        500, ge=0, description="Bytes a second a request body must keep arriving at after "
+                               "body_timeout_s (each this many bytes extend its deadline by "
+                               "1 s, as Apache's mod_reqtimeout MinRate); 0: the whole body "
+                               "within body_timeout_s.")
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, description="An idle connection is closed this long after its last "
                                "response (keep it above a proxy's idle timeout for its "
                                "connections to this server).")
     max_connections: int | None = Field(
         None, ge=1, description="Most connections held at once; at the cap the one waiting "
-                                "longest for a request is closed to take a new one, or, if all "
-                                "have a request in progress, the new one gets 503. Default: "
+                                "longest for a request head is closed to take a new one, else "
+                                "the one receiving a body longest, or, if all have their whole "
+                                "request in and a response in progress, the new one gets 503. "
+                                "Default: "
                                 "what the open-file limit (raised toward the hard limit, up to "
                                 "65536) leaves after the files in use and 64 more.")
     health_timeout_s: float = Field(

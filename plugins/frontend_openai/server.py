@@ -4,7 +4,7 @@ its own process, served by uvicorn.
 Nothing a single request asks for may stall the others: what it may ask for is bounded
 (``frontend.limits``, and a text is refused by its length when it cannot fit the context),
 parsing large bodies, chat templates and tokenization run on worker threads that take the
-cheapest job first (``preprocess.FairExecutor``), and outputs are processed in short slices
+cheapest job first (``corellm.fair.FairExecutor``), and outputs are processed in short slices
 (``AsyncLLM``), so the event loop answers ``/health`` and other clients while the largest
 allowed request runs. On SIGTERM/SIGINT the server drains: new requests get 503, running ones
 may finish within ``frontend.drain_timeout_s``, the rest end with an error event naming the
@@ -42,7 +42,7 @@ from .guard import ServerState
 from .options import API_KEY_ENV, OpenAIServerOptions
 
 if typing.TYPE_CHECKING:
-    from .connections import RepeatFilter
+    from .log_repeats import RepeatFilter
 
 logger = logging.getLogger("corellm.server")
 
@@ -64,13 +64,15 @@ TEMPERATURE_HINT = ('requests without "temperature" are sampled at temperature 1
 
 
 def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s: float,
-                    on_serving: Callable[[], None] | None = None) -> Any:
+                    on_serving: Callable[[], None] | None = None, *,
+                    body_timeout_s: float = 10.0, body_min_rate: int = 500) -> Any:
     """uvicorn's server with its own signal capture turned off (``OpenAIServer`` handles
     SIGINT/SIGTERM itself: drain, then stop, for the whole life of the engine), serving ``sock``
     through a ``Listener`` instead of asyncio's server: asyncio accepts until the process runs
     out of files, the ``Listener`` holds at most ``cap`` connections and closes those that do
-    not send a request head within ``header_timeout_s`` (see connections.py). ``on_serving`` is
-    called just before the listener takes its first connection."""
+    not send a request head within ``header_timeout_s``, or a body within ``body_timeout_s``
+    and then at ``body_min_rate`` bytes a second (see connections.py; the defaults are the
+    options'). ``on_serving`` is called just before the listener takes its first connection."""
     import uvicorn
 
     from .connections import Connection, Listener
@@ -87,7 +89,8 @@ def _uvicorn_server(config: Any, sock: socket.socket, cap: int, header_timeout_s
 
             def connection(listener: Listener) -> Connection:
                 return Connection(self.config, self.server_state, self.lifespan.state,
-                                  listener=listener, header_timeout_s=header_timeout_s)
+                                  listener=listener, header_timeout_s=header_timeout_s,
+                                  body_timeout_s=body_timeout_s, body_min_rate=body_min_rate)
 
             listener = Listener(sock, cap, connection)
             self.servers.append(listener)             # closed by uvicorn's shutdown
@@ -160,7 +163,8 @@ class OpenAIServer(Frontend):
         unfilter = None
         flusher = None
         try:
-            from .connections import RepeatFilter, connection_cap
+            from .connections import connection_cap
+            from .log_repeats import RepeatFilter
 
             # After the engine core started: its files are counted, and it keeps the limit.
             cap = connection_cap(opts.max_connections)
@@ -190,7 +194,9 @@ class OpenAIServer(Frontend):
                             or os.environ.get(API_KEY_ENV) else "")
                 logger.info(TEMPERATURE_HINT)
 
-            server = _uvicorn_server(config, sock, cap, opts.header_timeout_s, announce)
+            server = _uvicorn_server(config, sock, cap, opts.header_timeout_s, announce,
+                                     body_timeout_s=opts.body_timeout_s,
+                                     body_min_rate=opts.body_min_rate)
             task = asyncio.create_task(server.serve())
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)

@@ -4,6 +4,8 @@ whole or as server-sent events."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -16,22 +18,28 @@ from corellm.engine.async_llm import AsyncLLM, RequestStream
 from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat_text
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import InvalidRequestError
-from corellm.outputs import CompletionOutput
+from corellm.fair import FairExecutor
+from corellm.lru import ByteLRU
+from corellm.outputs import INVALID_REQUEST, SERVER_BUSY, CompletionOutput
 from corellm.sampling_params import SamplingParams
+from corellm.sandbox import DeadlineExceeded, Sandbox
 
 from .body import _parse
-from .constraints import constraint_fields, structured_outputs
-from .errors import APIError, _invalid
+from .constraints import (check_constraint_bounds, check_in_child, checker_imports,
+                          constraint_fields, init_checker, structured_outputs)
+from .errors import RETRY_AFTER_S, APIError, _invalid
 from .options import OpenAIServerOptions
-from .preprocess import FairExecutor, TextBound
+from .preprocess import TextBound
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
 from .streaming import _gather_finals, _merge, _sse, _sse_data
 
 
 # What a chat message costs the template beyond its text, in characters' worth of tokenizing
-# (preprocess.FairExecutor's unit: about a microsecond).
+# (corellm.fair.FairExecutor's unit: about a microsecond).
 CHAT_COST_PER_MESSAGE = 16
+# The digests of constraints that passed their check are kept up to this many bytes.
+CHECKED_CACHE_BYTES = 4 << 20
 
 
 class OpenAIServing:
@@ -48,6 +56,8 @@ class OpenAIServing:
         # Large bodies are parsed, chat templates rendered and texts tokenized here, off the
         # event loop, cheapest job first.
         self._preprocess = FairExecutor("corellm-preprocess")
+        # Constraints that passed their check, by digest (16 bytes each, whatever their size).
+        self._checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, cost: float) -> Any:
         """Run ``fn`` (tokenizer work) on the preprocessing pool; ``cost``: its estimated work,
@@ -56,6 +66,8 @@ class OpenAIServing:
 
     def close(self) -> None:
         self._preprocess.shutdown()
+        if "_checks" in self.__dict__:
+            self._checks.shutdown()
 
     # ------------------------------------------------------------------ limits
     def check_limits(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
@@ -92,7 +104,8 @@ class OpenAIServing:
                                 "(frontend.limits.max_logprobs_total)", param=logprobs_field)
 
     def check_generated_tokens(self, params: list[SamplingParams], field: str,
-                               defaulted: bool) -> None:
+                               defaulted: bool, logprobs_field: str = "logprobs") -> None:
+        self.check_output_entries(params, field, logprobs_field)
         total = sum(p.max_tokens * p.n for p in params)
         limit = self.limits.max_generated_tokens
         if total > limit:
@@ -104,6 +117,26 @@ class OpenAIServing:
             raise APIError(400, f"{field}: {samples} samples x {per} tokens = {total} exceeds the "
                                 f"limit of {limit} generated tokens per request "
                                 f"(frontend.limits.max_generated_tokens){why}", param=field)
+
+    def check_output_entries(self, params: list[SamplingParams], field: str,
+                             logprobs_field: str) -> None:
+        """What the response can grow to (``frontend.limits.max_output_entries``): every
+        generated position of every sample, each the token and, with logprobs, its own
+        log-probability and the alternatives'."""
+        lp = params[0].logprobs
+        width = 1 if lp is None else 2 + lp
+        total = sum(p.max_tokens * p.n for p in params) * width
+        limit = self.limits.max_output_entries
+        if total > limit:
+            samples = sum(p.n for p in params)
+            what = "" if lp is None else f" x {width} entries each (the token, its logprob " \
+                f"and {lp} alternatives)"
+            fields = field if lp is None else f"{field}, n, {logprobs_field}"
+            raise APIError(400, f"{fields}: {samples} samples x up to "
+                                f"{max(p.max_tokens for p in params)} tokens{what} = {total} "
+                                f"exceed the limit of {limit} entries per response "
+                                "(frontend.limits.max_output_entries); lower one of them",
+                           param=field)
 
     # ------------------------------------------------------------------ shared pieces
     def check_model(self, name: str | None) -> None:
@@ -158,15 +191,47 @@ class OpenAIServing:
                                  **constraint_fields(req)}) from None
 
     async def check_constraints(self, req: Any, params: SamplingParams) -> None:
-        """The logits processors' checks of a request's constraints (parsing a JSON schema,
-        a regex, a grammar), off the event loop: a 400 naming the field when one refuses."""
-        if params.structured_outputs is None and params.extra_args is None:
+        """A request's output constraint and processor arguments, checked before the engine
+        sees them: first against ``frontend.limits.constraints`` (here, on the constraint's
+        text), then by the enabled logits processors (parsing a JSON schema, a regex, a
+        grammar) in a check process that is killed at ``check_timeout_s``: never on the
+        threads that tokenize prompts. A 400 naming the field when either refuses."""
+        so, xargs = params.structured_outputs, params.extra_args
+        checker = self.engine.processor.checker
+        if (so is None and xargs is None) or (so is None and not checker.entries):
             return
-        cost = len(repr(params.structured_outputs)) + len(repr(params.extra_args))
+        limits = self.limits.constraints
+        fields = constraint_fields(req)
         try:
-            await self.off_loop(self.engine.processor.check_params, params, cost=cost)
+            if so is not None and checker.backend is None:
+                checker.check(params)               # refused at once: no backend serves it
+            cost = 1 + (len(repr(xargs)) if xargs is not None else 0)
+            if so is not None:
+                cost += check_constraint_bounds(so, limits)
+            key = hashlib.blake2b(repr((so, xargs)).encode("utf-8", "surrogatepass"),
+                                  digest_size=16).digest()
+            if key in self._checked:
+                return
+            await self._checks.run_isolated(check_in_child, params, cost=cost)
         except InvalidRequestError as exc:
-            raise _invalid(exc, constraint_fields(req)) from None
+            raise _invalid(exc, fields) from None
+        except DeadlineExceeded:
+            field = fields.get(f"structured_outputs.{so.kind}", f"structured_outputs.{so.kind}") \
+                if so is not None else "vllm_xargs"
+            raise APIError(400, f"{field}: the structured-output backend did not finish "
+                                f"checking it within {limits.check_timeout_s:g} s "
+                                "(frontend.limits.constraints.check_timeout_s); simplify it",
+                           param=field, code="constraint_too_complex") from None
+        self._checked.put(key, None, 0)
+
+    @functools.cached_property
+    def _checks(self) -> Sandbox:
+        """The check processes, started at the first request that needs them."""
+        entries = self.engine.processor.checker.entries
+        return Sandbox("corellm-constraint-check",
+                       timeout_s=self.limits.constraints.check_timeout_s,
+                       preload=checker_imports(entries), initializer=init_checker,
+                       initargs=(self.engine.config,))
 
     def check_text_length(self, text: str, field: str, what: str = "") -> None:
         """Refuse ``text`` when it has more characters than fit in the context, before the
@@ -199,10 +264,13 @@ class OpenAIServing:
         ``req`` carries the scheduling attributes: priority, user (tenant), session_id;
         ``group_id`` makes the prompts of one call one client request to the scheduler."""
         try:
+            # A constraint or processor arguments were checked by check_constraints, in the
+            # check processes: not again here, on the event loop.
+            checked = params.structured_outputs is not None or params.extra_args is not None
             stream = await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
                                                    priority=req.priority, user=req.user,
                                                    session_id=req.session_id, group_id=group_id,
-                                                   output_kind=kind)
+                                                   output_kind=kind, params_checked=checked)
         except InvalidRequestError as exc:
             raise _invalid(exc) from None
         stream.cancel_reason = "client_disconnected"     # what cancels a handler here
@@ -214,10 +282,24 @@ class OpenAIServing:
                 "prompt_tokens_details": {"cached_tokens": num_cached}}
 
     @staticmethod
-    def check_finish(c: CompletionOutput) -> None:
-        if c.finish_reason == "error":
-            raise APIError(500, "the engine failed while generating this request (see the "
-                                "server log)", code="engine_error")
+    def check_finish(c: CompletionOutput, renames: dict[str, str] | None = None) -> None:
+        """A sample that ended with an error: a 400 naming the field when the request was at
+        fault (a constraint the engine could not compile in time), a 503 when others' work kept
+        it from being served in time, else a 500 saying why."""
+        if c.finish_reason != "error":
+            return
+        why = c.stop_reason if isinstance(c.stop_reason, str) else None
+        if why is not None and why.startswith(INVALID_REQUEST):
+            field, _, message = why.removeprefix(INVALID_REQUEST).partition(": ")
+            field = (renames or {}).get(field, field)
+            raise APIError(400, f"{field}: {message}", param=field,
+                           code="constraint_too_complex")
+        if why is not None and why.startswith(SERVER_BUSY):
+            raise APIError(503, f"the server is busy: {why.removeprefix(SERVER_BUSY)}",
+                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise APIError(500, "the engine failed while generating this request"
+                            + (f": {why}" if why else " (see the server log)"),
+                       code="engine_error")
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest) -> Response:
@@ -260,7 +342,7 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             num_cached += out.num_cached_tokens
             for c in out.outputs:
-                self.check_finish(c)
+                self.check_finish(c, constraint_fields(req))
                 num_completion += len(c.token_ids)
                 choices.append({"index": i * req.n + c.index, "text": c.text,
                                 "logprobs": None if req.logprobs is None
@@ -299,7 +381,7 @@ class OpenAIServing:
             if out.finished:
                 num_cached += out.num_cached_tokens
             for c in out.outputs:
-                self.check_finish(c)
+                self.check_finish(c, constraint_fields(req))
                 index = i * req.n + c.index
                 num_completion += len(c.token_ids)
                 logprobs = None
@@ -358,7 +440,8 @@ class OpenAIServing:
             max_tokens, field = req.max_tokens, "max_tokens"
         params = self.sampling_params(req, max_tokens, len(ids), logprobs, field,
                                       "top_logprobs")
-        self.check_generated_tokens([params], field, defaulted=max_tokens is None)
+        self.check_generated_tokens([params], field, defaulted=max_tokens is None,
+                                    logprobs_field="top_logprobs")
         await self.check_constraints(req, params)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
@@ -369,7 +452,7 @@ class OpenAIServing:
         out, = await _gather_finals([gen])
         choices, num_completion = [], 0
         for c in out.outputs:
-            self.check_finish(c)
+            self.check_finish(c, constraint_fields(req))
             num_completion += len(c.token_ids)
             choices.append({"index": c.index,
                             "message": {"role": "assistant", "content": c.text},
@@ -404,7 +487,7 @@ class OpenAIServing:
             if out.finished:
                 num_cached = out.num_cached_tokens
             for c in out.outputs:
-                self.check_finish(c)
+                self.check_finish(c, constraint_fields(req))
                 num_completion += len(c.token_ids)
                 yield _sse_data({**base, "choices": [{
                     "index": c.index, "delta": {"content": c.text} if c.text else {},

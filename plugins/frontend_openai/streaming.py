@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -46,20 +46,46 @@ def _sse(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingR
 
 class _EventStream(StreamingResponse):
     """Server-sent events whose requests are aborted however the response ends: finished,
-    client gone mid-stream, or cancelled before the first byte."""
+    client gone mid-stream, or cancelled before the first byte.
+
+    ``on_sent``, when set, is called once with the body bytes handed to the HTTP server: every
+    event, the error event and ``[DONE]`` included, counted from the messages Starlette sends
+    (each event encoded once, by Starlette: nothing is encoded again to count it). It is called
+    as the last one is taken, before this task yields to the loop again (so a scrape sent once
+    the client has read the end sees it), or, when the response ends early (client gone, task
+    cancelled), with what was taken until then. Taken is not received: the socket's buffers, and
+    what uvicorn silently drops after a disconnect until the stream is cancelled (an event or
+    so), are counted too."""
 
     def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self.streams = streams
+        self.on_sent: Callable[[int], None] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        on_sent, sent = self.on_sent, 0
+
+        def report() -> None:
+            nonlocal on_sent
+            if on_sent is not None:
+                on_sent(sent)
+                on_sent = None
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal sent
+            await send(message)        # counted once the server took it; a raise: not sent
+            if message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    report()
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if on_sent is None else counted)
         finally:
             # Ended before its requests did: the client went away (or stopped reading).
             for s in self.streams:
                 s.close("client_disconnected")
+            report()
 
 
 def _sse_data(obj: Any) -> str:

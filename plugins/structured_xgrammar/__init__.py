@@ -4,7 +4,9 @@ logits processor that masks every token the grammar does not allow next.
 Optional: ``pip install 'corellm[structured]'``. Without xgrammar the processor is listed as
 unavailable (``corellm plugins``) and requests asking for structured outputs get a 400 saying
 so. The checks where requests come in (``validate``) parse the schema, regex or grammar without
-the tokenizer; the worker compiles it against the model's vocabulary in the background."""
+the tokenizer (a server runs them in its check processes, killed at a deadline); the worker
+compiles it against the model's vocabulary in the background, first in a compile process that
+``logits_processors.compile_timeout_s`` can kill (``processor``)."""
 
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ def _validate(params) -> None:
 @hookimpl
 def corellm_logits_processors() -> Iterator[LogitsProcessorSpec]:
     yield LogitsProcessorSpec(
-        name="xgrammar", factory=_make, validate=_validate, structured_outputs=True,
+        name="xgrammar", factory=_make, validate=_validate,
+        validate_imports=("corellm_plugins.structured_xgrammar.grammars",),
+        structured_outputs=True,
         priority=10, unavailable=_unavailable(),
         summary="Structured outputs: JSON schema, JSON object, regex, choice and EBNF "
                 "grammars, as token masks (xgrammar).")

@@ -1,23 +1,66 @@
 """A request's ``StructuredOutputsParams`` as xgrammar source: what the front end parses (to
-refuse a bad schema with a 400) and the worker compiles (against the model's vocabulary)."""
+refuse a bad schema with a 400) and the worker compiles (against the model's vocabulary).
+
+Both run where a deadline can stop them: the server's checks in its check processes, the
+worker's compiles first in a compile process (``probe``), killed at
+``logits_processors.compile_timeout_s``, and only then in the worker itself, whose compiled
+grammar the matchers need. Nothing here is kept by the size of its input: parsed constraints
+are remembered by a 16-byte digest, and a schema's annotations (``description``, ``title``,
+``examples``, ...), which constrain nothing, are dropped before anything is keyed or compiled,
+so a schema padded with a 900 KB description costs what the same schema without it does."""
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+from typing import Any
 
 import xgrammar as xgr
 
 from corellm.errors import InvalidRequestError
+from corellm.lru import ByteLRU
 from corellm.sampling_params import StructuredOutputsParams
 
 # Kinds of source, and what each becomes.
 JSON_SCHEMA, JSON_OBJECT, REGEX, GRAMMAR = "json", "json_object", "regex", "grammar"
 
+# Keywords that annotate a schema without constraining it (JSON Schema's meta-data vocabulary):
+# xgrammar's grammar for a schema is the same without them.
+_ANNOTATIONS = frozenset({"description", "title", "examples", "$comment", "default",
+                          "deprecated", "readOnly", "writeOnly"})
+# Keywords whose value maps names to subschemas (its keys are names, never keywords).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+# Keywords whose value is a subschema or a list of them.
+_SCHEMA_VALUES = frozenset({"items", "additionalProperties", "additionalItems", "contains",
+                            "not", "if", "then", "else", "propertyNames", "unevaluatedItems",
+                            "unevaluatedProperties", "prefixItems", "allOf", "anyOf", "oneOf"})
+# Digests of the constraints that parsed, up to this many bytes.
+CHECKED_BYTES = 4 << 20
+
+
+def without_annotations(schema: Any) -> Any:
+    """``schema`` without its annotation keywords, at every place a subschema can be (a
+    property named ``description`` stays: under ``properties`` the keys are names)."""
+    if isinstance(schema, list):
+        return [without_annotations(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: without_annotations(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUES:
+            value = without_annotations(value)
+        out[key] = value
+    return out
+
 
 def source(so: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, text): the canonical source of a constraint, the key of both caches. A choice is
-    a grammar of its alternatives (each a JSON-escaped string literal)."""
+    """(kind, text): the canonical source of a constraint, what the caches are keyed by. A
+    choice is a grammar of its alternatives (each a JSON-escaped string literal)."""
     kind = so.kind
     if kind == "json":
         schema = so.json
@@ -26,7 +69,7 @@ def source(so: StructuredOutputsParams) -> tuple[str, str]:
                 schema = json.loads(schema)
             # The schema's own key order: xgrammar writes properties in it (a "reasoning"
             # before an "answer" stays first).
-            text = json.dumps(schema, ensure_ascii=False)
+            text = json.dumps(without_annotations(schema), ensure_ascii=False)
         except (ValueError, RecursionError) as exc:
             raise InvalidRequestError("structured_outputs.json",
                                       f"is not valid JSON: {exc}") from None
@@ -44,7 +87,14 @@ def source(so: StructuredOutputsParams) -> tuple[str, str]:
     return GRAMMAR, so.grammar or ""
 
 
-@functools.lru_cache(maxsize=512)
+def digest(kind: str, text: str) -> bytes:
+    return hashlib.blake2b(f"{kind}\0{text}".encode("utf-8", "surrogatepass"),
+                           digest_size=16).digest()
+
+
+_checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_BYTES)
+
+
 def _parse(kind: str, text: str) -> None:
     if kind == JSON_SCHEMA:
         xgr.Grammar.from_json_schema(text)
@@ -55,12 +105,49 @@ def _parse(kind: str, text: str) -> None:
 
 
 def check(so: StructuredOutputsParams) -> None:
-    """Parse the constraint (answered from a cache when seen before); an
-    ``InvalidRequestError`` naming the field says why xgrammar refuses it."""
+    """Parse the constraint (remembered when it parsed before); an ``InvalidRequestError``
+    naming the field says why xgrammar refuses it."""
     kind, text = source(so)
+    key = digest(kind, text)
+    if key in _checked:
+        return
     try:
         _parse(kind, text)
     except Exception as exc:         # xgrammar raises RuntimeError / ValueError with its reason
         field = "structured_outputs." + so.kind
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidRequestError(field, f"xgrammar cannot compile it: {reason}") from None
+    _checked.put(key, None, 0)
+
+
+# --------------------------------------------------------------------------- compile processes
+_compiler: xgr.GrammarCompiler | None = None
+
+
+def init_compiler(tokenizer_info: str) -> None:
+    """A compile process's initializer: a compiler for the vocabulary (``tokenizer_info``:
+    ``TokenizerInfo.serialize_json``), keeping nothing between compiles."""
+    global _compiler
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
+    _compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def compile_with(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
+    if kind == JSON_SCHEMA:
+        # Compact JSON (vLLM's disable_any_whitespace): a small model let free to put
+        # whitespace anywhere may never stop putting it.
+        return compiler.compile_json_schema(text, any_whitespace=False)
+    if kind == JSON_OBJECT:
+        return compiler.compile_builtin_json_grammar()
+    if kind == REGEX:
+        return compiler.compile_regex(text)
+    assert kind == GRAMMAR
+    return compiler.compile_grammar(text)
+
+
+def probe(kind: str, text: str) -> int:
+    """Compile in a compile process, to learn that it finishes in time (the compiled grammar
+    stays there: sending it back costs more than compiling it again, 2 s for a schema of 300
+    properties); its size in bytes."""
+    assert _compiler is not None, "init_compiler was not run"
+    return compile_with(_compiler, kind, text).memory_size_bytes

@@ -1,5 +1,13 @@
 """The worker side: each constrained request's grammar, compiled in the background against the
-model's vocabulary, its matcher, and one token mask per step for all of them."""
+model's vocabulary, its matcher, and one token mask per step for all of them.
+
+A compile runs first in a compile process (``grammars.probe``), where
+``logits_processors.compile_timeout_s`` can kill it, then, once it is known to finish in time,
+in the worker, whose matchers need the compiled grammar (xgrammar's serialization of a large
+compiled grammar costs more than compiling it again). Compiles are queued cheapest first, with
+one of the two compile workers kept for small constraints (``corellm.fair.FairExecutor``'s
+rules), so one client's expensive schemas hold at most one worker, and only until the deadline.
+Compiled grammars are kept by digest, up to ``logits_processors.cache_bytes``."""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -15,26 +23,32 @@ import xgrammar as xgr
 
 from corellm.components import BuildContext
 from corellm.interfaces import LogitsProcessor, RequestsFailed
+from corellm.lru import ByteLRU
 from corellm.sampling_params import SamplingParams
-from corellm_plugins.structured_xgrammar.grammars import (GRAMMAR, JSON_OBJECT, JSON_SCHEMA,
-                                                          REGEX, source)
+from corellm.sandbox import DeadlineExceeded, Sandbox
+from corellm_plugins.structured_xgrammar.grammars import (compile_with, digest, init_compiler,
+                                                          probe, source)
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars are kept (by xgrammar's compiler) up to this many bytes: a server that sees
-# many schemas keeps the recent ones, never all of them.
-CACHE_LIMIT_BYTES = 256 << 20
-# A request whose grammar is not compiled this long after it reached the worker ends ("error")
-# instead of holding its batch back.
-COMPILE_TIMEOUT_S = 30.0
+# Defaults of logits_processors.compile_timeout_s and .cache_bytes, for a processor built
+# without a config.
+COMPILE_TIMEOUT_S = 10.0
+CACHE_BYTES = 64 << 20
+# A request also ends when its grammar's compile has not started this many times the compile
+# deadline after it reached the worker (queued behind others: the deadline counts from a
+# compile's start).
+QUEUE_FACTOR = 3
 
 
 class _State:
-    __slots__ = ("req_id", "compiled", "matcher", "replay", "deadline")
+    __slots__ = ("req_id", "field", "key", "compiled", "matcher", "replay", "deadline")
 
-    def __init__(self, req_id: str, compiled: Future, replay: list[int], deadline: float,
-                 ) -> None:
+    def __init__(self, req_id: str, field: str, key: bytes, compiled: Future, replay: list[int],
+                 deadline: float) -> None:
         self.req_id = req_id
+        self.field = field              # the request field of the constraint
+        self.key = key                  # its digest
         self.compiled = compiled
         self.matcher: xgr.GrammarMatcher | None = None
         self.replay = replay            # output tokens kept through a preemption
@@ -43,20 +57,27 @@ class _State:
 
 class XGrammarProcessor(LogitsProcessor):
     """``tokenizer_info``: xgrammar's view of the vocabulary, or a function making it, called
-    (in the compile pool) by the first constrained request: an engine that never gets one never
+    (in a compile worker) by the first constrained request: an engine that never gets one never
     loads the tokenizer for it, and a checkpoint without a tokenizer fails only such requests."""
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | Callable[[], xgr.TokenizerInfo],
-                 vocab_size: int, compile_timeout_s: float | None = None) -> None:
+                 vocab_size: int, compile_timeout_s: float | None = None,
+                 cache_bytes: int | None = None) -> None:
         self.vocab_size = vocab_size
         self._info = tokenizer_info
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self.compile_timeout_s = (COMPILE_TIMEOUT_S if compile_timeout_s is None
                                   else compile_timeout_s)
-        # Compilations run off the step loop, two at a time: a pathological grammar (xgrammar
-        # cannot stop one) ends its own request at the bound and holds one thread, not both.
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="xgrammar-compile")
+        self.cache = ByteLRU[bytes, xgr.CompiledGrammar](
+            CACHE_BYTES if cache_bytes is None else cache_bytes)
+        self._inflight: dict[bytes, list[Any]] = {}     # digest -> [future, waiters]
+        self._inflight_lock = threading.Lock()
+        # The compile queue and its two workers, each driving a compile process.
+        self.pool = Sandbox("xgrammar-compile", timeout_s=self.compile_timeout_s,
+                            preload=["corellm_plugins.structured_xgrammar.grammars"],
+                            initializer=init_compiler,
+                            initargs=self._compile_process_args)
         self._bitmask: torch.Tensor | None = None
 
     @classmethod
@@ -74,29 +95,59 @@ class XGrammarProcessor(LogitsProcessor):
                  if i is not None and i < vocab]))
             return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab,
                                                       stop_token_ids=stops or None)
-        return cls(tokenizer_info, vocab)
+        section = ctx.config.logits_processors
+        return cls(tokenizer_info, vocab, section.compile_timeout_s, section.cache_bytes)
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
-                info = self._info() if callable(self._info) else self._info
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
-                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
+                if callable(self._info):
+                    self._info = self._info()
+                # No cache of xgrammar's own: it counts the compiled grammars, not their keys
+                # (a schema's whole text); self.cache counts both.
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=2,
+                                                     cache_enabled=False)
             return self._compiler
 
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        compiler = self.compiler
-        if kind == JSON_SCHEMA:
-            # Compact JSON (vLLM's disable_any_whitespace): a small model let free to put
-            # whitespace anywhere may never stop putting it.
-            return compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == JSON_OBJECT:
-            return compiler.compile_builtin_json_grammar()
-        if kind == REGEX:
-            return compiler.compile_regex(text)
-        assert kind == GRAMMAR
-        return compiler.compile_grammar(text)
+    def _compile_process_args(self) -> tuple[str]:
+        """``init_compiler``'s arguments, for each compile process that starts."""
+        self.compiler                       # noqa: B018 - makes the tokenizer info
+        assert isinstance(self._info, xgr.TokenizerInfo)
+        return (self._info.serialize_json(),)
+
+    def _compile(self, kind: str, text: str, key: bytes) -> xgr.CompiledGrammar:
+        """A compile job (on a compile worker): probed in its compile process, then compiled
+        here and kept."""
+        compiled = self.cache.get(key)
+        if compiled is None:
+            self.pool.call(probe, kind, text)
+            compiled = compile_with(self.compiler, kind, text)
+            self.cache.put(key, compiled, compiled.memory_size_bytes)
+        return compiled
+
+    def _submit(self, kind: str, text: str, key: bytes) -> Future:
+        """The compiled grammar of (kind, text): from the cache, a compile in progress (shared
+        by the requests that wait for it), or a new compile job, costed by its length."""
+        done = self.cache.get(key)
+        if done is not None:
+            fut: Future = Future()
+            fut.set_result(done)
+            return fut
+        with self._inflight_lock:
+            entry = self._inflight.get(key)
+            if entry is None:
+                fut, = self.pool.submit([lambda: self._compile(kind, text, key)],
+                                        [len(text) + 1])
+                entry = self._inflight[key] = [fut, 0]
+                fut.add_done_callback(lambda _: self._forget(key, fut))
+            entry[1] += 1
+            return entry[0]
+
+    def _forget(self, key: bytes, fut: Future) -> None:
+        with self._inflight_lock:
+            if self._inflight.get(key, [None])[0] is fut:
+                del self._inflight[key]
 
     # ------------------------------------------------------------------ LogitsProcessor
     def new_request(self, req_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -104,38 +155,48 @@ class XGrammarProcessor(LogitsProcessor):
         if params.structured_outputs is None:
             return None
         kind, text = source(params.structured_outputs)
-        return _State(req_id, self.pool.submit(self._compile, kind, text),
-                      list(output_token_ids), time.monotonic() + self.compile_timeout_s)
+        key = digest(kind, text)
+        return _State(req_id, f"structured_outputs.{params.structured_outputs.kind}", key,
+                      self._submit(kind, text, key), list(output_token_ids),
+                      time.monotonic() + QUEUE_FACTOR * self.compile_timeout_s)
 
     def ready(self, state: Any) -> bool:
-        # Past its bound, a state is "ready" to be failed by apply.
+        # Still queued past its bound, a state is "ready" to be failed by apply; a compile that
+        # has started ends by its own deadline (the compile process is killed at it).
         return (state.matcher is not None or state.compiled.done()
-                or time.monotonic() >= state.deadline)
+                or (not state.compiled.running() and time.monotonic() >= state.deadline))
 
-    def _make_matcher(self, state: _State) -> str | None:
-        """Make ``state``'s matcher from its compiled grammar; why not, or None."""
+    def _make_matcher(self, state: _State) -> tuple[str, str] | None:
+        """Make ``state``'s matcher from its compiled grammar; else why not, and whose fault:
+        "invalid" (its constraint takes too long to compile), "busy" (others' compiles ahead
+        of it) or "failed"."""
         if not state.compiled.done():
-            return f"its grammar was not compiled within {self.compile_timeout_s:g} s"
+            return (f"the compiles of other constraints kept its own from starting for "
+                    f"{QUEUE_FACTOR * self.compile_timeout_s:g} s; retry", "busy")
         try:
             compiled = state.compiled.result()
+        except DeadlineExceeded:
+            return (f"{state.field}: its grammar was not compiled against the model's "
+                    f"vocabulary within {self.compile_timeout_s:g} s "
+                    "(logits_processors.compile_timeout_s); simplify it", "invalid")
         except Exception as exc:
-            return f"its grammar did not compile: {exc}"
+            return f"its grammar did not compile: {exc}", "failed"
         matcher = xgr.GrammarMatcher(compiled)
         for token in state.replay:          # the tokens it kept through a preemption
             if not matcher.accept_token(token):
-                return f"its grammar rejects token {token} it had generated before"
+                return f"its grammar rejects token {token} it had generated before", "failed"
         state.matcher, state.replay = matcher, []
         return None
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[Any]) -> None:
-        failed: dict[str, str] = {}
+        ended: dict[str, dict[str, str]] = {"failed": {}, "invalid": {}, "busy": {}}
         masked_rows: list[int] = []
         masked: list[_State] = []
         for row, state in zip(rows, states):
             if state.matcher is None:
                 why = self._make_matcher(state)
                 if why is not None:
-                    failed[state.req_id] = why
+                    ended[why[1]][state.req_id] = why[0]
                     continue
             # A finished grammar (its end accepted, the request going on: ignore_eos) leaves
             # the rest of the output free.
@@ -154,8 +215,8 @@ class XGrammarProcessor(LogitsProcessor):
             xgr.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
                 indices=masked_rows)
-        if failed:
-            raise RequestsFailed(failed)
+        if any(ended.values()):
+            raise RequestsFailed(ended["failed"], ended["invalid"], ended["busy"])
 
     def accept(self, state: Any, token_id: int) -> bool:
         if state.matcher is None:
@@ -163,4 +224,16 @@ class XGrammarProcessor(LogitsProcessor):
         return state.matcher.is_terminated() or state.matcher.accept_token(token_id)
 
     def free(self, state: Any) -> None:
+        # A compile that no other request waits for, and that has not started, leaves the queue.
+        with self._inflight_lock:
+            entry = self._inflight.get(state.key)
+            if entry is None or entry[0] is not state.compiled:
+                return
+            entry[1] -= 1
+            if entry[1]:
+                return
+        # Outside the lock: a cancelled future runs its callbacks (_forget) in this thread.
         state.compiled.cancel()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
