@@ -14,7 +14,9 @@ deadline; the worker thread starts a new one for its next call.
   over a pipe (pickled: a module-level function and its arguments).
 - **Deadline**: a call not answered within its timeout, or whose caller gave up (the
   ``cancel`` event: a client that disconnected), kills its child: ``DeadlineExceeded`` or
-  ``CallCancelled``. A child that dies on its own (a crash in C++) is ``SandboxError``.
+  ``CallCancelled``. A child that dies on its own (a crash in C++) is ``ChildDied``; one that
+  cannot start, ``SandboxError``. A child dies with the fork server, which exits with the
+  process that started it, even in the middle of a call.
 - **Memory**: a child whose resident memory has grown by more than ``max_growth_bytes`` since
   it started is replaced after the call that grew it, so whatever a library keeps between calls
   (caches, fragmentation) is bounded per child.
@@ -68,6 +70,16 @@ class CallCancelled(SandboxError):
     """The caller stopped waiting for a call (its ``cancel`` event); its process was killed."""
 
 
+class ChildDied(SandboxError):
+    """A child process died during a call (a crash in a library, or killed for its memory):
+    the call's input is the likely cause."""
+
+
+# multiprocessing's guard against children of a daemonic process is lifted while a child
+# starts (see _Child.start): one thread at a time.
+_START_LOCK = threading.Lock()
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -76,10 +88,22 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
+def _die_with_parent() -> None:
+    """Have the kernel kill this process when its parent (the fork server, which exits with the
+    process that started it) dies, even in the middle of a call (Linux)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _child_main(conn: Connection, initializer: Callable[..., Any] | None,
                 initargs: tuple[Any, ...]) -> None:
     """A child's loop: answer each call sent by the parent, until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the parent's to handle
+    _die_with_parent()
     try:
         if initializer is not None:
             initializer(*initargs)
@@ -110,6 +134,7 @@ class _Child:
         self.proc: Any = None
         self.conn: Connection | None = None
         self.base_rss = 0
+        self.exitcode: int | None = None      # of the last child stopped
 
     def start(self) -> None:
         sb = self.sandbox
@@ -121,13 +146,14 @@ class _Child:
         # multiprocessing refuses children to a daemonic process (the engine core is one), for
         # fear of orphans its abrupt end would leave. These cannot outlive it: a child returns
         # when its pipe closes, and the fork server exits when its parent does.
-        config = multiprocessing.current_process()._config        # noqa: SLF001
-        daemonic = config.pop("daemon", None)
-        try:
-            proc.start()
-        finally:
-            if daemonic is not None:
-                config["daemon"] = daemonic
+        with _START_LOCK:
+            config = multiprocessing.current_process()._config    # noqa: SLF001
+            daemonic = config.pop("daemon", None)
+            try:
+                proc.start()
+            finally:
+                if daemonic is not None:
+                    config["daemon"] = daemonic
         child.close()
         try:
             if not parent.poll(START_TIMEOUT_S):
@@ -155,6 +181,7 @@ class _Child:
             return
         self.proc.kill()
         self.proc.join()
+        self.exitcode = self.proc.exitcode
         assert self.conn is not None
         self.conn.close()
         self.proc = self.conn = None
@@ -182,10 +209,12 @@ class _Child:
         try:
             kind, value = self.conn.recv()
         except (EOFError, OSError) as exc:
-            code = self.proc.exitcode if self.proc is not None else None
             self.stop()
-            raise SandboxError(f"{self.sandbox.name}: its child process died during a call "
-                               f"(exit status {code})") from exc
+            raise ChildDied(f"{self.sandbox.name}: its child process died during a call "
+                            f"(exit status {self.exitcode})") from exc
+        except Exception as exc:            # an answer that does not unpickle here
+            raise SandboxError(f"{self.sandbox.name}: its answer could not be read: "
+                               f"{exc!r}") from exc
         grown = _rss_bytes(self.proc.pid) - self.base_rss
         if grown > self.sandbox.max_growth_bytes:
             logger.info("%s: a child process grew by %d MiB; replacing it", self.sandbox.name,
@@ -228,7 +257,9 @@ class Sandbox(FairExecutor):
             if self._ctx is None:
                 ctx = multiprocessing.get_context("forkserver")
                 if self.preload:
-                    ctx.set_forkserver_preload(self.preload)
+                    # __main__ too (multiprocessing's default): the fork server imports the main
+                    # module once, and a child does not run it again.
+                    ctx.set_forkserver_preload(["__main__", *self.preload])
                 self._ctx = ctx
             return self._ctx
 
@@ -267,3 +298,4 @@ class Sandbox(FairExecutor):
             proc = child.proc
             if proc is not None:
                 proc.kill()
+                proc.join(5)

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
+from corellm.constraint_shape import repetition_size, without_annotations
 from corellm.errors import InvalidRequestError
 from corellm.sampling_params import StructuredOutputsParams
-from corellm_plugins.frontend_openai.constraints import check_constraint_bounds, repetition_size
+from corellm_plugins.frontend_openai.constraints import check_constraint_bounds
 from corellm_plugins.frontend_openai.options import ConstraintLimits
 
 
@@ -28,12 +29,16 @@ from corellm_plugins.frontend_openai.options import ConstraintLimits
     ("x{a}", 0),                           # not a quantifier: literal braces
     (r"\{1,999\}", 0),                     # escaped braces
     ("((a{1,5000}", 5000),                 # unbalanced: still counted
+    ("abc{3}", 3),                         # a count repeats the last character of a run
+    ("a{\u00b2}", 0),                      # a digit Python's int() takes, a regex does not
+    ("a{" + "9" * 5000 + "}", 10 ** 9),    # more digits than any repetition: counted huge
 ])
 def test_repetition_size(pattern, size):
     assert repetition_size(pattern) == size
 
 
 LIMITS = ConstraintLimits(max_bytes=4096, max_depth=4, max_properties=8, max_repetition=100)
+REF = {"$ref": "#/x", "x": {"type": "string", "pattern": "[a-z]{1,101}"}}
 
 
 @pytest.mark.parametrize("so, says", [
@@ -51,6 +56,11 @@ LIMITS = ConstraintLimits(max_bytes=4096, max_depth=4, max_properties=8, max_rep
      "max_properties"),                    # counted over every subschema
     ({"json": {"type": "array", "items": {"type": "array", "items": {
         "type": "array", "items": {"type": "array", "items": {}}}}}}, "max_depth"),
+    # a $ref may point anywhere in the document: every object is walked, whatever its key
+    ({"json": REF}, "max_repetition"),
+    ({"json": {"$ref": "#/a", "a": {"properties": {f"p{i}": {} for i in range(9)}}}},
+     "max_properties"),
+    ({"json": {"$ref": "#/a", "a": {"b": {"c": {"d": {"e": {}}}}}}}, "max_depth"),
     ({"json": {"type": "string", "description": "d" * 5000}}, "max_bytes"),
     ({"choice": ["x" * 5000]}, "max_bytes"),
 ])
@@ -75,16 +85,18 @@ def test_within_the_bounds_is_a_cost():
 
 
 def test_annotations_are_dropped_where_schemas_are_not_where_names_are():
-    grammars = pytest.importorskip("corellm_plugins.structured_xgrammar.grammars")
     schema = {"type": "object", "description": "x" * 1000, "title": "T", "$comment": "c",
               "properties": {"description": {"type": "string", "description": "the text",
                                              "default": "none"},
                              "title": {"type": "string", "examples": ["a"]}},
-              "items": [{"title": "t", "type": "integer"}], "$defs": {"d": {"title": "x"}}}
-    assert grammars.without_annotations(schema) == {
+              "items": [{"title": "t", "type": "integer"}], "$defs": {"d": {"title": "x"}},
+              "enum": [{"description": "data, kept"}], "const": {"title": "kept"}}
+    assert without_annotations(schema) == {
         "type": "object", "properties": {"description": {"type": "string"},
                                          "title": {"type": "string"}},
-        "items": [{"type": "integer"}], "$defs": {"d": {}}}
+        "items": [{"type": "integer"}], "$defs": {"d": {}},
+        "enum": [{"description": "data, kept"}], "const": {"title": "kept"}}
+    grammars = pytest.importorskip("corellm_plugins.structured_xgrammar.grammars")
     padded = StructuredOutputsParams(json={**schema, "description": "y" * 900_000})
-    plain = StructuredOutputsParams(json=grammars.without_annotations(schema))
+    plain = StructuredOutputsParams(json=without_annotations(schema))
     assert grammars.source(padded) == grammars.source(plain)

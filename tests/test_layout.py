@@ -37,7 +37,8 @@ def imports_of(path: Path) -> set[str]:
 CORE_LAYERS: dict[str, list[str]] = {
     "foundation": ["errors", "clock", "cache", "deprecation", "devices", "logs", "lru", "fair",
                    "sandbox"],
-    "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling"],
+    "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling",
+                   "constraint_shape"],
     "interfaces": ["attention", "policy_view", "interfaces"],
     "component specs": ["specs"],
     "config": ["engine_config"],

@@ -13,7 +13,7 @@ import pytest
 
 from corellm.errors import InvalidRequestError
 from corellm.lru import ByteLRU
-from corellm.sandbox import CallCancelled, DeadlineExceeded, Sandbox, SandboxError
+from corellm.sandbox import DeadlineExceeded, Sandbox, SandboxError
 
 _state: dict = {}
 

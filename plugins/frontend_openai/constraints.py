@@ -5,13 +5,18 @@ sent; the bounds a constraint must keep before anything parses it
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from corellm.constraint_shape import constraint_shape, digest
 from corellm.errors import InvalidRequestError
+from corellm.lru import ByteLRU
 from corellm.sampling_params import SamplingParams, StructuredOutputsParams
+from corellm.sandbox import ChildDied, DeadlineExceeded, Sandbox, SandboxError
 
-from .errors import APIError
+from .errors import RETRY_AFTER_S, APIError, _invalid
 from .options import ConstraintLimits
 
 
@@ -67,155 +72,31 @@ def constraint_fields(req: Any) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- bounds
-# Schema keywords whose value is a map of names to subschemas, and those whose value is a
-# subschema or a list of them: the places a walk finds nested schemas (and properties to count).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "contains", "not", "if",
-                  "then", "else", "propertyNames", "unevaluatedItems",
-                  "unevaluatedProperties", "prefixItems", "allOf", "anyOf", "oneOf")
-
-
-def _quantifier(text: str, i: int) -> tuple[int, int] | None:
-    """A ``{m}``, ``{m,}`` or ``{m,n}`` at ``text[i]``: (the copies it unrolls to, its length);
-    None when ``text[i]`` begins none (then it is a literal brace). ``{m,}`` unrolls ``m``
-    copies and a loop."""
-    end = text.find("}", i)
-    if end < 0:
-        return None
-    low, comma, high = text[i + 1:end].partition(",")
-    low, high = low.strip(), high.strip()
-    if not low.isdigit() or (high and not high.isdigit()):
-        return None
-    copies = int(high) if high else int(low) + (1 if comma else 0)
-    return copies, end + 1 - i
-
-
-def repetition_size(pattern: str) -> int:
-    """How many atoms a regular expression's counted repetitions (``{m,n}``) unroll to, summed
-    over its outermost ones, nested ones multiplying (``(a{1,30}){1,30}`` is 900). ``*``, ``+``
-    and ``?`` are loops and unroll nothing. A converter that expands ``[a-z]{1,n}`` into n
-    copies spends time and memory in proportion to this, or more: xgrammar turning a JSON
-    schema's ``pattern`` into a grammar takes 0.4 s at ``{1,3000}`` and minutes at
-    ``{1,40000}`` (docs/server.md)."""
-    # One frame per open group: [unrolled size, repeated size, last atom's size, its repeated].
-    frames = [[0, 0, 0, 0]]
-
-    def atom(size: int, repeated: int) -> None:
-        f = frames[-1]
-        f[0] += size
-        f[1] += repeated
-        f[2], f[3] = size, repeated
-
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            atom(1, 0)
-            i += 2
-        elif c == "[":
-            j = i + 1
-            j += pattern.startswith("^", j)
-            j += pattern.startswith("]", j)
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            atom(1, 0)
-            i = j + 1
-        elif c == "(":
-            frames.append([0, 0, 0, 0])
-            i += 1
-        elif c == ")" and len(frames) > 1:
-            size, repeated, _, _ = frames.pop()
-            atom(size, repeated)
-            i += 1
-        elif c == "{" and (q := _quantifier(pattern, i)) is not None:
-            copies, length = q
-            f = frames[-1]
-            f[0] += f[2] * (copies - 1)
-            f[1] += f[2] * copies - f[3]
-            f[2] = f[3] = 0
-            i += length
-        elif c in "|*+?":
-            frames[-1][2] = frames[-1][3] = 0
-            i += 1
-        else:
-            atom(1, 0)
-            i += 1
-    return sum(f[1] for f in frames)
-
-
-def _schema_shape(schema: Any, field: str, limits: ConstraintLimits,
-                  ) -> tuple[int, int, list[str]]:
-    """(deepest nesting, properties, regular expressions) of a JSON schema, walked without
-    recursion; a 400 naming ``field`` as soon as the depth passes its bound."""
-    depth = properties = 0
-    patterns: list[str] = []
-    todo: list[tuple[Any, int]] = [(schema, 1)]
-    while todo:
-        node, level = todo.pop()
-        if not isinstance(node, dict):
-            continue
-        if level > limits.max_depth:
-            raise InvalidRequestError(field, f"nests subschemas deeper than the limit of "
-                                             f"{limits.max_depth} "
-                                             "(frontend.limits.constraints.max_depth)")
-        depth = max(depth, level)
-        if isinstance(node.get("pattern"), str):
-            patterns.append(node["pattern"])
-        for key in _SCHEMA_MAPS:
-            table = node.get(key)
-            if isinstance(table, dict):
-                if key == "properties":
-                    properties += len(table)
-                elif key == "patternProperties":
-                    patterns.extend(table)
-                todo.extend((sub, level + 1) for sub in table.values())
-        for key in _SCHEMA_VALUES:
-            sub = node.get(key)
-            if isinstance(sub, list):
-                todo.extend((s, level + 1) for s in sub)
-            elif isinstance(sub, dict):
-                todo.append((sub, level + 1))
-    return depth, properties, patterns
-
-
 def check_constraint_bounds(so: StructuredOutputsParams, limits: ConstraintLimits) -> int:
     """Refuse a constraint over ``frontend.limits.constraints`` (an ``InvalidRequestError``
     naming its field, before anything parses or compiles it); else its cost, in
-    ``FairExecutor``'s unit (about a microsecond), for the queue of the checks."""
-    kind = so.kind
-    field = f"structured_outputs.{kind}"
-    value = getattr(so, kind)
-    if kind == "json_object":
-        return 1
-    if kind == "json":
-        try:
-            text = value if isinstance(value, str) else json.dumps(value)
-            schema = json.loads(value) if isinstance(value, str) else value
-        except (ValueError, RecursionError):
-            # Not JSON (or nested past Python's recursion limit): the backend's check names why.
-            text, schema = str(value), None
-    else:
-        text = "\0".join(value) if kind == "choice" else value
-        schema = None
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > limits.max_bytes:
-        raise InvalidRequestError(field, f"{size} bytes exceed the limit of {limits.max_bytes} "
-                                         "(frontend.limits.constraints.max_bytes)")
-    properties, patterns = 0, [text] if kind in ("regex", "grammar") else []
-    if schema is not None:
-        _, properties, patterns = _schema_shape(schema, field, limits)
-        if properties > limits.max_properties:
-            raise InvalidRequestError(field, f"{properties} object properties exceed the limit "
-                                             f"of {limits.max_properties} "
-                                             "(frontend.limits.constraints.max_properties)")
-    repetition = sum(repetition_size(p) for p in patterns if isinstance(p, str))
-    if repetition > limits.max_repetition:
-        what = "its patterns' counted repetitions" if kind == "json" else \
+    ``FairExecutor``'s unit (about a microsecond), for the queue of the checks. Reading its
+    shape is linear in its size (about 0.3 s for the worst 1 MiB): run it off the event loop."""
+    field = f"structured_outputs.{so.kind}"
+    shape = constraint_shape(so)
+    key = "frontend.limits.constraints."
+    if shape.size > limits.max_bytes:
+        raise InvalidRequestError(field, f"{shape.size} bytes exceed the limit of "
+                                         f"{limits.max_bytes} ({key}max_bytes)")
+    if shape.depth > limits.max_depth:
+        raise InvalidRequestError(field, f"nests {shape.depth} objects deep, over the limit of "
+                                         f"{limits.max_depth} ({key}max_depth)")
+    if shape.properties > limits.max_properties:
+        raise InvalidRequestError(field, f"{shape.properties} object properties exceed the "
+                                         f"limit of {limits.max_properties} "
+                                         f"({key}max_properties)")
+    if shape.repetition > limits.max_repetition:
+        what = "its patterns' counted repetitions" if so.kind == "json" else \
             "its counted repetitions ({m,n})"
-        raise InvalidRequestError(field, f"{what} unroll to {repetition} atoms, over the limit "
-                                         f"of {limits.max_repetition} "
-                                         "(frontend.limits.constraints.max_repetition)")
-    return size + repetition * 64 + properties * 256
+        raise InvalidRequestError(field, f"{what} unroll to {shape.repetition} atoms, over the "
+                                         f"limit of {limits.max_repetition} "
+                                         f"({key}max_repetition)")
+    return shape.cost
 
 
 # --------------------------------------------------------------------------- the check process
@@ -246,3 +127,105 @@ def checker_imports(entries: Any) -> list[str]:
     for entry in entries:
         mods.extend(entry.spec.validate_imports)
     return list(dict.fromkeys(mods))
+
+
+# --------------------------------------------------------------------------- the checks
+# The digests of constraints that passed their check (or ran past its deadline) are kept up to
+# this many bytes.
+CHECKED_CACHE_BYTES = 4 << 20
+# Constraints up to this many characters are held to their bounds on the event loop (under a
+# millisecond); longer ones on the preprocessing pool.
+INLINE_BOUNDS_CHARS = 4096
+
+
+class ConstraintChecks:
+    """A server's checks of output constraints: the bounds (``frontend.limits.constraints``),
+    then the enabled logits processors' checks in two check processes (``corellm.sandbox``),
+    cheapest first, each killed at ``check_timeout_s``. ``off_loop(fn, *args, cost=...)`` runs
+    work on the preprocessing pool."""
+
+    def __init__(self, engine: Any, limits: ConstraintLimits,
+                 off_loop: Callable[..., Awaitable[Any]]) -> None:
+        self.engine, self.limits, self.off_loop = engine, limits, off_loop
+        # Constraints that passed their check, and those that ran past its deadline, by digest
+        # (16 bytes each, whatever their size).
+        self._checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
+        self._too_slow: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
+
+    async def bounds(self, req: Any) -> int:
+        """The request's output constraint held to ``frontend.limits.constraints`` before any
+        other work is spent on it; its cost in the check queue (0 without one). Reading its
+        shape takes time linear in its size: a small one is read here, a large one on the
+        preprocessing pool."""
+        so = structured_outputs(req)
+        if so is None:
+            return 0
+        value = getattr(so, so.kind)
+        try:
+            size = (len(json.dumps(value)) if isinstance(value, dict)
+                    else sum(map(len, value)) if isinstance(value, list)
+                    else len(value) if isinstance(value, str) else 0)
+        except (ValueError, RecursionError):
+            size = self.limits.max_bytes
+        try:
+            if size <= INLINE_BOUNDS_CHARS:
+                return check_constraint_bounds(so, self.limits)
+            return await self.off_loop(check_constraint_bounds, so, self.limits, cost=size)
+        except InvalidRequestError as exc:
+            raise _invalid(exc, constraint_fields(req)) from None
+
+    async def check(self, req: Any, params: SamplingParams, cost: int) -> None:
+        """A request's output constraint and processor arguments, checked by the enabled
+        logits processors (parsing a JSON schema, a regex, a grammar) in a check process that
+        is killed at ``check_timeout_s``, never on the threads that tokenize prompts: a 400
+        naming the field when one refuses or takes too long. ``cost``: the constraint's, from
+        ``bounds``, which it passed. A constraint that passed is remembered, and so is one that
+        ran past the deadline or ended its process (a 400 at once when it comes back)."""
+        so, xargs = params.structured_outputs, params.extra_args
+        checker = self.engine.processor.checker
+        if (so is None and xargs is None) or (so is None and not checker.entries):
+            return
+        fields = constraint_fields(req)
+        field = "vllm_xargs" if so is None else fields.get(
+            f"structured_outputs.{so.kind}", f"structured_outputs.{so.kind}")
+        limits = self.limits
+        key = digest(repr((so, xargs)))
+        try:
+            if so is not None and checker.backend is None:
+                checker.check(params)               # refused at once: no backend serves it
+            if key in self._checked:
+                return
+            if key in self._too_slow:
+                raise DeadlineExceeded(limits.check_timeout_s)
+            await self._checks.run_isolated(check_in_child, params,
+                                            cost=cost + 1 + len(repr(xargs or "")))
+        except InvalidRequestError as exc:
+            raise _invalid(exc, fields) from None
+        except DeadlineExceeded:
+            self._too_slow.put(key, None, 0)
+            raise APIError(400, f"{field}: the structured-output backend did not finish "
+                                f"checking it within {limits.check_timeout_s:g} s "
+                                "(frontend.limits.constraints.check_timeout_s); simplify it",
+                           param=field, code="constraint_too_complex") from None
+        except ChildDied:
+            self._too_slow.put(key, None, 0)
+            raise APIError(400, f"{field}: checking it ended the check process (out of memory, "
+                                "or a crash in the structured-output backend); simplify it",
+                           param=field, code="constraint_too_complex") from None
+        except SandboxError as exc:
+            raise APIError(503, f"the server cannot check output constraints now: {exc}",
+                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
+                           ) from None
+        self._checked.put(key, None, 0)
+
+    @functools.cached_property
+    def _checks(self) -> Sandbox:
+        """The check processes, started at the first request that needs them."""
+        entries = self.engine.processor.checker.entries
+        return Sandbox("corellm-constraint-check", timeout_s=self.limits.check_timeout_s,
+                       preload=checker_imports(entries), initializer=init_checker,
+                       initargs=(self.engine.config,))
+
+    def close(self) -> None:
+        if "_checks" in self.__dict__:
+            self._checks.shutdown()

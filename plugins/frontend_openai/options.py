@@ -23,7 +23,10 @@ class ConstraintLimits(BaseModel):
     max_bytes: int = Field(
         1 << 20, ge=1, description="Largest constraint, in bytes of its JSON or text.")
     max_depth: int = Field(
-        32, ge=1, description="Deepest nesting of subschemas in a JSON schema.")
+        64, ge=1, description="Deepest nesting of objects in a JSON schema, wherever they are "
+                              "(a $ref may point anywhere): a property's subschema is two "
+                              "deeper than its object, its name under properties and then "
+                              "its schema.")
     max_properties: int = Field(
         1024, ge=1, description="Most object properties in a JSON schema, counted over all its "
                                 "subschemas (compiling against the vocabulary grows faster "

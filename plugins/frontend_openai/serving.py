@@ -4,8 +4,6 @@ whole or as server-sent events."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,14 +17,11 @@ from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat_text
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import InvalidRequestError
 from corellm.fair import FairExecutor
-from corellm.lru import ByteLRU
 from corellm.outputs import INVALID_REQUEST, SERVER_BUSY, CompletionOutput
 from corellm.sampling_params import SamplingParams
-from corellm.sandbox import DeadlineExceeded, Sandbox
 
 from .body import _parse
-from .constraints import (check_constraint_bounds, check_in_child, checker_imports,
-                          constraint_fields, init_checker, structured_outputs)
+from .constraints import ConstraintChecks, constraint_fields, structured_outputs
 from .errors import RETRY_AFTER_S, APIError, _invalid
 from .options import OpenAIServerOptions
 from .preprocess import TextBound
@@ -38,8 +33,6 @@ from .streaming import _gather_finals, _merge, _sse, _sse_data
 # What a chat message costs the template beyond its text, in characters' worth of tokenizing
 # (corellm.fair.FairExecutor's unit: about a microsecond).
 CHAT_COST_PER_MESSAGE = 16
-# The digests of constraints that passed their check are kept up to this many bytes.
-CHECKED_CACHE_BYTES = 4 << 20
 
 
 class OpenAIServing:
@@ -56,8 +49,8 @@ class OpenAIServing:
         # Large bodies are parsed, chat templates rendered and texts tokenized here, off the
         # event loop, cheapest job first.
         self._preprocess = FairExecutor("corellm-preprocess")
-        # Constraints that passed their check, by digest (16 bytes each, whatever their size).
-        self._checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
+        # Output constraints: their bounds, and their checks in processes a deadline kills.
+        self.constraints = ConstraintChecks(engine, self.limits.constraints, self.off_loop)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, cost: float) -> Any:
         """Run ``fn`` (tokenizer work) on the preprocessing pool; ``cost``: its estimated work,
@@ -66,8 +59,7 @@ class OpenAIServing:
 
     def close(self) -> None:
         self._preprocess.shutdown()
-        if "_checks" in self.__dict__:
-            self._checks.shutdown()
+        self.constraints.close()
 
     # ------------------------------------------------------------------ limits
     def check_limits(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
@@ -190,49 +182,6 @@ class OpenAIServing:
             raise _invalid(exc, {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
                                  **constraint_fields(req)}) from None
 
-    async def check_constraints(self, req: Any, params: SamplingParams) -> None:
-        """A request's output constraint and processor arguments, checked before the engine
-        sees them: first against ``frontend.limits.constraints`` (here, on the constraint's
-        text), then by the enabled logits processors (parsing a JSON schema, a regex, a
-        grammar) in a check process that is killed at ``check_timeout_s``: never on the
-        threads that tokenize prompts. A 400 naming the field when either refuses."""
-        so, xargs = params.structured_outputs, params.extra_args
-        checker = self.engine.processor.checker
-        if (so is None and xargs is None) or (so is None and not checker.entries):
-            return
-        limits = self.limits.constraints
-        fields = constraint_fields(req)
-        try:
-            if so is not None and checker.backend is None:
-                checker.check(params)               # refused at once: no backend serves it
-            cost = 1 + (len(repr(xargs)) if xargs is not None else 0)
-            if so is not None:
-                cost += check_constraint_bounds(so, limits)
-            key = hashlib.blake2b(repr((so, xargs)).encode("utf-8", "surrogatepass"),
-                                  digest_size=16).digest()
-            if key in self._checked:
-                return
-            await self._checks.run_isolated(check_in_child, params, cost=cost)
-        except InvalidRequestError as exc:
-            raise _invalid(exc, fields) from None
-        except DeadlineExceeded:
-            field = fields.get(f"structured_outputs.{so.kind}", f"structured_outputs.{so.kind}") \
-                if so is not None else "vllm_xargs"
-            raise APIError(400, f"{field}: the structured-output backend did not finish "
-                                f"checking it within {limits.check_timeout_s:g} s "
-                                "(frontend.limits.constraints.check_timeout_s); simplify it",
-                           param=field, code="constraint_too_complex") from None
-        self._checked.put(key, None, 0)
-
-    @functools.cached_property
-    def _checks(self) -> Sandbox:
-        """The check processes, started at the first request that needs them."""
-        entries = self.engine.processor.checker.entries
-        return Sandbox("corellm-constraint-check",
-                       timeout_s=self.limits.constraints.check_timeout_s,
-                       preload=checker_imports(entries), initializer=init_checker,
-                       initargs=(self.engine.config,))
-
     def check_text_length(self, text: str, field: str, what: str = "") -> None:
         """Refuse ``text`` when it has more characters than fit in the context, before the
         tokenizer spends time on it (about a second for 1 MiB)."""
@@ -264,8 +213,8 @@ class OpenAIServing:
         ``req`` carries the scheduling attributes: priority, user (tenant), session_id;
         ``group_id`` makes the prompts of one call one client request to the scheduler."""
         try:
-            # A constraint or processor arguments were checked by check_constraints, in the
-            # check processes: not again here, on the event loop.
+            # A constraint or processor arguments were checked by ConstraintChecks, in the check
+            # processes: not again here, on the event loop.
             checked = params.structured_outputs is not None or params.extra_args is not None
             stream = await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
                                                    priority=req.priority, user=req.user,
@@ -314,6 +263,7 @@ class OpenAIServing:
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs: must be >= 0", param="logprobs")
         self.check_limits(req, len(prompts), req.logprobs, "logprobs")
+        constraint_cost = await self.constraints.bounds(req)
         many = len(prompts) > 1
         # One job per prompt, chained: other clients' small jobs run between them.
         token_ids = await self._preprocess.run_all(
@@ -322,7 +272,7 @@ class OpenAIServing:
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, "max_tokens")
                   for ids in token_ids]
         self.check_generated_tokens(params, "max_tokens", defaulted=req.max_tokens is None)
-        await self.check_constraints(req, params[0])
+        await self.constraints.check(req, params[0], constraint_cost)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid   # never collides
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -434,6 +384,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_limits(req, 1, logprobs, "top_logprobs")
+        constraint_cost = await self.constraints.bounds(req)
         ids = await self.off_loop(self.render_chat, req, cost=self.chat_cost(req.messages))
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
@@ -442,7 +393,7 @@ class OpenAIServing:
                                       "top_logprobs")
         self.check_generated_tokens([params], field, defaulted=max_tokens is None,
                                     logprobs_field="top_logprobs")
-        await self.check_constraints(req, params)
+        await self.constraints.check(req, params, constraint_cost)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

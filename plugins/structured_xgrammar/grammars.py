@@ -11,12 +11,11 @@ so a schema padded with a 900 KB description costs what the same schema without 
 
 from __future__ import annotations
 
-import hashlib
 import json
-from typing import Any
 
 import xgrammar as xgr
 
+from corellm.constraint_shape import digest, without_annotations
 from corellm.errors import InvalidRequestError
 from corellm.lru import ByteLRU
 from corellm.sampling_params import StructuredOutputsParams
@@ -24,38 +23,8 @@ from corellm.sampling_params import StructuredOutputsParams
 # Kinds of source, and what each becomes.
 JSON_SCHEMA, JSON_OBJECT, REGEX, GRAMMAR = "json", "json_object", "regex", "grammar"
 
-# Keywords that annotate a schema without constraining it (JSON Schema's meta-data vocabulary):
-# xgrammar's grammar for a schema is the same without them.
-_ANNOTATIONS = frozenset({"description", "title", "examples", "$comment", "default",
-                          "deprecated", "readOnly", "writeOnly"})
-# Keywords whose value maps names to subschemas (its keys are names, never keywords).
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                          "dependentSchemas"})
-# Keywords whose value is a subschema or a list of them.
-_SCHEMA_VALUES = frozenset({"items", "additionalProperties", "additionalItems", "contains",
-                            "not", "if", "then", "else", "propertyNames", "unevaluatedItems",
-                            "unevaluatedProperties", "prefixItems", "allOf", "anyOf", "oneOf"})
 # Digests of the constraints that parsed, up to this many bytes.
 CHECKED_BYTES = 4 << 20
-
-
-def without_annotations(schema: Any) -> Any:
-    """``schema`` without its annotation keywords, at every place a subschema can be (a
-    property named ``description`` stays: under ``properties`` the keys are names)."""
-    if isinstance(schema, list):
-        return [without_annotations(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _ANNOTATIONS:
-            continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            value = {name: without_annotations(sub) for name, sub in value.items()}
-        elif key in _SCHEMA_VALUES:
-            value = without_annotations(value)
-        out[key] = value
-    return out
 
 
 def source(so: StructuredOutputsParams) -> tuple[str, str]:
@@ -85,11 +54,6 @@ def source(so: StructuredOutputsParams) -> tuple[str, str]:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice or [])
         return GRAMMAR, f"root ::= {alternatives}"
     return GRAMMAR, so.grammar or ""
-
-
-def digest(kind: str, text: str) -> bytes:
-    return hashlib.blake2b(f"{kind}\0{text}".encode("utf-8", "surrogatepass"),
-                           digest_size=16).digest()
 
 
 _checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_BYTES)
@@ -145,9 +109,17 @@ def compile_with(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
     return compiler.compile_grammar(text)
 
 
+class GrammarRefused(Exception):
+    """xgrammar refused to compile a constraint against the vocabulary (its reason)."""
+
+
 def probe(kind: str, text: str) -> int:
     """Compile in a compile process, to learn that it finishes in time (the compiled grammar
     stays there: sending it back costs more than compiling it again, 2 s for a schema of 300
     properties); its size in bytes."""
     assert _compiler is not None, "init_compiler was not run"
-    return compile_with(_compiler, kind, text).memory_size_bytes
+    try:
+        return compile_with(_compiler, kind, text).memory_size_bytes
+    except (RuntimeError, ValueError) as exc:      # xgrammar's refusals
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise GrammarRefused(reason) from None

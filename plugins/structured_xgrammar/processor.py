@@ -4,16 +4,19 @@ model's vocabulary, its matcher, and one token mask per step for all of them.
 A compile runs first in a compile process (``grammars.probe``), where
 ``logits_processors.compile_timeout_s`` can kill it, then, once it is known to finish in time,
 in the worker, whose matchers need the compiled grammar (xgrammar's serialization of a large
-compiled grammar costs more than compiling it again). Compiles are queued cheapest first, with
-one of the two compile workers kept for small constraints (``corellm.fair.FairExecutor``'s
-rules), so one client's expensive schemas hold at most one worker, and only until the deadline.
-Compiled grammars are kept by digest, up to ``logits_processors.cache_bytes``."""
+compiled grammar costs more than compiling it again). Compiles are queued cheapest first,
+costed by the constraint's shape (``corellm.constraint_shape``), with one of the two compile
+workers kept for small constraints (``corellm.fair.FairExecutor``'s rules), so constraints
+costed as expensive hold at most one worker, each for at most twice the deadline. A
+constraint past the deadline is remembered and refused at once when it comes back. Compiled
+grammars are kept by digest, up to ``logits_processors.cache_bytes``."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -25,9 +28,10 @@ from corellm.components import BuildContext
 from corellm.interfaces import LogitsProcessor, RequestsFailed
 from corellm.lru import ByteLRU
 from corellm.sampling_params import SamplingParams
-from corellm.sandbox import DeadlineExceeded, Sandbox
-from corellm_plugins.structured_xgrammar.grammars import (compile_with, digest, init_compiler,
-                                                          probe, source)
+from corellm.constraint_shape import constraint_shape, digest
+from corellm.sandbox import ChildDied, DeadlineExceeded, Sandbox
+from corellm_plugins.structured_xgrammar.grammars import (GrammarRefused, compile_with,
+                                                          init_compiler, probe, source)
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +75,18 @@ class XGrammarProcessor(LogitsProcessor):
                                   else compile_timeout_s)
         self.cache = ByteLRU[bytes, xgr.CompiledGrammar](
             CACHE_BYTES if cache_bytes is None else cache_bytes)
+        # Constraints whose compile ran past the deadline: refused at once when they come back.
+        self.too_slow = ByteLRU[bytes, None](1 << 20)
         self._inflight: dict[bytes, list[Any]] = {}     # digest -> [future, waiters]
         self._inflight_lock = threading.Lock()
-        # The compile queue and its two workers, each driving a compile process.
+        self._info_json: str | None = None
+        # The compile queue and its two workers, each driving a compile process; shut down with
+        # the processor.
         self.pool = Sandbox("xgrammar-compile", timeout_s=self.compile_timeout_s,
                             preload=["corellm_plugins.structured_xgrammar.grammars"],
                             initializer=init_compiler,
                             initargs=self._compile_process_args)
+        weakref.finalize(self, self.pool.shutdown)
         self._bitmask: torch.Tensor | None = None
 
     @classmethod
@@ -111,38 +120,54 @@ class XGrammarProcessor(LogitsProcessor):
             return self._compiler
 
     def _compile_process_args(self) -> tuple[str]:
-        """``init_compiler``'s arguments, for each compile process that starts."""
-        self.compiler                       # noqa: B018 - makes the tokenizer info
-        assert isinstance(self._info, xgr.TokenizerInfo)
-        return (self._info.serialize_json(),)
+        """``init_compiler``'s arguments, for each compile process that starts (the vocabulary,
+        serialized once)."""
+        if self._info_json is None:
+            self.compiler                   # noqa: B018 - makes the tokenizer info
+            assert isinstance(self._info, xgr.TokenizerInfo)
+            self._info_json = self._info.serialize_json()
+        return (self._info_json,)
 
     def _compile(self, kind: str, text: str, key: bytes) -> xgr.CompiledGrammar:
         """A compile job (on a compile worker): probed in its compile process, then compiled
-        here and kept."""
+        here and kept. A probe past the deadline, or one that killed its process, is
+        remembered."""
         compiled = self.cache.get(key)
         if compiled is None:
-            self.pool.call(probe, kind, text)
+            try:
+                self.pool.call(probe, kind, text)
+            except (DeadlineExceeded, ChildDied):
+                self.too_slow.put(key, None, 0)
+                raise
             compiled = compile_with(self.compiler, kind, text)
             self.cache.put(key, compiled, compiled.memory_size_bytes)
         return compiled
 
-    def _submit(self, kind: str, text: str, key: bytes) -> Future:
+    def _submit(self, so: SamplingParams, kind: str, text: str, key: bytes) -> Future:
         """The compiled grammar of (kind, text): from the cache, a compile in progress (shared
-        by the requests that wait for it), or a new compile job, costed by its length."""
+        by the requests that wait for it), or a new compile job, costed by the constraint's
+        shape (``corellm.constraint_shape``)."""
+        fut: Future = Future()
+        if key in self.too_slow:
+            fut.set_exception(DeadlineExceeded(self.compile_timeout_s))
+            return fut
         done = self.cache.get(key)
         if done is not None:
-            fut: Future = Future()
             fut.set_result(done)
             return fut
         with self._inflight_lock:
             entry = self._inflight.get(key)
-            if entry is None:
+            new = entry is None
+            if new:
                 fut, = self.pool.submit([lambda: self._compile(kind, text, key)],
-                                        [len(text) + 1])
+                                        [constraint_shape(so).cost + 1])
                 entry = self._inflight[key] = [fut, 0]
-                fut.add_done_callback(lambda _: self._forget(key, fut))
             entry[1] += 1
-            return entry[0]
+            fut = entry[0]
+        if new:
+            # Outside the lock: a future already done runs the callback in this thread.
+            fut.add_done_callback(lambda _: self._forget(key, fut))
+        return fut
 
     def _forget(self, key: bytes, fut: Future) -> None:
         with self._inflight_lock:
@@ -154,10 +179,11 @@ class XGrammarProcessor(LogitsProcessor):
                     output_token_ids: Sequence[int]) -> _State | None:
         if params.structured_outputs is None:
             return None
-        kind, text = source(params.structured_outputs)
+        so = params.structured_outputs
+        kind, text = source(so)
         key = digest(kind, text)
-        return _State(req_id, f"structured_outputs.{params.structured_outputs.kind}", key,
-                      self._submit(kind, text, key), list(output_token_ids),
+        return _State(req_id, f"structured_outputs.{so.kind}", key,
+                      self._submit(so, kind, text, key), list(output_token_ids),
                       time.monotonic() + QUEUE_FACTOR * self.compile_timeout_s)
 
     def ready(self, state: Any) -> bool:
@@ -179,8 +205,14 @@ class XGrammarProcessor(LogitsProcessor):
             return (f"{state.field}: its grammar was not compiled against the model's "
                     f"vocabulary within {self.compile_timeout_s:g} s "
                     "(logits_processors.compile_timeout_s); simplify it", "invalid")
+        except ChildDied:
+            return (f"{state.field}: compiling its grammar against the model's vocabulary "
+                    "ended the compile process (out of memory, or a crash in xgrammar); "
+                    "simplify it", "invalid")
+        except GrammarRefused as exc:
+            return f"{state.field}: xgrammar cannot compile it: {exc}", "invalid"
         except Exception as exc:
-            return f"its grammar did not compile: {exc}", "failed"
+            return f"its grammar did not compile: {exc!r}", "failed"
         matcher = xgr.GrammarMatcher(compiled)
         for token in state.replay:          # the tokens it kept through a preemption
             if not matcher.accept_token(token):
