@@ -764,7 +764,8 @@ def main() -> int:
         if before is not None:
             before.close()
     env = environment()
-    title = (f"one client against the others, default config, {env.get('cpu_model', '?')} "
+    config = f"config {Path(args.config).name}" if args.config else "default config"
+    title = (f"one client against the others, {config}, {env.get('cpu_model', '?')} "
              f"({os.cpu_count()} CPUs)")
     print(f"\n{title}\n{format_table(rows)}")
     if args.json:
