@@ -722,7 +722,7 @@ def write_plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         ax.plot(xs, hl, "k_", markersize=14, markeredgewidth=2,
                 label="/health (max)" if j == 0 else None)
     ax.axhline(1000, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
+    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8, rotation=25, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("latency while the load runs, ms (log)")
     ax.set_title(title, fontsize=9)
