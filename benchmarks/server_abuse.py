@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import logger  # noqa: E402
 from corellm_plugins.bench.env import environment  # noqa: E402
-from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
+from corellm_plugins.bench.server_process import ServerProcess, tree_pss  # noqa: E402
 
 log = logger("server_abuse")
 REPO = Path(__file__).resolve().parents[1]
@@ -469,28 +469,6 @@ def scenario_compile_flood(url: str, model: str, server: ServerProcess | None,
     return row
 
 
-def _tree_pss(pid: int) -> int:
-    """Proportional set size of ``pid`` and its descendants (bytes; shared pages once)."""
-    found, todo = {pid}, [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()} - found
-            except OSError:
-                continue
-            found |= kids
-            todo.extend(kids)
-    total = 0
-    for p in found:
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
 def scenario_schema_memory(url: str, model: str, server: ServerProcess | None,
                            args: argparse.Namespace) -> dict[str, Any]:
     if server is None:
@@ -506,15 +484,15 @@ def scenario_schema_memory(url: str, model: str, server: ServerProcess | None,
                 "structured_outputs": {"json": schema(i)}}
 
     _post_json(url, "/v1/completions", body(-1), args.timeout, out)     # starts every process
-    before = _tree_pss(server.proc.pid)
+    before = tree_pss(server.proc.pid)
     t0 = time.perf_counter()
     for i in range(150):
         _post_json(url, "/v1/completions", body(i), args.timeout, out)
         if (i + 1) % 50 == 0:
-            log(f"  {i + 1}/150 schemas, {(_tree_pss(server.proc.pid) - before) / 2**20:+.0f} "
+            log(f"  {i + 1}/150 schemas, {(tree_pss(server.proc.pid) - before) / 2**20:+.0f} "
                 "MiB")
     took = time.perf_counter() - t0
-    after = _tree_pss(server.proc.pid)
+    after = tree_pss(server.proc.pid)
     row = probe_while(url, model, lambda: False, args)
     grown = (after - before) / 2**20
     row["load"] = (f"150 x 900 KB schemas in {took:.0f} s: {_answers(out[1:])}; the server's "

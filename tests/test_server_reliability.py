@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from corellm_plugins.bench.server_process import tree_pss
 from tests.test_server import MAX_MODEL_LEN, Server, _pid_alive, _post, _server_config, _wait
 from tests.test_sim import make_profile
 
@@ -877,6 +878,28 @@ def test_body_drip_cannot_lock_out_new_connections(llama_path, tmp_path):
         srv.stop(signal.SIGKILL)
 
 
+async def _serve_in_process(app, **timeouts):
+    """``app`` behind the server's connection rules on 127.0.0.1 (a cap of 3 connections, a
+    0.5 s head deadline, ``timeouts`` for the body's): (server, its task, port) once started."""
+    import asyncio
+
+    import uvicorn
+
+    from corellm_plugins.frontend_openai.server import _uvicorn_server
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11", ws="none",
+                            timeout_keep_alive=5)
+    server = _uvicorn_server(config, sock, cap=3, header_timeout_s=0.5, **timeouts)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, sock.getsockname()[1]
+
+
 def test_body_rules_in_process():
     """The body rules, against a small app with short timeouts (no engine): a body trickled
     under ``body_min_rate`` past ``body_timeout_s`` is a 408 and the connection is closed, the
@@ -886,10 +909,6 @@ def test_body_rules_in_process():
     the cap a new connection takes the place of a connection waiting for a head, then of the
     one receiving a body longest, never of a request in progress, and gets no 503."""
     import asyncio
-
-    import uvicorn
-
-    from corellm_plugins.frontend_openai.server import _uvicorn_server
 
     release = asyncio.Event()
     gone: list[str] = []
@@ -930,19 +949,8 @@ def test_body_rules_in_process():
             await asyncio.sleep(every_s)
 
     async def main() -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        sock.setblocking(False)
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11", ws="none",
-                                timeout_keep_alive=5)
         # A body has 1 s, then must come at 100 bytes/s.
-        server = _uvicorn_server(config, sock, cap=3, header_timeout_s=0.5, body_timeout_s=1.0,
-                                 body_min_rate=100)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
+        server, task, port = await _serve_in_process(app, body_timeout_s=1.0, body_min_rate=100)
 
         def connect():
             return asyncio.open_connection("127.0.0.1", port)
@@ -1032,10 +1040,6 @@ def test_connection_rules_in_process():
     when every connection has a request in progress a new one gets the canned 503."""
     import asyncio
 
-    import uvicorn
-
-    from corellm_plugins.frontend_openai.server import _uvicorn_server
-
     release = asyncio.Event()
 
     async def app(scope, receive, send):
@@ -1051,17 +1055,7 @@ def test_connection_rules_in_process():
         return await asyncio.wait_for(reader.read(), 5)        # to EOF: the server closes
 
     async def main() -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        sock.setblocking(False)
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", http="h11", ws="none",
-                                timeout_keep_alive=5)
-        server = _uvicorn_server(config, sock, cap=3, header_timeout_s=0.5)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
+        server, task, port = await _serve_in_process(app)
 
         def connect():
             return asyncio.open_connection("127.0.0.1", port)
@@ -1502,20 +1496,6 @@ def test_slow_compiles_are_killed_and_small_constraints_keep_being_served(constr
     assert r.status_code == 200, r.text
 
 
-def _tree_pss(pid: int) -> int:
-    """Proportional set size of ``pid`` and all its descendants, in bytes: shared pages (the
-    fork servers' preloaded modules) counted once over the processes sharing them."""
-    total = 0
-    for p in {pid, *_children(pid)}:
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
 def test_distinct_large_schemas_do_not_grow_the_server(constraint_server):
     """150 distinct schemas of 900 KB each (a description padding a small schema): every cache
     on their way is bounded by bytes and keyed by a digest of what constrains (annotations
@@ -1525,13 +1505,13 @@ def test_distinct_large_schemas_do_not_grow_the_server(constraint_server):
     body = {"prompt": "x", "max_tokens": 1}
     assert _post(srv, "/v1/completions", {**body, "structured_outputs": {
         "json": _props(3, pad=900_000)}}).status_code == 200
-    before = _tree_pss(srv.proc.pid)
+    before = tree_pss(srv.proc.pid)
     for i in range(150):
         schema = _props(3)
         schema["description"] = f"{i:04d}" + "d" * 900_000
         r = _post(srv, "/v1/completions", {**body, "structured_outputs": {"json": schema}})
         assert r.status_code == 200, r.text
-    after = _tree_pss(srv.proc.pid)
+    after = tree_pss(srv.proc.pid)
     print(f"\n150 distinct 900 KB schemas: the server's processes {before / 2**20:.0f} -> "
           f"{after / 2**20:.0f} MiB (PSS)")
     assert after - before < 96 << 20, (before, after)

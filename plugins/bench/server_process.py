@@ -33,6 +33,36 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every live descendant of it (the engine core, workers, check and compile
+    processes and their fork servers)."""
+    found, todo = {pid}, [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()} - found
+            except OSError:
+                continue
+            found |= kids
+            todo.extend(kids)
+    return found
+
+
+def tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and its descendants, in bytes (Linux): the pages they
+    share (a fork server's preloaded modules) are counted once over the processes sharing
+    them, which summing their RSS would count again in each."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
 class ServerProcess:
     """``python -m corellm serve`` as a child in its own session: started, waited for (the
     "serving ... on URL" log line), and stopped with SIGINT (then SIGTERM, then SIGKILL to its
