@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from corellm.cli_parser import Parser
+from corellm.engine_config import DTYPE_ALIASES, DTYPES, ENGINE_ARGS
 from corellm.errors import ConfigError, CorellmError
 from corellm.logs import FORMATS, LEVELS
 
@@ -23,20 +24,11 @@ logger = logging.getLogger("corellm")
 DESCRIPTION = "corellm, a pluggable LLM inference engine. Commands: {commands}."
 
 
-# vLLM's flag names for the common engine settings, each mapped onto the config key it sets.
-# (flag, dest, config key, type, help)
+# vLLM's flag names for the common engine settings (corellm.engine_config.ENGINE_ARGS), each
+# mapped onto the config key it sets. (flag, dest, config key, type, help)
 ENGINE_FLAGS: list[tuple[str, str, str, type, str]] = [
-    ("--max-model-len", "max_model_len", "model.max_model_len", int,
-     "longest prompt + output (default: the checkpoint's)"),
-    ("--max-num-seqs", "max_num_seqs", "scheduler.max_num_seqs", int,
-     "most requests running at once"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", "scheduler.max_num_batched_tokens",
-     int, "token budget of one step"),
-    ("--block-size", "block_size", "kv_cache.block_size", int, "tokens per KV block"),
-    ("--tensor-parallel-size", "tensor_parallel_size", "parallel.tensor_parallel_size", int,
-     "ranks the model is sharded across (with executor.name: multiproc)"),
-    ("--seed", "seed", "model.seed", int, "seed of the random stream of unseeded sampling"),
-]
+    ("--" + name.replace("_", "-"), name, key, typ, text)
+    for name, (key, typ, text) in ENGINE_ARGS.items()]
 FRONTEND_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--host", "host", "frontend.host", str, "address to bind (default 127.0.0.1)"),
     ("--port", "port", "frontend.port", int, "port (default 8000; 0 = any free one)"),
@@ -47,10 +39,6 @@ FRONTEND_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--metrics-prefix", "metrics_prefix", "frontend.metrics_prefix", str,
      "'vllm' names /metrics exactly as vLLM does (its Grafana dashboard works unchanged)"),
 ]
-# vLLM's --dtype spellings -> corellm's.
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",
-                  "fp32": "float32"}
-_DTYPES = ("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES)
 
 
 def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
@@ -62,7 +50,7 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
     p.add_argument("--model", "-m", help="checkpoint (sets model.path)")
     g = p.add_argument_group("engine settings (vLLM's flag names; each sets one config key, "
                              "applied over --config)")
-    g.add_argument("--dtype", choices=_DTYPES, help="weights and activations dtype (model.dtype)")
+    g.add_argument("--dtype", choices=DTYPES, help="weights and activations dtype (model.dtype)")
     for flag, dest, key, typ, text in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
         aliases = ["-tp"] if flag == "--tensor-parallel-size" else []    # vLLM's short form
         g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
@@ -90,7 +78,7 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     if model is not None:
         overrides.append(("model.path", model))
     if args.dtype is not None:
-        overrides.append(("model.dtype", _DTYPE_ALIASES.get(args.dtype, args.dtype)))
+        overrides.append(("model.dtype", DTYPE_ALIASES.get(args.dtype, args.dtype)))
     for _, dest, key, _, _ in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
         if getattr(args, dest) is not None:
             overrides.append((key, getattr(args, dest)))

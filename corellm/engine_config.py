@@ -203,6 +203,49 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+# vLLM's engine arguments for the common settings (``LLM(max_num_seqs=...)`` offline, the same
+# names as flags of ``corellm serve``: ``--max-num-seqs``), each mapped onto the config key it
+# sets. name -> (config key, type, help)
+ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
+    "max_model_len": ("model.max_model_len", int,
+                      "longest prompt + output (default: the checkpoint's)"),
+    "max_num_seqs": ("scheduler.max_num_seqs", int, "most requests running at once"),
+    "max_num_batched_tokens": ("scheduler.max_num_batched_tokens", int,
+                               "token budget of one step"),
+    "block_size": ("kv_cache.block_size", int, "tokens per KV block"),
+    "tensor_parallel_size": ("parallel.tensor_parallel_size", int,
+                             "ranks the model is sharded across (with executor.name: multiproc)"),
+    "seed": ("model.seed", int, "seed of the random stream of unseeded sampling"),
+}
+# vLLM's dtype spellings -> corellm's.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",
+                 "fp32": "float32"}
+DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
+
+
+def engine_arg_overrides(args: Mapping[str, Any], what: str = "LLM()") -> list[tuple[str, Any]]:
+    """(config key, value) for vLLM's engine arguments (``ENGINE_ARGS``, ``dtype``,
+    ``enable_prefix_caching``); an unknown name is a ``TypeError`` naming the closest known
+    one, as Python's for an unexpected keyword argument."""
+    import difflib
+
+    known = [*ENGINE_ARGS, "dtype", "enable_prefix_caching"]
+    overrides: list[tuple[str, Any]] = []
+    for name, value in args.items():
+        if name == "dtype":
+            overrides.append(("model.dtype", DTYPE_ALIASES.get(value, value)))
+        elif name == "enable_prefix_caching":
+            overrides.append(("kv_cache.enable_prefix_caching", value))
+        elif name in ENGINE_ARGS:
+            overrides.append((ENGINE_ARGS[name][0], value))
+        else:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else \
+                f" (engine arguments: {', '.join(sorted(known))}; any config key: the config)"
+            raise TypeError(f"{what} got an unexpected keyword argument {name!r}{hint}")
+    return overrides
+
+
 def apply_overrides(data: Mapping[str, Any], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``data`` with each dotted key set, in order (later ones win). Intermediate
     sections are created; the result is validated by ``load_config`` like any file."""

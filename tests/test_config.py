@@ -279,3 +279,34 @@ def test_cli_validate_and_schema(tmp_path, capsys):
         capsys.readouterr().err
     assert main(["config", "schema"]) == 0
     assert json.loads(capsys.readouterr().out)["title"] == "corellm engine config"
+
+
+# --------------------------------------------------------------------------- vLLM's engine args
+def test_llm_takes_vllms_engine_arguments(llama_path):
+    """``LLM(model=..., max_num_seqs=...)``, a vLLM user's first line: each argument sets the
+    config key its ``corellm serve`` flag sets, over the config given; dtype takes vLLM's
+    spellings."""
+    from corellm import LLM, SamplingParams
+    from tests.conftest import engine_config
+
+    with LLM(engine_config(llama_path), dtype="fp32", max_model_len=128, max_num_seqs=3,
+             max_num_batched_tokens=256, block_size=16, seed=7,
+             enable_prefix_caching=False) as llm:
+        c = llm.config
+        assert (c.model.dtype, c.model.max_model_len, c.model.seed) == ("float32", 128, 7)
+        assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (3, 256)
+        assert c.kv_cache.block_size == 16 and c.kv_cache.enable_prefix_caching is False
+        assert c.kv_cache.num_blocks == 256                  # the config's own keys are kept
+        out = llm.generate([{"prompt_token_ids": [5, 6]}] * 4,
+                           SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+
+
+def test_an_unknown_engine_argument_names_the_closest(llama_path):
+    from corellm import LLM
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'; did you "
+                                        "mean 'max_num_seqs'"):
+        LLM(model=str(llama_path), max_num_seq=4)
+    with pytest.raises(TypeError, match="'swap_space'.*engine arguments: block_size"):
+        LLM(model=str(llama_path), swap_space=4)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from corellm.config import EngineConfig, load_config, read_config_file
+from corellm.engine_config import apply_overrides, engine_arg_overrides
 from corellm.engine.core import EngineCore
 from corellm.engine.core_client import InprocClient, SyncMPClient
 from corellm.engine.output_processor import OutputProcessor
@@ -52,6 +53,19 @@ def build_config(config: EngineConfig | Mapping[str, Any] | str | Path | None,
     return load_config(data, registry=registry), registry
 
 
+def with_engine_args(config: EngineConfig | Mapping[str, Any] | str | Path | None,
+                     engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as a mapping with vLLM's engine arguments applied over it
+    (``LLM(model=..., max_num_seqs=8, dtype="bfloat16")``: the config keys their ``corellm
+    serve`` flags set); an unknown argument is a ``TypeError`` naming the closest one."""
+    overrides = engine_arg_overrides(engine_args)
+    if isinstance(config, EngineConfig):
+        data = config.to_dict()
+    else:
+        data = read_config_file(config) if isinstance(config, (str, Path)) else dict(config or {})
+    return apply_overrides(data, overrides)
+
+
 def _per_prompt(name: str, value: Any, n: int, scalar: type | tuple[type, ...]) -> list[Any]:
     """One value for every prompt, or a sequence of one per prompt."""
     if isinstance(value, scalar) or not isinstance(value, Sequence):
@@ -67,7 +81,12 @@ class LLM:
 
     ``LLM(config)`` takes an ``EngineConfig``, a dict, or a path to a YAML/TOML/JSON file;
     ``LLM(model=PATH)`` is shorthand for ``{"model": {"path": PATH}}``. With neither, the built-in
-    demo model is used. ``plugins`` registers extra in-process plugin objects.
+    demo model is used. vLLM's engine arguments set the config keys their ``corellm serve``
+    flags set, over the config: ``LLM(model=PATH, dtype="bfloat16", max_model_len=4096,
+    max_num_seqs=64, max_num_batched_tokens=2048, block_size=16, tensor_parallel_size=2,
+    seed=0, enable_prefix_caching=False)`` (``corellm.engine_config.ENGINE_ARGS``); an unknown
+    one is a ``TypeError`` naming the closest. ``plugins`` registers extra in-process plugin
+    objects.
 
     The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);
     ``engine_process=True`` runs it in a child process behind the same client the server uses
@@ -83,7 +102,9 @@ class LLM:
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
                  model: str | None = None, plugins: Sequence[object] = (),
                  engine_process: bool = False, tokenizer: Any = None,
-                 skip_tokenizer_init: bool = False) -> None:
+                 skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
+        if engine_args:
+            config = with_engine_args(config, engine_args)
         self.config, self.registry = build_config(config, model, plugins)
         path = model_path(self.config)       # validates the checkpoint directory
         if engine_process and plugins:
