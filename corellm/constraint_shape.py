@@ -5,9 +5,10 @@ regular expressions' counted repetitions unroll to. A server bounds these
 their caches by ``digest``. Also ``without_annotations``: a JSON schema without the keywords
 that constrain nothing.
 
-The walk of a JSON schema visits every object and list in it, whatever the key: a ``$ref`` may
-point anywhere in the document (``{"$ref": "#/x", "x": {...}}``), so a subschema is not only
-where the keywords put one. It never recurses, and reads each character of a pattern once."""
+The walk of a JSON schema visits every object and list of it as compiled (without the
+annotations ``without_annotations`` drops), whatever the key: a ``$ref`` may point anywhere in
+the document (``{"$ref": "#/x", "x": {...}}``), so a subschema is not only where the keywords
+put one. It never recurses, and its regular expressions scan a pattern in linear time."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ ANNOTATIONS = frozenset({"description", "title", "examples", "$comment", "defaul
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                          "dependentSchemas"})
 
+# Keywords whose value is a subschema or a list of them.
+SCHEMA_VALUES = frozenset({"items", "additionalProperties", "additionalItems", "contains", "not",
+                           "if", "then", "else", "propertyNames", "unevaluatedItems",
+                           "unevaluatedProperties", "prefixItems", "allOf", "anyOf", "oneOf"})
 # Keywords whose value is data the output must equal, never a schema.
 _VALUES = frozenset({"enum", "const"})
 # A regular expression's tokens: an escape, a character class, a counted repetition, one of
@@ -33,7 +38,7 @@ _VALUES = frozenset({"enum", "const"})
 _TOKENS = re.compile(r"""
     (?P<escape>\\.?)
   | (?P<klass>\[\^?\]?(?:\\.|[^\]\\])*\]?)
-  | (?P<count>\{\s*(?P<low>[0-9]+)\s*(?P<comma>,?)\s*(?P<high>[0-9]*)\s*\})
+  | (?P<count>\{\s*(?P<low>[0-9]+)\s*(?:(?P<comma>,)\s*(?P<high>[0-9]*)\s*)?\})
   | (?P<open>\()
   | (?P<close>\))
   | (?P<other>[|*+?{])
@@ -74,7 +79,7 @@ def repetition_size(pattern: str) -> int:
             frames.append([0, 0, 0, 0])
             continue
         if kind == "count":
-            high, low = m["high"], m["low"]
+            high, low = m["high"] or "", m["low"]
             if len(high) > 9 or len(low) > 9:
                 copies = _HUGE
             else:
@@ -101,16 +106,17 @@ def repetition_size(pattern: str) -> int:
 
 
 def _walk(schema: Any) -> tuple[int, int, list[str]]:
-    """(deepest nesting of objects, properties, regular expressions) of a JSON schema: every
-    ``pattern`` string and ``patternProperties`` key wherever it sits, every ``properties``
-    object's names."""
+    """(deepest nesting of objects and lists, properties, regular expressions) of a JSON schema
+    (as it is compiled: without its annotations): every ``pattern`` string and
+    ``patternProperties`` key wherever it sits, every ``properties`` object's names."""
     depth = properties = 0
     patterns: list[str] = []
     todo: list[tuple[Any, int]] = [(schema, 0)]
     while todo:
         node, level = todo.pop()
         if isinstance(node, list):
-            todo.extend((item, level) for item in node)
+            depth = max(depth, level + 1)
+            todo.extend((item, level + 1) for item in node)
             continue
         if not isinstance(node, dict):
             continue
@@ -128,6 +134,11 @@ def _walk(schema: Any) -> tuple[int, int, list[str]]:
     return depth, properties, patterns
 
 
+def json_depth(value: Any) -> int:
+    """How deep objects and lists nest in ``value`` (0 for a scalar), without recursion."""
+    return _walk(value)[0]
+
+
 def constraint_shape(so: StructuredOutputsParams) -> ConstraintShape:
     """The shape of a constraint (a JSON schema given as text is read as the object it
     encodes; one that is not JSON is measured by its size alone: parsing it will refuse it)."""
@@ -137,13 +148,18 @@ def constraint_shape(so: StructuredOutputsParams) -> ConstraintShape:
         return ConstraintShape(0, 0, 0, 0)
     if kind == "json":
         schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except (ValueError, RecursionError):        # parsing it will refuse it
+                return ConstraintShape(len(value.encode("utf-8", "surrogatepass")), 0, 0, 0)
+        # What is compiled: the schema without its annotations (walked without recursion, so
+        # a nesting too deep to print still has its depth measured, and refused).
+        depth, properties, patterns = _walk(without_annotations(schema))
         try:
             text = value if isinstance(value, str) else json.dumps(value)
-            if isinstance(value, str):
-                schema = json.loads(value)
         except (ValueError, RecursionError):
-            return ConstraintShape(len(str(value).encode("utf-8", "surrogatepass")), 0, 0, 0)
-        depth, properties, patterns = _walk(schema)
+            text = ""
         repetition = sum(map(repetition_size, patterns))
         return ConstraintShape(len(text.encode("utf-8", "surrogatepass")), depth, properties,
                                repetition)
@@ -153,28 +169,36 @@ def constraint_shape(so: StructuredOutputsParams) -> ConstraintShape:
 
 
 def without_annotations(schema: Any) -> Any:
-    """``schema`` without its annotation keywords (``ANNOTATIONS``) in any object, but where an
-    object maps names to subschemas (``SCHEMA_MAPS``: a property may be named ``description``)
-    and in the values of ``enum`` and ``const``. Without recursion."""
+    """``schema`` without its annotation keywords (``ANNOTATIONS``) where a schema is: at the
+    root and under the keywords that hold subschemas (``SCHEMA_MAPS``' values, whose keys are
+    names: a property may be named ``description``, and ``SCHEMA_VALUES``). Anything else
+    (``enum`` and ``const`` data, keys this does not know, which a ``$ref`` may point into) is
+    kept as given. Without recursion."""
     root: list[Any] = [None]
-    todo: list[tuple[Any, Any, Any, bool]] = [(schema, root, 0, False)]
+    # (node, where to put its copy, the slot, what it is: "schema", "names" or "data")
+    todo: list[tuple[Any, Any, Any, str]] = [(schema, root, 0, "schema")]
     while todo:
-        node, parent, slot, names = todo.pop()
+        node, parent, slot, what = todo.pop()
+        if what == "data" or not isinstance(node, (dict, list)):
+            parent[slot] = node
+            continue
         if isinstance(node, list):
             out: Any = [None] * len(node)
-            todo.extend((item, out, i, False) for i, item in enumerate(node))
-        elif isinstance(node, dict):
+            todo.extend((item, out, i, "schema") for i, item in enumerate(node))
+        elif what == "names":
+            out = {}
+            for name, sub in node.items():
+                out[name] = None
+                todo.append((sub, out, name, "schema"))
+        else:
             out = {}
             for key, value in node.items():
-                if not names and key in ANNOTATIONS:
-                    continue
-                if not names and key in _VALUES:
-                    out[key] = value            # data, not schemas: kept as given
+                if key in ANNOTATIONS:
                     continue
                 out[key] = None
-                todo.append((value, out, key, not names and key in SCHEMA_MAPS))
-        else:
-            out = node
+                kind = ("names" if key in SCHEMA_MAPS and isinstance(value, dict)
+                        else "schema" if key in SCHEMA_VALUES else "data")
+                todo.append((value, out, key, kind))
         parent[slot] = out
     return root[0]
 

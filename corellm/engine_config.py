@@ -232,6 +232,8 @@ def engine_arg_overrides(args: Mapping[str, Any], what: str = "LLM()") -> list[t
     known = [*ENGINE_ARGS, "dtype", "enable_prefix_caching"]
     overrides: list[tuple[str, Any]] = []
     for name, value in args.items():
+        if value is None and name in known:
+            continue                        # vLLM's "the default"
         if name == "dtype":
             overrides.append(("model.dtype", DTYPE_ALIASES.get(value, value)))
         elif name == "enable_prefix_caching":

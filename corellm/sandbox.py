@@ -15,7 +15,7 @@ deadline; the worker thread starts a new one for its next call.
 - **Deadline**: a call not answered within its timeout, or whose caller gave up (the
   ``cancel`` event: a client that disconnected), kills its child: ``DeadlineExceeded`` or
   ``CallCancelled``. A child that dies on its own (a crash in C++) is ``ChildDied``; one that
-  cannot start, ``SandboxError``. A child dies with the fork server, which exits with the
+  cannot start, ``StartFailed``; arguments that do not pickle, ``CallRejected``. A child dies with the fork server, which exits with the
   process that started it, even in the middle of a call.
 - **Memory**: a child whose resident memory has grown by more than ``max_growth_bytes`` since
   it started is replaced after the call that grew it, so whatever a library keeps between calls
@@ -75,6 +75,15 @@ class ChildDied(SandboxError):
     the call's input is the likely cause."""
 
 
+class CallRejected(SandboxError):
+    """A call's arguments could not be sent to a child process (they do not pickle: nested
+    past the recursion limit, say)."""
+
+
+class StartFailed(SandboxError):
+    """A child process could not start (its fork server, or its initializer, failed)."""
+
+
 # multiprocessing's guard against children of a daemonic process is lifted while a child
 # starts (see _Child.start): one thread at a time.
 _START_LOCK = threading.Lock()
@@ -108,7 +117,7 @@ def _child_main(conn: Connection, initializer: Callable[..., Any] | None,
         if initializer is not None:
             initializer(*initargs)
     except BaseException as exc:                       # noqa: BLE001 - reported to the parent
-        conn.send(("error", SandboxError(f"the initializer raised {exc!r}")))
+        conn.send(("error", StartFailed(f"the initializer raised {exc!r}")))
         return
     conn.send(("ready", os.getpid()))
     while True:
@@ -157,14 +166,14 @@ class _Child:
         child.close()
         try:
             if not parent.poll(START_TIMEOUT_S):
-                raise SandboxError(f"{sb.name}: a child process did not start within "
-                                   f"{START_TIMEOUT_S:g} s")
+                raise StartFailed(f"{sb.name}: a child process did not start within "
+                                  f"{START_TIMEOUT_S:g} s")
             kind, value = parent.recv()
         except (EOFError, OSError) as exc:
             proc.kill()
             proc.join()
-            raise SandboxError(f"{sb.name}: a child process died while starting "
-                               f"(exit status {proc.exitcode})") from exc
+            raise StartFailed(f"{sb.name}: a child process died while starting "
+                              f"(exit status {proc.exitcode})") from exc
         except BaseException:
             proc.kill()
             proc.join()
@@ -195,7 +204,10 @@ class _Child:
             self.conn.send(work)
         except (OSError, EOFError) as exc:      # died between calls
             self.stop()
-            raise SandboxError(f"{self.sandbox.name}: its child process died") from exc
+            raise ChildDied(f"{self.sandbox.name}: its child process died") from exc
+        except Exception as exc:                # nothing was sent: the child is still good
+            raise CallRejected(f"its arguments cannot be sent to a child process: "
+                               f"{exc!r}"[:300]) from None
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(min(POLL_S, max(0.0, deadline - time.monotonic()))):
             if cancel is not None and cancel.is_set():

@@ -310,3 +310,11 @@ def test_an_unknown_engine_argument_names_the_closest(llama_path):
         LLM(model=str(llama_path), max_num_seq=4)
     with pytest.raises(TypeError, match="'swap_space'.*engine arguments: block_size"):
         LLM(model=str(llama_path), swap_space=4)
+
+
+def test_engine_arguments_of_none_keep_the_default():
+    """vLLM's None means "the default": the config key is left alone."""
+    from corellm.engine_config import engine_arg_overrides
+
+    assert engine_arg_overrides({"seed": None, "max_num_batched_tokens": None,
+                                 "max_num_seqs": 8}) == [("scheduler.max_num_seqs", 8)]

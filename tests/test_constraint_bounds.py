@@ -32,12 +32,14 @@ from corellm_plugins.frontend_openai.options import ConstraintLimits
     ("abc{3}", 3),                         # a count repeats the last character of a run
     ("a{\u00b2}", 0),                      # a digit Python's int() takes, a regex does not
     ("a{" + "9" * 5000 + "}", 10 ** 9),    # more digits than any repetition: counted huge
+    ("{" + "1" * 50_000, 0),               # an unclosed count is literal (and read in one pass)
+    ("a{1,", 0),
 ])
 def test_repetition_size(pattern, size):
     assert repetition_size(pattern) == size
 
 
-LIMITS = ConstraintLimits(max_bytes=4096, max_depth=4, max_properties=8, max_repetition=100)
+LIMITS = ConstraintLimits(max_bytes=4096, max_depth=5, max_properties=8, max_repetition=100)
 REF = {"$ref": "#/x", "x": {"type": "string", "pattern": "[a-z]{1,101}"}}
 
 
@@ -54,13 +56,14 @@ REF = {"$ref": "#/x", "x": {"type": "string", "pattern": "[a-z]{1,101}"}}
     ({"json": {"anyOf": [{"type": "object", "properties": {f"p{i}": {} for i in range(5)}},
                          {"type": "object", "properties": {f"q{i}": {} for i in range(5)}}]}},
      "max_properties"),                    # counted over every subschema
-    ({"json": {"type": "array", "items": {"type": "array", "items": {
-        "type": "array", "items": {"type": "array", "items": {}}}}}}, "max_depth"),
+    ({"json": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {
+        "type": "array", "items": {"type": "array", "items": {}}}}}}}, "max_depth"),
     # a $ref may point anywhere in the document: every object is walked, whatever its key
     ({"json": REF}, "max_repetition"),
     ({"json": {"$ref": "#/a", "a": {"properties": {f"p{i}": {} for i in range(9)}}}},
      "max_properties"),
     ({"json": {"$ref": "#/a", "a": {"b": {"c": {"d": {"e": {}}}}}}}, "max_depth"),
+    ({"json": {"type": "array", "enum": [[[[[1]]]]]}}, "max_depth"),    # lists nest too
     ({"json": {"type": "string", "description": "d" * 5000}}, "max_bytes"),
     ({"choice": ["x" * 5000]}, "max_bytes"),
 ])
@@ -70,6 +73,15 @@ def test_over_a_bound_is_an_error_naming_the_field_and_the_key(so, says):
         check_constraint_bounds(params, LIMITS)
     assert info.value.field == f"structured_outputs.{params.kind}"
     assert f"frontend.limits.constraints.{says}" in info.value.message
+
+
+def test_annotations_count_nothing():
+    """What is dropped before compiling is not counted: a pattern in a default, properties in
+    examples."""
+    shape = check_constraint_bounds(StructuredOutputsParams(json={
+        "type": "string", "default": {"pattern": "[0-9]{1,5000}"},
+        "examples": [{"properties": {f"p{i}": {} for i in range(20)}}]}), LIMITS)
+    assert shape < 1000
 
 
 def test_within_the_bounds_is_a_cost():
@@ -91,6 +103,10 @@ def test_annotations_are_dropped_where_schemas_are_not_where_names_are():
                              "title": {"type": "string", "examples": ["a"]}},
               "items": [{"title": "t", "type": "integer"}], "$defs": {"d": {"title": "x"}},
               "enum": [{"description": "data, kept"}], "const": {"title": "kept"}}
+    # keys it does not know are kept whole: a $ref may point into them
+    components = {"$ref": "#/components/schemas/default", "components": {"schemas": {
+        "default": {"type": "integer", "description": "kept"}}}}
+    assert without_annotations(components) == components
     assert without_annotations(schema) == {
         "type": "object", "properties": {"description": {"type": "string"},
                                          "title": {"type": "string"}},

@@ -1393,6 +1393,17 @@ def test_constraint_bounds_are_400s_naming_field_and_key(default_server, so, fie
     assert time.perf_counter() - t0 < 2.0
 
 
+def test_vllm_xargs_nested_too_deep_is_a_400(default_server):
+    deep: list = [1]
+    for _ in range(600):            # past max_depth, and past what pickles
+        deep = [deep]
+    r = _post(default_server, "/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                                  "vllm_xargs": {"a": deep}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "vllm_xargs" and "max_depth" in err["message"], err
+
+
 def test_response_format_bounds_name_the_openai_field(default_server):
     r = _post(default_server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,

@@ -236,6 +236,18 @@ def test_a_grammar_past_its_compile_deadline_ends_its_request_alone_with_a_400_r
             structured_outputs=StructuredOutputsParams(regex="(ab|cd){2}")),
             use_tqdm=False)[0].outputs[0]
         assert re.fullmatch("(ab|cd){2}", out.text) and out.finish_reason == "stop"
+        # The same schema again: killed a second time; the third time it is refused without a
+        # compile (two strikes).
+        processor = next(p for p in llm.engine.executor.worker.runner
+                         .logits_processors.processors if hasattr(p, "too_slow"))
+        slow_params = SamplingParams(max_tokens=6, temperature=0.0,
+                                     structured_outputs=StructuredOutputsParams(json=slow))
+        for _ in range(2):
+            again = llm.generate({"prompt_token_ids": [5, 6, 7]}, slow_params,
+                                 use_tqdm=False)[0].outputs[0]
+            assert again.finish_reason == "error"
+            assert again.stop_reason.startswith(INVALID_REQUEST + "structured_outputs.json: ")
+        assert processor.pool.killed == 2
         assert_pool_whole(llm)
 
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from corellm.constraint_shape import constraint_shape, digest
+from corellm.constraint_shape import constraint_shape, digest, json_depth
 from corellm.errors import InvalidRequestError
 from corellm.lru import ByteLRU
 from corellm.sampling_params import SamplingParams, StructuredOutputsParams
-from corellm.sandbox import ChildDied, DeadlineExceeded, Sandbox, SandboxError
+from corellm.sandbox import CallRejected, ChildDied, DeadlineExceeded, Sandbox, StartFailed
 
 from .errors import RETRY_AFTER_S, APIError, _invalid
 from .options import ConstraintLimits
@@ -136,6 +137,11 @@ CHECKED_CACHE_BYTES = 4 << 20
 # Constraints up to this many characters are held to their bounds on the event loop (under a
 # millisecond); longer ones on the preprocessing pool.
 INLINE_BOUNDS_CHARS = 4096
+# A constraint whose check ran past the deadline (or ended its process) this many times within
+# STRIKE_TTL_S is refused at once: twice, so that one slow check on a loaded machine does not
+# refuse a constraint for good.
+STRIKES = 2
+STRIKE_TTL_S = 600.0
 
 
 class ConstraintChecks:
@@ -150,7 +156,7 @@ class ConstraintChecks:
         # Constraints that passed their check, and those that ran past its deadline, by digest
         # (16 bytes each, whatever their size).
         self._checked: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
-        self._too_slow: ByteLRU[bytes, None] = ByteLRU(CHECKED_CACHE_BYTES)
+        self._too_slow: ByteLRU[bytes, tuple[int, float]] = ByteLRU(CHECKED_CACHE_BYTES)
 
     async def bounds(self, req: Any) -> int:
         """The request's output constraint held to ``frontend.limits.constraints`` before any
@@ -180,7 +186,8 @@ class ConstraintChecks:
         is killed at ``check_timeout_s``, never on the threads that tokenize prompts: a 400
         naming the field when one refuses or takes too long. ``cost``: the constraint's, from
         ``bounds``, which it passed. A constraint that passed is remembered, and so is one that
-        ran past the deadline or ended its process (a 400 at once when it comes back)."""
+        ran past the deadline or ended its process twice (a 400 at once when it comes back,
+        for ``STRIKE_TTL_S``)."""
         so, xargs = params.structured_outputs, params.extra_args
         checker = self.engine.processor.checker
         if (so is None and xargs is None) or (so is None and not checker.entries):
@@ -189,34 +196,51 @@ class ConstraintChecks:
         field = "vllm_xargs" if so is None else fields.get(
             f"structured_outputs.{so.kind}", f"structured_outputs.{so.kind}")
         limits = self.limits
+        if xargs is not None and (depth := json_depth(xargs)) > limits.max_depth:
+            raise APIError(400, f"vllm_xargs: nests {depth} deep, over the limit of "
+                                f"{limits.max_depth} (frontend.limits.constraints.max_depth)",
+                           param="vllm_xargs")
         key = digest(repr((so, xargs)))
         try:
             if so is not None and checker.backend is None:
                 checker.check(params)               # refused at once: no backend serves it
             if key in self._checked:
                 return
-            if key in self._too_slow:
+            if self._failures(key) >= STRIKES:
                 raise DeadlineExceeded(limits.check_timeout_s)
             await self._checks.run_isolated(check_in_child, params,
                                             cost=cost + 1 + len(repr(xargs or "")))
         except InvalidRequestError as exc:
             raise _invalid(exc, fields) from None
         except DeadlineExceeded:
-            self._too_slow.put(key, None, 0)
+            self._strike(key)
             raise APIError(400, f"{field}: the structured-output backend did not finish "
                                 f"checking it within {limits.check_timeout_s:g} s "
                                 "(frontend.limits.constraints.check_timeout_s); simplify it",
                            param=field, code="constraint_too_complex") from None
-        except ChildDied:
-            self._too_slow.put(key, None, 0)
-            raise APIError(400, f"{field}: checking it ended the check process (out of memory, "
-                                "or a crash in the structured-output backend); simplify it",
-                           param=field, code="constraint_too_complex") from None
-        except SandboxError as exc:
+        except (ChildDied, CallRejected) as exc:
+            self._strike(key)
+            why = ("ended the check process (out of memory, or a crash in the structured-output "
+                   "backend)" if isinstance(exc, ChildDied) else "cannot be sent to a check "
+                   "process")
+            raise APIError(400, f"{field}: checking it {why}; simplify it", param=field,
+                           code="constraint_too_complex") from None
+        except StartFailed as exc:
             raise APIError(503, f"the server cannot check output constraints now: {exc}",
                            code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
                            ) from None
         self._checked.put(key, None, 0)
+
+    def _failures(self, key: bytes) -> int:
+        """How many times the constraint of ``key`` ran past the deadline (or ended its
+        process) within the last ``STRIKE_TTL_S``."""
+        entry = self._too_slow.get(key)
+        if entry is None or time.monotonic() - entry[1] > STRIKE_TTL_S:
+            return 0
+        return entry[0]
+
+    def _strike(self, key: bytes) -> None:
+        self._too_slow.put(key, (self._failures(key) + 1, time.monotonic()), 0)
 
     @functools.cached_property
     def _checks(self) -> Sandbox:

@@ -23,10 +23,10 @@ class ConstraintLimits(BaseModel):
     max_bytes: int = Field(
         1 << 20, ge=1, description="Largest constraint, in bytes of its JSON or text.")
     max_depth: int = Field(
-        64, ge=1, description="Deepest nesting of objects in a JSON schema, wherever they are "
-                              "(a $ref may point anywhere): a property's subschema is two "
-                              "deeper than its object, its name under properties and then "
-                              "its schema.")
+        64, ge=1, description="Deepest nesting of objects and lists in a JSON schema, "
+                              "wherever they are (a $ref may point anywhere; a property's "
+                              "subschema is two deeper than its object, its name under "
+                              "properties and then its schema), and in vllm_xargs.")
     max_properties: int = Field(
         1024, ge=1, description="Most object properties in a JSON schema, counted over all its "
                                 "subschemas (compiling against the vocabulary grows faster "

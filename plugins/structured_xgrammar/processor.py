@@ -8,7 +8,7 @@ compiled grammar costs more than compiling it again). Compiles are queued cheape
 costed by the constraint's shape (``corellm.constraint_shape``), with one of the two compile
 workers kept for small constraints (``corellm.fair.FairExecutor``'s rules), so constraints
 costed as expensive hold at most one worker, each for at most twice the deadline. A
-constraint past the deadline is remembered and refused at once when it comes back. Compiled
+constraint past the deadline twice is remembered and refused at once when it comes back. Compiled
 grammars are kept by digest, up to ``logits_processors.cache_bytes``."""
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ CACHE_BYTES = 64 << 20
 # deadline after it reached the worker (queued behind others: the deadline counts from a
 # compile's start).
 QUEUE_FACTOR = 3
+# A constraint whose compile ran past the deadline this many times within STRIKE_TTL_S is
+# refused at once (twice: one slow compile on a loaded machine does not refuse it for good).
+STRIKES = 2
+STRIKE_TTL_S = 600.0
 
 
 class _State:
@@ -75,17 +79,20 @@ class XGrammarProcessor(LogitsProcessor):
                                   else compile_timeout_s)
         self.cache = ByteLRU[bytes, xgr.CompiledGrammar](
             CACHE_BYTES if cache_bytes is None else cache_bytes)
-        # Constraints whose compile ran past the deadline: refused at once when they come back.
-        self.too_slow = ByteLRU[bytes, None](1 << 20)
+        # Constraints whose compile ran past the deadline (or ended its process): refused at
+        # once when they come back, after STRIKES failures within STRIKE_TTL_S.
+        self.too_slow = ByteLRU[bytes, tuple[int, float]](1 << 20)
         self._inflight: dict[bytes, list[Any]] = {}     # digest -> [future, waiters]
         self._inflight_lock = threading.Lock()
         self._info_json: str | None = None
         # The compile queue and its two workers, each driving a compile process; shut down with
         # the processor.
+        # Its initargs reach this processor through a weak reference only, so the processor
+        # can be collected, and the pool then shut down.
+        method = weakref.WeakMethod(self._compile_process_args)
         self.pool = Sandbox("xgrammar-compile", timeout_s=self.compile_timeout_s,
                             preload=["corellm_plugins.structured_xgrammar.grammars"],
-                            initializer=init_compiler,
-                            initargs=self._compile_process_args)
+                            initializer=init_compiler, initargs=lambda: method()())
         weakref.finalize(self, self.pool.shutdown)
         self._bitmask: torch.Tensor | None = None
 
@@ -137,7 +144,7 @@ class XGrammarProcessor(LogitsProcessor):
             try:
                 self.pool.call(probe, kind, text)
             except (DeadlineExceeded, ChildDied):
-                self.too_slow.put(key, None, 0)
+                self.too_slow.put(key, (self._failures(key) + 1, time.monotonic()), 0)
                 raise
             compiled = compile_with(self.compiler, kind, text)
             self.cache.put(key, compiled, compiled.memory_size_bytes)
@@ -148,19 +155,19 @@ class XGrammarProcessor(LogitsProcessor):
         by the requests that wait for it), or a new compile job, costed by the constraint's
         shape (``corellm.constraint_shape``)."""
         fut: Future = Future()
-        if key in self.too_slow:
+        if self._failures(key) >= STRIKES:
             fut.set_exception(DeadlineExceeded(self.compile_timeout_s))
             return fut
         done = self.cache.get(key)
         if done is not None:
             fut.set_result(done)
             return fut
+        cost = constraint_shape(so).cost + 1
         with self._inflight_lock:
             entry = self._inflight.get(key)
             new = entry is None
             if new:
-                fut, = self.pool.submit([lambda: self._compile(kind, text, key)],
-                                        [constraint_shape(so).cost + 1])
+                fut, = self.pool.submit([lambda: self._compile(kind, text, key)], [cost])
                 entry = self._inflight[key] = [fut, 0]
             entry[1] += 1
             fut = entry[0]
@@ -168,6 +175,14 @@ class XGrammarProcessor(LogitsProcessor):
             # Outside the lock: a future already done runs the callback in this thread.
             fut.add_done_callback(lambda _: self._forget(key, fut))
         return fut
+
+    def _failures(self, key: bytes) -> int:
+        """How many times the compile of ``key`` ran past the deadline (or ended its process)
+        within the last ``STRIKE_TTL_S``."""
+        entry = self.too_slow.get(key)
+        if entry is None or time.monotonic() - entry[1] > STRIKE_TTL_S:
+            return 0
+        return entry[0]
 
     def _forget(self, key: bytes, fut: Future) -> None:
         with self._inflight_lock:
