@@ -112,6 +112,9 @@ def _child_main(conn: Connection, initializer: Callable[..., Any] | None,
                 initargs: tuple[Any, ...]) -> None:
     """A child's loop: answer each call sent by the parent, until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the parent's to handle
+    # SIGTERM ends a child even where its parent ignores it (the engine core does, to drain):
+    # an ignored signal is inherited, and multiprocessing ends children at exit with SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     try:
         if initializer is not None:

@@ -281,3 +281,19 @@ def test_a_schema_keeps_its_property_order(llama_path):
                 json=schema)), use_tqdm=False)[0].outputs[0].text
         assert json.loads(text) == {"zeta": "z", "alpha": "a"}
         assert text.index("zeta") < text.index("alpha")
+
+
+def test_an_engine_process_with_compile_processes_exits_by_itself(llama_path):
+    """The engine core ignores SIGTERM (it drains instead); its compile processes must not
+    inherit that, or multiprocessing's exit (SIGTERM, then join) waits on them forever and the
+    client has to kill the engine. After a constrained request it exits by itself, status 0."""
+    llm = LLM(engine_config(llama_path), engine_process=True)
+    try:
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            max_tokens=4, temperature=0.0,
+            structured_outputs=StructuredOutputsParams(choice=["ab", "cd"])),
+            use_tqdm=False)[0].outputs[0]
+        assert out.text in ("ab", "cd")
+    finally:
+        llm.client.shutdown()
+    assert llm.client.process.proc.exitcode == 0
