@@ -17,7 +17,7 @@ from corellm.lru import ByteLRU
 from corellm.sampling_params import SamplingParams, StructuredOutputsParams
 from corellm.sandbox import CallRejected, ChildDied, DeadlineExceeded, Sandbox, StartFailed
 
-from .errors import RETRY_AFTER_S, APIError, _invalid
+from .errors import APIError, _busy, _invalid
 from .options import ConstraintLimits
 
 
@@ -226,9 +226,7 @@ class ConstraintChecks:
             raise APIError(400, f"{field}: checking it {why}; simplify it", param=field,
                            code="constraint_too_complex") from None
         except StartFailed as exc:
-            raise APIError(503, f"the server cannot check output constraints now: {exc}",
-                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
-                           ) from None
+            raise _busy(f"the server cannot check output constraints now: {exc}") from None
         self._checked.put(key, None, 0)
 
     def _failures(self, key: bytes) -> int:

@@ -82,6 +82,12 @@ def _validation_error(errors: Sequence[Any], model: type[BaseModel] | None) -> A
                          f"(got {_short_repr.repr(err.get('input'))})", param=field)
 
 
+def _busy(message: str) -> APIError:
+    """A 503 to retry: the server could not serve the request in time for others' work."""
+    return APIError(503, message, code="server_busy",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _aborted(exc: RequestAbortedError) -> APIError:
     """A request the engine aborted: 503 (retry later) when the server is shutting down."""
     if exc.reason == "shutdown":

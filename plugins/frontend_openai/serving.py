@@ -22,7 +22,7 @@ from corellm.sampling_params import SamplingParams
 
 from .body import _parse
 from .constraints import ConstraintChecks, constraint_fields, structured_outputs
-from .errors import RETRY_AFTER_S, APIError, _invalid
+from .errors import APIError, _busy, _invalid
 from .options import OpenAIServerOptions
 from .preprocess import TextBound
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -244,8 +244,7 @@ class OpenAIServing:
             raise APIError(400, f"{field}: {message}", param=field,
                            code="constraint_too_complex")
         if why is not None and why.startswith(SERVER_BUSY):
-            raise APIError(503, f"the server is busy: {why.removeprefix(SERVER_BUSY)}",
-                           code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise _busy(f"the server is busy: {why.removeprefix(SERVER_BUSY)}")
         raise APIError(500, "the engine failed while generating this request"
                             + (f": {why}" if why else " (see the server log)"),
                        code="engine_error")
