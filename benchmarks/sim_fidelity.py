@@ -23,8 +23,20 @@ With ``--repeats N`` every cell is run N times on the same workload: the real ru
 the machine's noise (shown as ± std and as CV %), the simulated runs are deterministic, and the
 error is that of the means.
 
+``--overlap`` checks overlapped steps: both engines run with ``scheduler.async_scheduling:
+true`` (the simulator then prices each step ``max(host, device)`` of the profile's split; the
+calibration itself always measures synchronous steps). ``--overlap both`` runs every cell both
+ways (labels ``fcfs`` and ``fcfs+overlap``, each real and simulated) and adds a table of the
+overlap's effect, overlapped / synchronous per metric, real against simulated: a calibration
+that is off by some percent is off alike in both modes, so this ratio is the check of the
+overlap model itself. Before the runs, a probe builds the real engine with the overlapped
+config and watches its scheduler: whether a step is planned while an earlier one's update is
+still owed. The table's header says what it saw; a real engine that ran its steps one at a time
+makes the comparison one of the overlap model against synchronous steps.
+
     python benchmarks/sim_fidelity.py --json fidelity.json --plot fidelity.png
     python benchmarks/sim_fidelity.py --workloads sharegpt --repeats 3 --profile cpu.json
+    python benchmarks/sim_fidelity.py --overlap both --workloads backlog,poisson --repeats 3
 
 Goal: within 5% on throughput and TPOT and 10% on TTFT, verdicts agreeing.
 """
@@ -52,6 +64,47 @@ METRICS = [  # (key in the run summary, label, higher is better, goal in %)
     ("mean_tpot_ms", "TPOT mean ms", False, 5.0),
 ]
 P0 = ("p0_mean_ttft_ms", "prio-0 TTFT mean ms", False, 10.0)
+OVERLAPPED = "+overlap"         # the label suffix of a config's overlapped twin (--overlap both)
+
+
+def with_overlap(configs: dict[str, dict[str, Any]], mode: str) -> dict[str, dict[str, Any]]:
+    """The configs the cells run: as given (``off``), overlapped under the same labels
+    (``on``), or each synchronous and overlapped (``both``: ``label`` and
+    ``label+overlap``)."""
+    if mode == "off":
+        return configs
+
+    def overlap(cfg: dict[str, Any], on: bool) -> dict[str, Any]:
+        return {**cfg, "scheduler": {**cfg.get("scheduler", {}), "async_scheduling": on}}
+
+    out: dict[str, dict[str, Any]] = {}
+    for label, cfg in configs.items():
+        if mode == "both":
+            out[label] = overlap(cfg, False)
+            out[label + OVERLAPPED] = overlap(cfg, True)
+        else:
+            out[label] = overlap(cfg, True)
+    return out
+
+
+def overlap_gains(per: dict[str, Any]) -> dict[str, Any]:
+    """Per config with an overlapped twin and per metric: overlapped / synchronous, real and
+    simulated, and the simulated ratio's error against the real one in %."""
+    out: dict[str, Any] = {}
+    for label in per:
+        twin = per.get(label + OVERLAPPED)
+        if twin is None:
+            continue
+        rows = {}
+        for key, *_ in [*METRICS, P0]:
+            sync, over = per[label], twin
+            if not all(key in r[k] and r[k][key] for r in (sync, over) for k in ("real", "sim")):
+                continue
+            real = over["real"][key] / sync["real"][key]
+            sim = over["sim"][key] / sync["sim"][key]
+            rows[key] = {"real": real, "sim": sim, "error_pct": 100 * (sim / real - 1)}
+        out[label] = rows
+    return out
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -71,6 +124,63 @@ def summary_of(result: Any) -> dict[str, float]:
     out["prefix_cache_hits"] = (result.counters or {}).get("prefix_cache_hits", 0)
     out["duration_s"] = result.duration
     return out
+
+
+def probe_overlap(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build the real engine from ``cfg`` and generate a few tokens, counting the steps planned
+    whose update is still owed: more than one at a time is overlapped steps. Also the
+    executor's ``max_concurrent_batches`` and the config's ``scheduler.async_scheduling``."""
+    from corellm import SamplingParams
+    from corellm.engine.llm import LLM
+
+    llm = LLM(cfg)
+    try:
+        sched = llm.engine.scheduler
+        schedule, update = sched.schedule, sched.update_from_output
+        owed = most = seen = 0
+
+        def counted_schedule(*a: Any, **kw: Any) -> Any:
+            nonlocal owed, most, seen
+            plan = schedule(*a, **kw)
+            if plan.total_num_scheduled_tokens:
+                owed, seen = owed + 1, seen + 1
+                most = max(most, owed)
+            return plan
+
+        def counted_update(plan: Any, *a: Any, **kw: Any) -> Any:
+            nonlocal owed
+            if plan.total_num_scheduled_tokens:
+                owed -= 1
+            return update(plan, *a, **kw)
+
+        sched.schedule, sched.update_from_output = counted_schedule, counted_update
+        try:
+            llm.generate([{"prompt_token_ids": [5 + i] * 24} for i in range(4)],
+                         SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        finally:
+            sched.schedule, sched.update_from_output = schedule, update
+        return {"async_scheduling": llm.config.scheduler.async_scheduling,
+                "max_concurrent_batches": int(getattr(llm.engine.executor,
+                                                      "max_concurrent_batches", 1)),
+                "steps_seen": seen, "most_steps_in_flight": most,
+                "overlapped": None if seen == 0 else most > 1}
+    finally:
+        llm.shutdown()
+
+
+def overlap_line(results: dict[str, Any]) -> str | None:
+    o = results.get("overlap")
+    if not o:
+        return None
+    probe = o.get("real_probe") or {}
+    seen = probe.get("overlapped")
+    real = ("overlapped (up to %d steps in flight)" % probe["most_steps_in_flight"] if seen
+            else "NOT overlapped: one step at a time, so the real side is synchronous"
+            if seen is False else "unobserved (the probe saw no scheduled step)")
+    which = "the +overlap configs" if o.get("mode") == "both" else "every config"
+    return (f"# steps overlapped (scheduler.async_scheduling: true) in {which}: the sim prices "
+            f"max(host, device) a step; the real engine ran {real} (executor "
+            f"max_concurrent_batches {probe.get('max_concurrent_batches')})")
 
 
 def run_pair(label: str, cfg: dict[str, Any], profile: str, workload: Any, repeats: int,
@@ -101,17 +211,20 @@ def run_pair(label: str, cfg: dict[str, Any], profile: str, workload: Any, repea
     return out
 
 
-def sharegpt_cells(args: argparse.Namespace, fcfs: dict[str, Any], profile: str,
+def sharegpt_cells(args: argparse.Namespace, fcfs: dict[str, dict[str, Any]], profile: str,
                    results: dict[str, Any]) -> None:
     """ShareGPT at each load: its saturation rate from a simulated all-at-once run of the
-    same requests, then real and simulated runs at each fraction of it."""
+    same requests, then real and simulated runs at each fraction of it, of each FCFS config
+    (``fcfs``: by label, the synchronous and overlapped ones that ``--overlap`` asks for)."""
     from corellm_plugins.bench.datasets import read_sharegpt, sharegpt_path, sharegpt_workload
     from corellm_plugins.bench.engine_driver import run_engine
     from corellm_plugins.bench.targets import (RunOptions, Target, config_max_model_len,
                                                config_model_dir, prompt_token_space)
 
-    cfg = {**fcfs, "kv_cache": {**fcfs.get("kv_cache", {}),
-                                "num_blocks": args.sharegpt_kv_blocks}}
+    cfgs = {label: {**c, "kv_cache": {**c.get("kv_cache", {}),
+                                      "num_blocks": args.sharegpt_kv_blocks}}
+            for label, c in fcfs.items()}
+    cfg = next(iter(cfgs.values()))
     tok, vocab, _ = prompt_token_space(config_model_dir(cfg))
     data = read_sharegpt(sharegpt_path(args.sharegpt_path))
     log(data.summary())
@@ -131,10 +244,12 @@ def sharegpt_cells(args: argparse.Namespace, fcfs: dict[str, Any], profile: str,
         wl = workload(rate)
         name = f"sharegpt@{load:g}"
         log(f"workload {name}: {wl.description}")
-        per = {"fcfs": run_pair(f"{name}/fcfs", cfg, profile, wl, args.repeats)}
+        per = {label: run_pair(f"{name}/{label}", c, profile, wl, args.repeats)
+               for label, c in cfgs.items()}
         results["workloads"][name] = {
             "description": wl.description, "spec": wl.spec, "load": load,
-            "saturation_req_s": saturation, "rate": rate, "runs": per, "verdicts": {}}
+            "saturation_req_s": saturation, "rate": rate, "runs": per, "verdicts": {},
+            "overlap_gain": overlap_gains(per)}
 
 
 def main() -> int:
@@ -157,6 +272,11 @@ def main() -> int:
     p.add_argument("--sharegpt-kv-blocks", type=int, default=512,
                    help="kv_cache.num_blocks of the ShareGPT runs (room for long replies)")
     p.add_argument("--seed", type=int, default=0, help="the ShareGPT sample's seed")
+    p.add_argument("--overlap", nargs="?", const="on", default="off",
+                   choices=("off", "on", "both"),
+                   help="on (the flag alone): both engines with scheduler.async_scheduling: "
+                        "true (overlapped steps); both: every cell synchronous and overlapped, "
+                        "and the overlap's effect real against simulated")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -171,6 +291,13 @@ def main() -> int:
         for cfg in configs.values():
             cfg["model"] = {**cfg.get("model", {}), "path": args.model}
     results: dict[str, Any] = {"env": environment(), "workloads": {}, "calibration": {}}
+    # Calibration measures synchronous steps whatever the config says (it splits each into
+    # host and device parts); the runs overlap as --overlap says.
+    runs = with_overlap(configs, args.overlap)
+    if args.overlap != "off":
+        probe = probe_overlap(with_overlap({"fcfs": configs["fcfs"]}, "on")["fcfs"])
+        results["overlap"] = {"mode": args.overlap, "real_probe": probe}
+        log(overlap_line(results)[2:])
     profile = args.profile
     if profile is None:
         profile = str(Path(args.json or "fidelity.json").with_suffix(".profile.json"))
@@ -178,9 +305,16 @@ def main() -> int:
         prof, rep = calibrate(configs["fcfs"], quick=args.quick_calibration)
         prof.save(profile)
         results["calibration"] = {"profile": profile, "seconds": time.perf_counter() - t0,
-                                  "report": rep, "diagnostics": prof.cost_model.diagnostics}
+                                  "report": rep, "diagnostics": prof.cost_model.diagnostics,
+                                  "host_diagnostics": getattr(prof.host_model, "diagnostics",
+                                                              None)}
         log(f"calibrated in {time.perf_counter() - t0:.0f} s -> {profile}")
     results["profile"] = profile
+    if args.overlap != "off":
+        from corellm_plugins.bench.profile import Profile
+        if not Profile.load(profile).has_host_split:
+            log(f"{profile} has no host/device split (format version 1): the simulator prices "
+                "overlapped steps as synchronous ones; calibrate again (leave out --profile)")
 
     _, vocab, exclude = prompt_token_space(config_model_dir(configs["fcfs"]))
     specs = {"backlog": load_yaml(WORKLOADS / "backlog-priority.yaml"),
@@ -202,15 +336,21 @@ def main() -> int:
         wl = build_workload(spec, vocab_size=vocab, exclude_ids=exclude)
         log(f"workload {name}: {wl.description}")
         per = {}
-        for label, cfg in configs.items():
+        for label, cfg in runs.items():
             per[label] = run_pair(f"{name}/{label}", cfg, profile, wl, args.repeats)
         if name == "backlog":
             real = per["fcfs"]["real"]
             backlog_rate = 48 / real["duration_s"] if real["duration_s"] else 1.0
+        sync = {lab: r for lab, r in per.items() if not lab.endswith(OVERLAPPED)}
+        over = {lab: r for lab, r in per.items() if lab.endswith(OVERLAPPED)}
         results["workloads"][name] = {"description": wl.description, "spec": spec,
-                                      "runs": per, "verdicts": verdicts(per)}
+                                      "runs": per, "verdicts": verdicts(sync)}
+        if over:
+            results["workloads"][name]["verdicts_overlapped"] = verdicts(over)
+            results["workloads"][name]["overlap_gain"] = overlap_gains(per)
     if "sharegpt" in wanted:
-        sharegpt_cells(args, configs["fcfs"], profile, results)
+        sharegpt_cells(args, {lab: c for lab, c in runs.items() if lab.split("+")[0] == "fcfs"},
+                       profile, results)
     report(results, args, format_tables, write_plot, log)
     return 0
 
@@ -240,11 +380,20 @@ def format_tables(results: dict[str, Any]) -> str:
     cal = results.get("calibration") or {}
     if cal.get("report"):
         a = cal["report"]["all"]
+        host = (f"; a step {a['measured_ms']:.1f} ms measured, {a['predicted_ms']:.1f} "
+                f"predicted, of which host {a['host_measured_ms']:.2f} measured, "
+                f"{a['host_predicted_ms']:.2f} predicted; overlapped "
+                f"{a['overlapped_predicted_ms']:.1f} predicted"
+                if "host_measured_ms" in a else "")
         lines.append(f"# calibration: {a['steps']} steps in {cal['seconds']:.0f} s, mean |step "
-                     f"error| {a['mean_abs_error_pct']:.1f}%")
+                     f"error| {a['mean_abs_error_pct']:.1f}%{host}")
+    line = overlap_line(results)
+    if line:
+        lines.append(line)
     lines.append("")
     wn = max([9, *(len(n) for n in results["workloads"])])
-    head = (f"{'workload':<{wn}} {'sched':<9} {'metric':<20} {'real':>9} {'± std':>7} "
+    ln = max([9, *(len(lab) for w in results["workloads"].values() for lab in w["runs"])])
+    head = (f"{'workload':<{wn}} {'sched':<{ln}} {'metric':<20} {'real':>9} {'± std':>7} "
             f"{'noise':>6} {'sim':>9} {'error':>8} {'goal':>6}")
     lines += [head, "-" * len(head)]
     for name, w in results["workloads"].items():
@@ -261,24 +410,40 @@ def format_tables(results: dict[str, Any]) -> str:
                 sd = "" if std is None else f"{std:.1f}"
                 cv = "" if std is None or not r["real"][key] else \
                     f"{100 * std / r['real'][key]:.1f}%"
-                lines.append(f"{name:<{wn}} {label:<9} {text:<20} {r['real'][key]:>9.1f} "
+                lines.append(f"{name:<{wn}} {label:<{ln}} {text:<20} {r['real'][key]:>9.1f} "
                              f"{sd:>7} {cv:>6} {r['sim'][key]:>9.1f} {err:>+7.1f}% {ok:>6}")
             pre = (r["real"]["num_preemptions"], r["sim"]["num_preemptions"])
-            lines.append(f"{'':<{wn}} {label:<9} {'preemptions':<20} {pre[0]:>9.1f} "
+            lines.append(f"{'':<{wn}} {label:<{ln}} {'preemptions':<20} {pre[0]:>9.1f} "
                          f"{'':>7} {'':>6} {pre[1]:>9.0f}")
     if any(r.get("real_std") for w in results["workloads"].values()
            for r in w["runs"].values()):
         lines.append("real: mean of the repeats; ± std and noise (CV) are the real runs' "
                      "spread, the machine's noise; the simulated repeats are identical")
-    if not any(w["verdicts"] for w in results["workloads"].values()):
+    if any(w.get("overlap_gain") for w in results["workloads"].values()):
+        lines += ["", "overlapped / synchronous (the overlap's effect), real against simulated",
+                  f"{'workload':<{wn}} {'sched':<{ln}} {'metric':<20} {'real':>7} {'sim':>7} "
+                  f"{'error':>8}"]
+        for name, w in results["workloads"].items():
+            for label, rows in (w.get("overlap_gain") or {}).items():
+                for key, text, *_ in [*METRICS, P0]:
+                    g = rows.get(key)
+                    if g is not None:
+                        lines.append(f"{name:<{wn}} {label:<{ln}} {text:<20} {g['real']:>7.3f} "
+                                     f"{g['sim']:>7.3f} {g['error_pct']:>+7.1f}%")
+    if not any(w["verdicts"] or w.get("verdicts_overlapped")
+               for w in results["workloads"].values()):
         return "\n".join(lines)
-    lines += ["", f"{'workload':<9} {'metric':<20} {'real winner':>12} {'sim winner':>11} "
+    vn = max(9, wn + len(OVERLAPPED))
+    lines += ["", f"{'workload':<{vn}} {'metric':<20} {'real winner':>12} {'sim winner':>11} "
                   f"{'agree':>6} {'real A/B gap':>13}"]
     for name, w in results["workloads"].items():
-        for key, v in w["verdicts"].items():
-            text = next(t for k, t, *_ in [*METRICS, P0] if k == key)
-            lines.append(f"{name:<9} {text:<20} {v['real']:>12} {v['sim']:>11} "
-                         f"{'yes' if v['agree'] else 'NO':>6} {v['real_difference_pct']:>12.1f}%")
+        for suffix, key_ in (("", "verdicts"), (OVERLAPPED, "verdicts_overlapped")):
+            for key, v in (w.get(key_) or {}).items():
+                text = next(t for k, t, *_ in [*METRICS, P0] if k == key)
+                real, sim = v["real"].removesuffix(OVERLAPPED), v["sim"].removesuffix(OVERLAPPED)
+                lines.append(f"{name + suffix:<{vn}} {text:<20} {real:>12} {sim:>11} "
+                             f"{'yes' if v['agree'] else 'NO':>6} "
+                             f"{v['real_difference_pct']:>12.1f}%")
     return "\n".join(lines)
 
 
@@ -308,7 +473,8 @@ def write_plot(results: dict[str, Any], path: str) -> bool:
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{text}: sim error %", fontsize=9)
     env = results["env"]
-    fig.suptitle(f"sim vs real on {env['cpu_model']}, {env['date'][:10]} (band: goal; "
+    fig.suptitle(f"sim vs real on {env['cpu_model']}, {env['date'][:10]}"
+                 f"{', steps overlapped' if results.get('overlap') else ''} (band: goal; "
                  "error bars: the real runs' noise, CV %)",
                  fontsize=9)
     fig.tight_layout()

@@ -8,7 +8,7 @@
 from corellm.hookspecs import hookimpl
 from corellm.sampling_params import SamplingParams
 
-__version__ = "0.4.5"
+__version__ = "0.5.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "hookimpl", "load_config", "__version__"]

@@ -54,9 +54,13 @@ class BlockHasher:
         else:
             self.key = hashlib.blake2b(seed.encode(), digest_size=32,
                                        person=b"corellm-seed").digest()
+        self._keyed = hashlib.blake2b(digest_size=self.DIGEST_SIZE, key=self.key)
 
     def _hash(self, data: bytes) -> BlockHash:
-        return hashlib.blake2b(data, digest_size=self.DIGEST_SIZE, key=self.key).digest()
+        # A copy of the keyed state: the key's block is compressed once, not per hash.
+        h = self._keyed.copy()
+        h.update(data)
+        return h.digest()
 
     def root(self, *salts: str | None) -> BlockHash:
         """The chain's starting point; different salts give disjoint chains."""
@@ -73,9 +77,19 @@ class BlockHasher:
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                num_blocks: int) -> list[BlockHash]:
         """Extend ``hashes`` (``[root, h(0), h(1), ...]``) to cover ``num_blocks`` full blocks."""
-        for i in range(len(hashes) - 1, num_blocks):
-            hashes.append(self.hash_block(hashes[-1],
-                                          token_ids[i * block_size:(i + 1) * block_size]))
+        first = len(hashes) - 1
+        if first >= num_blocks:
+            return hashes
+        # The tokens as bytes once, sliced per block.
+        data = array("q", token_ids[first * block_size:num_blocks * block_size]).tobytes()
+        width = block_size * 8
+        parent, keyed = hashes[-1], self._keyed
+        for off in range(0, len(data), width):
+            h = keyed.copy()
+            h.update(parent)
+            h.update(data[off:off + width])
+            parent = h.digest()
+            hashes.append(parent)
         return hashes
 
 

@@ -53,7 +53,11 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
     g.add_argument("--dtype", choices=DTYPES, help="weights and activations dtype (model.dtype)")
     for flag, dest, key, typ, text in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
         aliases = ["-tp"] if flag == "--tensor-parallel-size" else []    # vLLM's short form
-        g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
+        if typ is bool:         # --async-scheduling / --no-async-scheduling, as vLLM's
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                           help=f"{text} ({key})")
+        else:
+            g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction,
                    help="automatic prefix caching (kv_cache.enable_prefix_caching; default on)")

@@ -216,6 +216,8 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
     "tensor_parallel_size": ("parallel.tensor_parallel_size", int,
                              "ranks the model is sharded across (with executor.name: multiproc)"),
     "seed": ("model.seed", int, "seed of the random stream of unseeded sampling"),
+    "async_scheduling": ("scheduler.async_scheduling", bool,
+                         "overlap steps: plan step N+1 while step N runs"),
 }
 # vLLM's dtype spellings -> corellm's.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",

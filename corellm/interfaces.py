@@ -40,6 +40,14 @@ class Scheduler(ABC):
     """
 
     clock: Clock = WALL_CLOCK
+    #: Plugin API 1.6: whether ``schedule()`` may plan step N+1 before step N's output is
+    #: given to ``update_from_output`` (overlapped steps, ``scheduler.async_scheduling``). Such
+    #: a scheduler counts a step's tokens as computed when it plans them, and schedules the
+    #: tokens its planned steps are sampling (``Request.num_output_placeholders``) as if they
+    #: were known; ``update_from_output`` may then see a request the next plan preempted.
+    #: False (the default, a scheduler written for the synchronous loop): the engine runs
+    #: steps one at a time, and logs why.
+    supports_async_scheduling: bool = False
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...
@@ -68,21 +76,14 @@ class Scheduler(ABC):
     @abstractmethod
     def get_stats(self) -> SchedulerStats: ...
 
-    # Decode runs (plugin API 1.3): optional, for executors that run no model.
+    # Decode runs (plugin API 1.3), deprecated in 1.6: never called, removed in 1.7.
     def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:
-        """When the coming steps are pure decodes of the running batch that nothing can change
-        while every request samples ``token_id`` (nothing waiting, no block to allocate, no
-        request that this token stops, no policy watching each step), the plan of the first
-        and how many such steps may follow one another (the last may finish requests by
-        length); else None. The default, None, keeps the engine to ``schedule()``."""
+        """Deprecated in plugin API 1.6: the engine no longer asks (one step path)."""
         return None
 
     def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
                                token_id: int) -> list[EngineCoreOutput]:
-        """Apply ``num_steps`` steps of a plan from ``schedule_decode_run`` at once, every
-        request having sampled ``token_id`` at each: the state, statistics and outputs are
-        those of as many ``schedule()`` / ``update_from_output`` rounds, with one output per
-        request carrying its ``num_steps`` tokens."""
+        """Deprecated in plugin API 1.6: the engine no longer asks (one step path)."""
         raise NotImplementedError(f"{type(self).__name__} plans no decode runs")
 
 
@@ -182,6 +183,13 @@ class KVCacheManager(ABC):
 
     block_size: int
     num_blocks: int
+    #: Plugin API 1.6: True for a manager whose ``allocate_slots`` for a running request
+    #: changes nothing unless the new tokens reach past the blocks it holds or complete a
+    #: block, and whose ``cache_computed_blocks`` changes nothing unless a block was completed
+    #: since its last call: the scheduler then makes those calls only at block boundaries (a
+    #: decode step of a request in the middle of a block makes neither). False (the default):
+    #: every step, in the order above.
+    block_calls_only: bool = False
     prefix_cache_queries: int = 0     # tokens of the admitted requests looked up in the cache
     prefix_cache_hits: int = 0        # tokens of those found there (not computed)
 
@@ -404,10 +412,18 @@ class Executor(ABC):
     """
 
     clock: Clock | None = None
-    #: Plugin API 1.3: the token every sample is, for an executor that runs no model (a
-    #: simulator on virtual time); such an executor runs several pure decode steps in one call
-    #: (``execute_decode_run``). None (a model samples) keeps the engine to one step per call.
+    #: Deprecated in plugin API 1.6 (the engine no longer runs decode runs; removed in 1.7).
     fixed_token_id: int | None = None
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Plugin API 1.6: how many steps the engine may have in this executor at once. 2
+        (overlapped steps, ``scheduler.async_scheduling``): ``execute_model`` is called for
+        step N+1 before step N's output is taken, and the executor runs the steps in order,
+        each worker appending step N's sampled tokens to its requests before it prepares step
+        N+1 (the plan of step N+1 schedules those tokens without knowing them). 1 (the
+        default): one step at a time."""
+        return 1
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
@@ -432,10 +448,8 @@ class Executor(ABC):
 
     def execute_decode_run(self, plan: SchedulerOutput, max_steps: int,
                            keep_going: Callable[[], bool]) -> DecodeRunOutput:
-        """Run ``plan`` (pure decodes, from ``Scheduler.schedule_decode_run``) as consecutive
-        steps, each request's context one token longer at each: at least one and at most
-        ``max_steps``, stopping after the first step at whose end ``keep_going()`` is false.
-        Only an executor with a ``fixed_token_id`` is asked."""
+        """Deprecated in plugin API 1.6 (never called; removed in 1.7): decode runs are gone,
+        one step path serves every executor."""
         raise NotImplementedError(f"{type(self).__name__} runs one step per call")
 
     @property

@@ -53,6 +53,8 @@ class PagedKVCacheManager(KVCacheManager):
     each other.
     """
 
+    block_calls_only = True     # both calls change nothing between block boundaries
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  cache_salt: str | None = None, hash_seed: str | None = None,
                  eviction: EvictionPolicy | None = None) -> None:
@@ -182,18 +184,22 @@ class PagedKVCacheManager(KVCacheManager):
         return new
 
     def _mark_pending(self, request: Request, total: int) -> None:
-        """Blocks that this step's tokens complete: announced so that a waiting request with the
-        same prefix can wait for them instead of computing a copy."""
+        """The first uncached block this step's tokens complete: announced so that a waiting
+        request with the same prefix can wait for it instead of computing a copy. (Only that
+        one: a waiting request's first missing block follows cached ones, so it is the first
+        uncached block of a range being computed, or none of it.)"""
         rid = request.request_id
-        full = min(total, request.num_tokens) // self.block_size
+        full = min(total, len(request.all_token_ids)) // self.block_size
         start = self._num_cached.get(rid, 0)
         if full <= start:
             return
         hashes = self._block_hashes(request, full)
+        lookup = self.pool.lookup
         for i in range(start, full):
             h = hashes[i + 1]
-            if self.pool.lookup(h) is None:
+            if lookup(h) is None:
                 self._pending.setdefault(h, set()).add(rid)
+                return
 
     def _unmark_pending(self, h: BlockHash, rid: str) -> None:
         owners = self._pending.get(h)

@@ -117,7 +117,9 @@ class DecodeRunOutput:
 
 # --------------------------------------------------------------------------- core -> client
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The per-step delta of one request."""
+    """The per-step delta of one request. ``num_cached_tokens`` and ``first_scheduled_time``
+    come with a request's first token and its final output (0 in the others, which are most:
+    a step's outputs carry only what changed)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -113,6 +113,9 @@ class Platform(ABC):
     default_block_size: ClassVar[int] = 16
     #: The dtypes models run in here (a ``model.dtype`` outside them is a config error).
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    #: Plugin API 1.6: ``scheduler.async_scheduling`` when a config leaves it out (overlapped
+    #: steps: on where they measured faster on this device).
+    async_scheduling: ClassVar[bool] = False
 
     def __init__(self, options: PlatformOptions) -> None:
         self.options = options

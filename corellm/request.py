@@ -71,8 +71,11 @@ class Request:
     """Live state of one request inside the scheduler.
 
     ``all_token_ids`` is prompt + output so far; ``num_computed_tokens`` counts the leading tokens
-    whose KV entries are in the cache. The newest sampled token is never computed yet, so a running
-    decode has ``num_tokens - num_computed_tokens == 1``.
+    whose KV entries are in the cache or being computed by a planned step (it advances when a step
+    is planned, as in vLLM); ``num_output_placeholders`` the tokens planned steps are sampling,
+    not yet known. Between steps of the synchronous loop a running decode has
+    ``num_tokens - num_computed_tokens == 1``; under overlapped steps, while the next step is
+    planned, ``num_tokens + num_output_placeholders - num_computed_tokens == 1``.
     """
 
     __slots__ = (
@@ -80,6 +83,7 @@ class Request:
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
         "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
         "first_scheduled_time", "first_token_time", "user", "session_id", "group_id",
+        "num_output_placeholders",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -96,6 +100,9 @@ class Request:
         self.group_id = core_request.group_id or core_request.request_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps planned but not yet updated (1 between a step's plan
+        # and its update; 2 under overlapped steps): scheduled as if known.
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.max_model_len = max_model_len

@@ -44,6 +44,14 @@ class SchedulerOptions(ComponentOptions):
             "wait for one: beyond it, its waiting samples let the others go first and its "
             "newest running ones are preempted to seat them. Alone, a request may use every "
             "seat. Left out: half of max_num_seqs; max_num_seqs turns the share off."))
+    async_scheduling: bool | None = Field(
+        None, description=(
+            "Overlap steps: plan and prepare step N+1 while the executor runs step N, the "
+            "host learning step N's tokens one step later (vLLM's --async-scheduling). "
+            "Outputs are the same as the synchronous loop's. Left out: the executor's "
+            "default (on where it measured faster: see docs/architecture.md, 'Overlapped "
+            "steps'). A scheduler or executor that cannot overlap runs synchronously, "
+            "and says why in the log."))
 
     @property
     def seats_per_request(self) -> int:
@@ -278,7 +286,9 @@ class LogitsProcessorSpec(ComponentSpec):
     1.5): modules ``validate`` imports, which such a process imports ahead (once, in its fork
     server). ``structured_outputs``:
     the processor implements ``SamplingParams.structured_outputs`` (JSON schema, regex,
-    choice, grammar); the enabled one of the highest ``priority`` serves them.
+    choice, grammar); the enabled one of the highest ``priority`` serves them. ``constrains``
+    (plugin API 1.6): ``constrains(params) -> bool``, the requests it constrains, which the
+    engine runs without overlapped steps (``constrains_request``).
     """
 
     kind: ClassVar[str] = "logits_processor"
@@ -287,6 +297,18 @@ class LogitsProcessorSpec(ComponentSpec):
     validate_imports: tuple[str, ...] = ()
     structured_outputs: bool = False
     priority: int = 0
+    constrains: Callable[[Any], bool] | None = None
+
+    def constrains_request(self, params: Any) -> bool:
+        """Whether this processor may constrain a request with these ``SamplingParams``:
+        ``constrains(params)`` (plugin API 1.6), or, left out, the requests with
+        ``structured_outputs`` for a structured-output processor and every request for
+        another. The engine runs the steps of such requests synchronously (a processor may
+        defer a row or fail a request, and an overlapped step is planned before either is
+        known)."""
+        if self.constrains is not None:
+            return bool(self.constrains(params))
+        return params.structured_outputs is not None or not self.structured_outputs
 
 
 @dataclass(frozen=True, kw_only=True)

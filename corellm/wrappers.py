@@ -59,6 +59,9 @@ class SchedulerWrapper(_Forwarding, Scheduler):
         self.inner = inner
 
     clock = _attribute("clock")                     # type: ignore[assignment]
+    # Overlapped steps as ``inner`` allows; a wrapper that needs each step updated before the
+    # next is planned sets it False.
+    supports_async_scheduling = _attribute("supports_async_scheduling")
 
     def add_request(self, request: Request) -> None:
         self.inner.add_request(request)
@@ -92,6 +95,8 @@ class KVCacheManagerWrapper(_Forwarding, KVCacheManager):
 
     block_size = _attribute("block_size")
     num_blocks = _attribute("num_blocks")
+    # As ``inner`` allows; a wrapper that must see every step's calls sets it False.
+    block_calls_only = _attribute("block_calls_only")
     prefix_cache_queries = _attribute("prefix_cache_queries")
     prefix_cache_hits = _attribute("prefix_cache_hits")
 
@@ -145,14 +150,18 @@ class AttentionBackendWrapper(_Forwarding, AttentionBackend):
 
 class ExecutorWrapper(_Forwarding, Executor):
     """An ``Executor`` that forwards to ``inner``: its workers, its clock (a simulated
-    executor's virtual time stays the engine's), its model facts, its shutdown. Not its
-    ``fixed_token_id``: a wrapper sees every step's plan, one per call, unless it forwards
-    that and ``execute_decode_run`` too."""
+    executor's virtual time stays the engine's), its model facts, its overlapped steps
+    (``max_concurrent_batches``: a wrapper that needs each step's output before the next plan
+    returns 1), its shutdown."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
 
     clock = _attribute("clock")                     # type: ignore[assignment]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.inner.max_concurrent_batches
 
     @property
     def model_info(self) -> ModelInfo:

@@ -331,3 +331,19 @@ def test_sim_speed_benchmark(tmp_path, capsys, llama_path, monkeypatch):
     assert mine["completed"] == 200 and mine["engine_steps"] > 0
     assert mine["simulated_s"] > 0 and len(mine["wall_s"]) == 1
     assert mine["median_s"] == mine["min_s"] == mine["wall_s"][0] > 0
+
+
+def test_host_cost_benchmark(tmp_path, capsys, llama_path, monkeypatch):
+    """The engine's host work per generated token on a free simulated device: a steady batch
+    of decoding requests, timed in a subprocess; the table and the JSON hold µs per token and
+    the phases."""
+    monkeypatch.setenv("CORELLM_DEFAULT_MODEL", str(llama_path))
+    bench = load("host_cost")
+    out_json = tmp_path / "host_cost.json"
+    assert bench.main(["--quick", "--json", str(out_json)]) == 0
+    assert "| 8 |" in capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())["rows"]
+    run = row["this"]["runs"][0]
+    assert run["tokens"] == 8 * 50                     # every running request, every step
+    assert 0 < row["this"]["us_per_token"] < 1e4
+    assert set(row["this"]["phase_us_per_token"]) == {"schedule", "execute", "update"}

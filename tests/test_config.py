@@ -308,7 +308,7 @@ def test_an_unknown_engine_argument_names_the_closest(llama_path):
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'; did you "
                                         "mean 'max_num_seqs'"):
         LLM(model=str(llama_path), max_num_seq=4)
-    with pytest.raises(TypeError, match="'swap_space'.*engine arguments: block_size"):
+    with pytest.raises(TypeError, match="'swap_space'.*engine arguments: async_scheduling, block_size"):
         LLM(model=str(llama_path), swap_space=4)
 
 

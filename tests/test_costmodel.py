@@ -1,8 +1,10 @@
 """The simulated executor's step-time cost models (plugins/bench: costmodel.py, roofline.py,
 model_shape.py, devices.py, profile.py): StepShape features, the fitted model recovering known
 coefficients from synthetic timings, the roofline model's hand-checked numbers and fit,
-ModelShape parameter counts against transformers, the device table, and the profile file (round
-trip, load errors, compatibility checks). No model runs."""
+ModelShape parameter counts against transformers, the device table, the host/device split of a
+step (the host model's fit, overlapped steps costing max(host, device)), and the profile file
+(round trip with the split, version 1 files, load errors, compatibility checks). No model
+runs."""
 
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ import types
 import numpy as np
 import pytest
 
-from corellm_plugins.bench.costmodel import STEP_FIELDS, CostModel, FittedCostModel, StepShape
+from pathlib import Path
+
+from corellm_plugins.bench.costmodel import (DEVICE_PHASES, PHASES, STEP_FIELDS, CostModel,
+                                            FittedCostModel, HostCostModel,
+                                            OverlappedCostModel, StepShape)
 from corellm_plugins.bench.devices import DEVICES, DeviceSpec
 from corellm_plugins.bench.model_shape import ModelShape
 from corellm_plugins.bench.profile import Profile, cost_model_from_json
@@ -293,11 +299,97 @@ def test_device_table():
     assert "approximate" in DEVICES["rtx-4070-laptop"].source
 
 
+# --------------------------------------------------------------------------- host / device
+HOST = HostCostModel(base=1e-3, per_req=5e-5, per_token=2e-6, per_sample=3e-5)
+
+
+def test_host_model_fit_recovers_coefficients(steps):
+    t = np.array([HOST.predict(s) for s in steps])
+    m = HostCostModel.fit(steps, t)
+    for name in HostCostModel.COEFS:
+        assert getattr(m, name) == pytest.approx(getattr(HOST, name), rel=1e-6), name
+    assert m.diagnostics["rank"] == m.diagnostics["n_params"] == 4
+    rng = np.random.default_rng(6)
+    noisy = HostCostModel.fit(steps, t * (1 + 0.01 * rng.standard_normal(t.size)))
+    for s in steps:
+        assert noisy.predict(s) == pytest.approx(HOST.predict(s), rel=0.03)
+    assert HostCostModel.from_json(json.loads(json.dumps(m.to_json()))).to_json() == m.to_json()
+    with pytest.raises(ValueError, match="per_token"):
+        HostCostModel(base=0, per_req=0, per_token=-1, per_sample=0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        HostCostModel.fit(steps, [0.0] * len(steps))
+
+
+def test_overlapped_steps_cost_the_longer_of_host_and_device(steps):
+    """A step model that is exactly host + device (hand-made): the overlapped step costs
+    max(host, device) to the float's rounding, never more than the synchronous step, and the
+    split adds up to it."""
+    # Per request, the host costs more than the device; per token, much less: decode batches
+    # are host-bound, prefills device-bound.
+    host = HostCostModel(base=1e-3, per_req=1e-3, per_token=2e-6, per_sample=1e-4)
+
+    class Sum(CostModel):          # the synchronous step: host + TRUE (as the device)
+        type = "sum"
+
+        def predict(self, shape):
+            return host.predict(shape) + TRUE.predict(shape)
+
+        def to_json(self):
+            return {"type": self.type}
+
+    over = OverlappedCostModel(Sum(), host)
+    host_bound = device_bound = 0
+    for s in steps:
+        h, d = host.predict(s), TRUE.predict(s)
+        assert over.predict(s) == pytest.approx(max(h, d), rel=1e-12, abs=1e-15)
+        assert over.predict(s) <= Sum().predict(s)
+        sh, sd = over.split(s)
+        assert sh == pytest.approx(h, rel=1e-12) and sh + sd == Sum().predict(s)
+        host_bound += h > d
+        device_bound += d > h
+    assert host_bound and device_bound          # both cases were exercised
+    # A host model that says more than the whole step: the step is all host.
+    big = OverlappedCostModel(TRUE, HostCostModel(base=10, per_req=0, per_token=0,
+                                                  per_sample=0))
+    s = steps[0]
+    assert big.split(s) == (TRUE.predict(s), 0.0) and big.predict(s) == TRUE.predict(s)
+    # A fitted step model alone knows no host part: overlap changes nothing.
+    alone = OverlappedCostModel(TRUE)
+    assert all(alone.predict(s) == TRUE.predict(s) for s in steps)
+    assert alone.split(s) == (0.0, TRUE.predict(s))
+
+
+def test_a_roofline_hides_its_overhead_terms_under_overlap():
+    m = RooflineCostModel(TINY, TOY, "bf16", compute_eff=0.5, bw_eff=0.8, overhead_s=1e-4,
+                          per_req_s=1e-5)
+    over = OverlappedCostModel(m)
+    for s in (StepShape.from_lists([1], [9], 1), StepShape.from_lists([100], [0], 1),
+              StepShape.from_lists([1] * 64, [500] * 64, 64)):
+        host = 1e-4 + 1e-5 * s.num_reqs
+        roof = max(m.compute_time(s), m.memory_time(s))
+        assert m.predict_host(s) == pytest.approx(host)
+        assert over.predict(s) == pytest.approx(max(host, roof))
+        assert over.predict(s) < m.predict(s)
+    again = cost_model_from_json(json.loads(json.dumps(over.to_json())))
+    assert isinstance(again, OverlappedCostModel) and again.to_json() == over.to_json()
+
+
 # --------------------------------------------------------------------------- profile
-def make_profile(steps, kind="measured") -> Profile:
+def make_profile(steps, kind="measured", split=True) -> Profile:
     t = [TRUE.predict(s) for s in steps]
     cm: CostModel = (FittedCostModel.fit(steps, t) if kind == "measured"
                      else RooflineCostModel(TINY, DEVICES["h100-sxm"]))
+    extra = {}
+    if kind == "measured" and split:
+        # Phases of each step: the host part is HOST's share of the step (schedule, update),
+        # the rest the device's (prepare_inputs, forward, sample).
+        rows = []
+        for s, total in zip(steps, t):
+            h = min(HOST.predict(s), 0.5 * total)
+            rows.append([0.6 * h, 0.1 * (total - h), 0.8 * (total - h), 0.1 * (total - h),
+                         0.3 * h])
+        host_s = Profile.host_seconds(t, rows)
+        extra = dict(sample_phases=rows, host_model=HostCostModel.fit(steps, host_s))
     return Profile(kind=kind, model={"name": "tiny-llama", "architecture": "LlamaForCausalLM",
                                      "fingerprint": TINY.fingerprint()},
                    dtype="float32" if kind == "measured" else "bfloat16",
@@ -306,7 +398,7 @@ def make_profile(steps, kind="measured") -> Profile:
                    block_size=16, kv_bytes_per_block=16 * TINY.kv_bytes_per_token(4),
                    cost_model=cm, engine={"max_num_seqs": 256},
                    samples=Profile.make_samples(steps, t) if kind == "measured" else None,
-                   notes=["synthetic"])
+                   notes=["synthetic"], **extra)
 
 
 @pytest.mark.parametrize("kind", ["measured", "roofline"])
@@ -326,8 +418,59 @@ def test_profile_round_trip(steps, tmp_path, kind):
         assert len(path.read_text().splitlines()) > len(steps)      # one sample per line
         refit = FittedCostModel.fit(shapes, secs)
         assert refit.knot_values == pytest.approx(p.cost_model.knot_values)
+        # The host/device split: its model and every sample's phases come back.
+        assert q.version == 2 and q.has_host_split
+        assert type(q.host_model) is HostCostModel
+        assert q.host_model.to_json() == p.host_model.to_json()
+        assert q.phases == list(PHASES) and q.device_phases == list(DEVICE_PHASES)
+        assert q.sample_phases == p.sample_phases
+        hs, host_s = q.host_data()
+        # schedule + update are 0.9 of it: the rest of the host part is between steps
+        assert hs == shapes and host_s == pytest.approx(
+            [min(HOST.predict(s), 0.5 * TRUE.predict(s)) for s in steps])
+        refit_host = HostCostModel.fit(hs, host_s)
+        assert refit_host.to_json() == q.host_model.to_json()
+        over = q.overlapped_cost_model()
+        for s in steps[:50]:
+            h, d = over.split(s)
+            assert h == q.host_model.predict(s)
+            assert h + d == pytest.approx(q.cost_model.predict(s), rel=1e-15)
+            assert over.predict(s) == max(h, d) <= q.cost_model.predict(s)
+        assert sum(1 for line in path.read_text().splitlines() if line.startswith("    [")) \
+            == 2 * len(steps)                          # samples and phases, one per line
+    else:
+        assert q.host_model is None and q.has_host_split      # the roofline's own terms
     again = cost_model_from_json(p.cost_model.to_json())
     assert again.to_json() == p.cost_model.to_json()
+
+
+def test_a_version_1_profile_still_loads(steps, tmp_path):
+    """A profile written before the host/device split (format version 1, no host model, no
+    phases) loads; its host part is 0, so overlapped steps cost what synchronous ones do."""
+    v1 = make_profile(steps[:60], split=False).to_json()
+    for key in ("host_model", "device_phases", "phases", "sample_phases"):
+        del v1[key]
+    v1["version"] = 1
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(v1))
+    q = Profile.load(path)
+    assert q.host_model is None and q.sample_phases is None and not q.has_host_split
+    assert q.host_data() == ([], [])
+    over = q.overlapped_cost_model()
+    for s in steps[:60]:
+        assert over.predict(s) == q.cost_model.predict(s) and over.split(s)[0] == 0.0
+    q.save(tmp_path / "v2.json")                     # saved again: version 2, still no split
+    r = Profile.load(tmp_path / "v2.json")
+    assert r.version == 2 and r.host_model is None
+    # The profile the fidelity benchmark committed (written by corellm 0.3.0).
+    old = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
+        "2026-11-23-cpu2-sim-fidelity.profile.json"
+    if old.exists():
+        assert json.loads(old.read_text())["version"] == 1
+        o = Profile.load(old)
+        assert o.kind == "measured" and o.host_model is None and len(o.samples) > 100
+        s = o.sample_data()[0][0]
+        assert o.overlapped_cost_model().predict(s) == o.cost_model.predict(s)
 
 
 def load_error(tmp_path, doc, name="bad.json") -> str:
@@ -347,7 +490,17 @@ def test_profile_load_errors(steps, tmp_path):
         Profile.load(tmp_path / "missing.json")
     assert "not valid JSON" in load_error(tmp_path, "{nope")
     assert "format" in load_error(tmp_path, {**good, "format": "other"})
-    assert "key 'version' is 2" in load_error(tmp_path, {**good, "version": 2})
+    assert "key 'version' is 3; this corellm reads versions 1, 2" in load_error(
+        tmp_path, {**good, "version": 3})
+    assert "key 'version' is True" in load_error(tmp_path, {**good, "version": True})
+    assert "key 'host_model.per_token': must be >= 0" in load_error(
+        tmp_path, {**good, "host_model": {**good["host_model"], "per_token": -1}})
+    assert "key 'sample_phases[0]' must be 5 numbers" in load_error(
+        tmp_path, {**good, "sample_phases": [[1, 2], *good["sample_phases"][1:]]})
+    assert "key 'sample_phases' has 39 rows but 'samples' 40" in load_error(
+        tmp_path, {**good, "sample_phases": good["sample_phases"][1:]})
+    assert "key 'device_phases' must be a list of strings" in load_error(
+        tmp_path, {**good, "device_phases": [1]})
     assert "missing key 'dtype'" in load_error(
         tmp_path, {k: v for k, v in good.items() if k != "dtype"})
     assert "key 'block_size' must be a positive integer, got 0" in load_error(

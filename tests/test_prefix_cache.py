@@ -35,7 +35,7 @@ def watched(cfg: dict, caching: bool = True) -> tuple[LLM, Counter]:
         for rid, n in plan.num_scheduled_tokens.items():
             request = engine.scheduler.requests[rid]
             table = kv.get_block_ids(request)
-            start = request.num_computed_tokens
+            start = plan.num_computed_tokens[rid]
             for b in {table[p // bs] for p in range(start, start + n)}:
                 assert kv.pool.ref_cnt[b] == 1, f"{rid} writes block {b}, shared by others"
                 assert kv.pool.block_hash[b] is None, f"{rid} writes cached block {b}"

@@ -1,10 +1,12 @@
 """The simulated executor (``executor: {name: sim}``): the executor is the only thing that
 changes (a replayed real run schedules exactly the same steps), 10,000 requests complete with
-nothing lost, calibration writes a profile the sim accepts, and a profile for another model,
-dtype is refused naming both (the device is the profile's, whatever this machine has)."""
+nothing lost, overlapped steps (scheduler.async_scheduling) cost max(host, device), calibration
+writes a profile the sim accepts (with each step's host/device split), and a profile for another
+model, dtype is refused naming both (the device is the profile's, whatever this machine has)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ from corellm_plugins.bench.engine_driver import drive_engine, run_engine
 from corellm_plugins.bench.targets import RunOptions, Target
 from corellm_plugins.bench.workload import build_workload
 from corellm.clock import WALL_CLOCK, Clock
-from corellm_plugins.bench.costmodel import FittedCostModel
+from corellm_plugins.bench.costmodel import FittedCostModel, HostCostModel, StepShape
 from corellm_plugins.bench.model_shape import ModelShape, model_fingerprint
 from corellm_plugins.bench.profile import Profile
 from corellm.engine.llm import LLM
@@ -25,8 +27,10 @@ from tests.conftest import assert_pool_whole, engine_config
 
 
 def make_profile(path: Path, out: Path, *, dtype: str = "float32", device: str = "cpu",
-                 base: float = 2e-3, per_token: float = 2e-5) -> Path:
-    """A measured-kind profile for the checkpoint at ``path`` with chosen coefficients."""
+                 base: float = 2e-3, per_token: float = 2e-5,
+                 host: HostCostModel | None = None) -> Path:
+    """A measured-kind profile for the checkpoint at ``path`` with chosen coefficients (and
+    the host part of a step, ``host``: None is a profile without the split)."""
     arch = load_arch_config(path)
     shape = ModelShape.from_arch(arch)
     model = FittedCostModel(base=base, per_req=1e-5, knots=[1, 4096],
@@ -36,7 +40,8 @@ def make_profile(path: Path, out: Path, *, dtype: str = "float32", device: str =
             model={"name": checkpoint_name(str(path)), "architecture": arch.architectures[0],
                    "fingerprint": model_fingerprint(arch)},
             dtype=dtype, device={"kind": device, "name": f"test {device}"}, block_size=16,
-            kv_bytes_per_block=shape.kv_bytes_per_token(4) * 16, cost_model=model).save(out)
+            kv_bytes_per_block=shape.kv_bytes_per_token(4) * 16, cost_model=model,
+            host_model=host).save(out)
     return out
 
 
@@ -96,9 +101,6 @@ class PlanLog:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.plans: list[tuple] = []
-
-    # Every step's plan is logged, so the engine runs one step per call (no decode runs).
-    fixed_token_id = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -253,6 +255,176 @@ def test_virtual_time_prices_each_step(llama_path, tmp_path):
     assert duration == pytest.approx(prefill + sum(decodes), abs=1e-9)
 
 
+# ----------------------------------------------------------------------------- overlap
+# The host part of a step of make_profile's default step model: over half of a decode
+# batch's step (host-bound), under half of a long prefill's (device-bound).
+HOST = HostCostModel(base=1.2e-3, per_req=1e-5, per_token=2e-6, per_sample=1e-6)
+
+
+@pytest.mark.parametrize("device, asked, want", [
+    ("cpu", None, 1), ("cpu", True, 2), ("cpu", False, 1),
+    ("cuda", None, 2), ("cuda", False, 1), ("cuda", True, 2)])
+def test_max_concurrent_batches_follows_the_config(llama_path, tmp_path, device, asked, want):
+    """scheduler.async_scheduling on: 2 steps at once; off: 1; left out: the profiled
+    device's way (a GPU overlaps, a CPU does not)."""
+    profile = make_profile(llama_path, tmp_path / "p.json", device=device, host=HOST)
+    sched = {} if asked is None else {"async_scheduling": asked}
+    llm = LLM(sim_config(llama_path, profile, scheduler=sched), skip_tokenizer_init=True)
+    try:
+        ex = llm.engine.executor
+        assert ex.max_concurrent_batches == want and ex.overlap == (want == 2)
+        for shape in (StepShape.from_lists([1] * 6, [40] * 6, 6),
+                      StepShape.from_lists([128], [0], 1)):
+            sync = ex.step_model.predict(shape)
+            if want == 2:
+                h = HOST.predict(shape)
+                assert 0 < h < sync
+                assert ex.cost_model.predict(shape) == pytest.approx(max(h, sync - h))
+            else:
+                assert ex.cost_model.predict(shape) == sync
+    finally:
+        llm.shutdown()
+
+
+def _one_request(llama_path, profile, **scheduler):
+    llm = LLM(sim_config(llama_path, profile, scheduler=scheduler), skip_tokenizer_init=True)
+    try:
+        wl = build_workload({"name": "one", "seed": 0, "num_requests": 1,
+                             "requests": {"input_len": 50, "output_len": 4},
+                             "arrivals": "all_at_once"}, vocab_size=200, exclude_ids={0})
+        records, duration = drive_engine(llm, wl, RunOptions(progress=False), salt="one")
+        # The steps the engine planned while the one before ran (where it counts them).
+        overlapped = getattr(llm.engine, "num_overlapped_steps", None)
+        return records[0], duration, llm.engine.executor, overlapped
+    finally:
+        llm.shutdown()
+
+
+def test_an_overlapped_step_costs_the_longer_of_host_and_device(llama_path, tmp_path):
+    """A hand-made profile (step model and host model chosen): with async_scheduling each
+    step that the engine planned the next one under advances the clock by max(host, step -
+    host), exactly, and the last (nothing planned under it) by the whole step; without, every
+    step by the step model, as before; and a profile with no split (format version 1) prices
+    both alike."""
+    # Its prefill step is device-bound (6.5 of 60 ms host), its decode steps host-bound
+    # (6 of 11 ms).
+    host = HostCostModel(base=6e-3, per_req=0, per_token=1e-5, per_sample=0)
+    profile = make_profile(llama_path, tmp_path / "p.json", base=0.01, per_token=0.001,
+                           host=host)
+    step = Profile.load(profile).cost_model
+    shapes = [StepShape.from_lists([50], [0], 1),
+              *(StepShape.from_lists([1], [50 + k], 1) for k in range(3))]
+    sync_steps = [step.predict(s) for s in shapes]
+    over_steps = [max(host.predict(s), step.predict(s) - host.predict(s)) for s in shapes]
+    assert over_steps[0] == sync_steps[0] - host.predict(shapes[0])
+    assert over_steps[1] == host.predict(shapes[1]) > sync_steps[1] / 2
+
+    r, duration, ex, overlapped = _one_request(llama_path, profile, async_scheduling=False)
+    assert ex.max_concurrent_batches == 1 and not overlapped
+    assert r.ttft == pytest.approx(sync_steps[0], abs=1e-9)
+    assert duration == pytest.approx(sum(sync_steps), abs=1e-9)
+
+    r, duration, ex, overlapped = _one_request(llama_path, profile, async_scheduling=True)
+    assert ex.max_concurrent_batches == 2 and ex.num_steps == 4
+    assert overlapped is None or overlapped >= 3          # the engine did overlap them
+    # The first three had the next step planned under them; the last, nothing.
+    steps = [*over_steps[:3], sync_steps[3]]
+    assert ex.num_overlapped_steps == 3
+    assert ex.simulated_s == pytest.approx(sum(steps), abs=1e-9)
+    assert duration == pytest.approx(sum(steps), abs=1e-9)
+    assert sum(steps) < sum(sync_steps)
+    assert r.e2el == pytest.approx(sum(steps), abs=1e-9)
+    # Its first token comes at the end of the prefill step, though the engine launched the
+    # next step before it took the prefill's output: a step's time passes when the engine
+    # waits for it, as a device's would.
+    assert r.ttft == pytest.approx(over_steps[0], abs=1e-9)
+    assert r.chunk_times_s == pytest.approx(list(itertools.accumulate(steps)), abs=1e-9)
+
+    no_split = make_profile(llama_path, tmp_path / "v1.json", base=0.01, per_token=0.001)
+    _, duration, ex, _ = _one_request(llama_path, no_split, async_scheduling=True)
+    assert ex.max_concurrent_batches == 2
+    assert duration == pytest.approx(sum(sync_steps), abs=1e-9)
+
+
+def test_an_overlapped_step_passes_its_time_when_waited_for(llama_path, tmp_path):
+    """Overlapped, execute_model hands out a Future of the step, decided at once, whose time
+    passes on the clock at the first result() only: max(host, device) when another step was
+    launched before it was waited for, else the whole step. One step at a time, the output
+    itself, the time passed."""
+    from concurrent.futures import Future
+
+    from corellm import SamplingParams
+    from corellm.request import EngineCoreRequest
+
+    profile = make_profile(llama_path, tmp_path / "p.json", host=HOST)
+    for overlap in (True, False):
+        llm = LLM(sim_config(llama_path, profile, scheduler={"async_scheduling": overlap}),
+                  skip_tokenizer_init=True)
+        try:
+            engine, ex = llm.engine, llm.engine.executor
+            sched, clock = engine.scheduler, ex.clock
+            engine.add_request(EngineCoreRequest(
+                request_id="a", prompt_token_ids=[5] * 30,
+                sampling_params=SamplingParams(max_tokens=3), eos_token_id=2,
+                arrival_time=0.0))
+            plan = sched.schedule()
+            shape = StepShape.from_plan(plan)
+            whole, h = ex.step_model.predict(shape), HOST.predict(shape)
+            t0 = clock.monotonic()
+            got = ex.execute_model(plan)
+            if not overlap:
+                assert not isinstance(got, Future)
+                assert clock.monotonic() - t0 == pytest.approx(whole, abs=1e-12)
+                sched.update_from_output(plan, got)
+            else:
+                assert isinstance(got, Future) and got.done() and "pending" in repr(got)
+                # The next step (the first decode, its token not yet known) planned and
+                # launched while the prefill runs: the prefill's host part is hidden.
+                plan2 = sched.schedule()
+                assert plan2.num_scheduled_tokens == {"a": 1}
+                got2 = ex.execute_model(plan2)
+                assert clock.monotonic() == t0
+                out = got.result()
+                assert got.result() is out and got.exception() is None   # once only
+                assert clock.monotonic() - t0 == pytest.approx(max(h, whole - h), abs=1e-12)
+                assert out.timings["forward"] == pytest.approx(max(h, whole - h))
+                assert out.req_ids == ["a"] and out.sampled_token_ids == [ex.token_id]
+                sched.update_from_output(plan, out)
+                # Nothing launched after the decode: it costs the whole step.
+                t1 = clock.monotonic()
+                sched.update_from_output(plan2, got2.result())
+                assert clock.monotonic() - t1 == pytest.approx(
+                    ex.step_model.predict(StepShape.from_plan(plan2)), abs=1e-12)
+                assert ex.num_overlapped_steps == 1
+            engine.abort_requests(["a"])
+            assert_pool_whole(llm)
+        finally:
+            llm.shutdown()
+
+
+def test_an_overlapped_run_is_faster_where_the_host_part_is_large(llama_path, tmp_path):
+    """A Poisson workload with chunked prompts, preemption and two priority classes, on a
+    profile whose decode steps are host-bound: the overlapped run is complete, with the same
+    tokens, and shorter. (Each step costs no more overlapped, but a whole run may: the
+    overlapped engine plans differently, seats and cached prefixes freed a step later.)"""
+    profile = make_profile(llama_path, tmp_path / "p.json", host=HOST)
+    sections = {"kv_cache": {"num_blocks": 16, "block_size": 16},
+                "model": {"max_model_len": 200}}
+    wl = build_workload(WORKLOADS["poisson"], vocab_size=200, exclude_ids={0})
+    runs = {}
+    for overlap in (False, True):
+        cfg = sim_config(llama_path, profile, scheduler={
+            "name": "priority", "max_num_seqs": 6, "max_num_batched_tokens": 64,
+            "async_scheduling": overlap}, **sections)
+        runs[overlap] = run_engine(Target(f"sim-{overlap}", config=cfg), wl,
+                                   RunOptions(progress=False))
+    for res in runs.values():
+        assert len(res.records) == 24 and all(r.ok for r in res.records)
+    assert [r.output_tokens for r in runs[True].records] == \
+        [r.output_tokens for r in runs[False].records]
+    assert runs[True].duration < runs[False].duration
+
+
 # ----------------------------------------------------------------------------- calibration
 def test_calibrate_writes_a_profile_the_sim_runs_on(llama_path, tmp_path):
     from corellm.cli import main
@@ -271,16 +443,35 @@ def test_calibrate_writes_a_profile_the_sim_runs_on(llama_path, tmp_path):
     assert any(s.num_decodes == 0 and s.num_prefill_tokens > 64 for s in shapes)   # prefills
     assert any(0 < s.num_decodes < s.num_reqs for s in shapes)                # mixed steps
     assert profile.cost_model.diagnostics["n_samples"] == len(shapes)
-    # The profile prices the model it was measured on: a sim run with it goes through.
-    llm = LLM(sim_config(llama_path, out, scheduler={"max_num_seqs": 8}))
-    try:
-        from corellm import SamplingParams
-        outs = llm.generate([{"prompt_token_ids": [3] * 20}] * 3, SamplingParams(max_tokens=6),
-                            use_tqdm=False)
-        assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
-        assert outs[0].metrics.time_to_first_token > 0
-    finally:
-        llm.shutdown()
+    # Each step's phases, and the host part (the time less prepare_inputs, forward and sample)
+    # fitted: measured synchronously, every host part is shorter than its step.
+    assert profile.engine["async_scheduling"] is False
+    assert len(profile.sample_phases) == len(shapes) and profile.phases[2] == "forward"
+    assert all(row[2] > 0 for row in profile.sample_phases)           # forward, every step
+    _, host = profile.host_data()
+    assert all(0 < h < t for h, t in zip(host, seconds))
+    assert isinstance(profile.host_model, HostCostModel)
+    assert profile.host_model.diagnostics["n_samples"] == len(shapes)
+    # The profile prices the model it was measured on: a sim run with it goes through,
+    # synchronous or overlapped. The prompts share no prefix, so both engines plan the same
+    # steps (overlapped, a shared prefix is registered a step later and the plans differ),
+    # and the overlapped steps cost no more.
+    ends = {}
+    for overlap in (False, True):
+        llm = LLM(sim_config(llama_path, out, scheduler={"max_num_seqs": 8,
+                                                         "async_scheduling": overlap}))
+        try:
+            from corellm import SamplingParams
+            outs = llm.generate([{"prompt_token_ids": [3 + i] * 20} for i in range(3)],
+                                SamplingParams(max_tokens=6), use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+            assert outs[0].metrics.time_to_first_token > 0
+            ex = llm.engine.executor
+            ends[overlap] = (ex.num_steps, ex.simulated_s)
+        finally:
+            llm.shutdown()
+    assert ends[True][0] == ends[False][0] == 6
+    assert 0 < ends[True][1] <= ends[False][1]
 
 
 def test_a_profile_for_another_model_or_dtype_is_refused(llama_path, make_checkpoint,
@@ -347,160 +538,6 @@ def test_idle_waits_on_a_virtual_clock_end(llama_path, tmp_path):
         assert done, "drive_engine did not return"
         records, duration = done[0]
         assert all(r.ok for r in records) and duration > 30
-    finally:
-        llm.shutdown()
-
-
-# ----------------------------------------------------------------------------- decode runs
-DECODE_RUN_CASES = {
-    # A pool small enough to preempt, chunked prompts, two priority classes.
-    "preempting": ({"scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 96},
-                    "kv_cache": {"num_blocks": 24, "block_size": 16}},
-                   {"name": "p", "seed": 3, "num_requests": 120,
-                    "requests": {"input_len": {"dist": "uniform", "low": 8, "high": 150},
-                                 "output_len": {"dist": "uniform", "low": 1, "high": 60}},
-                    "priorities": [{"priority": 0, "weight": 1}, {"priority": 1, "weight": 2}],
-                    "arrivals": {"pattern": "poisson", "rate": 150}}, {}),
-    # Shared prefixes: blocks completed inside runs are registered as the steps would have.
-    "prefix": ({"kv_cache": {"block_size": 16}},
-               {"name": "x", "seed": 4, "num_requests": 150,
-                "requests": {"input_len": {"dist": "uniform", "low": 8, "high": 100},
-                             "output_len": {"dist": "uniform", "low": 1, "high": 70},
-                             "shared_prefix": {"num_groups": 3, "length": 40}},
-                "arrivals": {"pattern": "poisson", "rate": 100}}, {}),
-    # Sessions (follow-ups due at a previous turn's end plus think time) under a
-    # concurrency limit, on the priority scheduler.
-    "sessions": ({"scheduler": {"name": "priority"}, "kv_cache": {"block_size": 16}},
-                 {"name": "s", "seed": 5,
-                  "requests": {"input_len": {"dist": "uniform", "low": 16, "high": 64},
-                               "output_len": {"dist": "uniform", "low": 2, "high": 50}},
-                  "sessions": {"num_sessions": 30, "turns": 3, "message_len": 12,
-                               "think_time_s": {"dist": "exponential", "mean": 0.02}},
-                  "arrivals": {"pattern": "poisson", "rate": 60}}, {"max_concurrency": 6}),
-}
-
-
-@pytest.mark.parametrize("case", sorted(DECODE_RUN_CASES))
-def test_decode_runs_change_nothing_but_the_number_of_calls(llama_path, tmp_path, monkeypatch,
-                                                             case):
-    """A simulated run advances pure-decode stretches several steps per call
-    (``EngineCore.step_decode_run``); every record (each token's time included), the engine's
-    counters and the run's duration are those of one step per call, and runs did happen."""
-    from corellm.engine.core import EngineCore
-
-    sections, spec, options = DECODE_RUN_CASES[case]
-    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
-                     model={"max_model_len": 256}, **sections)
-    wl = build_workload(spec, vocab_size=200, exclude_ids={0})
-    original = EngineCore.step_decode_run
-    runs: list[int] = []
-
-    def counted(self, keep_going):
-        out = original(self, keep_going)
-        if out is not None:
-            runs.append(len(out[0]))
-        return out
-
-    # The scheduler's round count (policies see it as SchedulingContext.step), read when the
-    # runner takes the engine's statistics after the run.
-    rounds: list[int] = []
-    original_stats = EngineCore.get_stats
-
-    def get_stats(self):
-        rounds.append(self.scheduler.num_schedules)
-        return original_stats(self)
-
-    monkeypatch.setattr(EngineCore, "get_stats", get_stats)
-    results = {}
-    for mode, method in (("runs", counted), ("steps", lambda self, keep_going: None)):
-        monkeypatch.setattr(EngineCore, "step_decode_run", method)
-        results[mode] = run_engine(Target("sim", config=cfg), wl,
-                                   RunOptions(progress=False, keep_outputs=True, **options))
-    fast, slow = results["runs"], results["steps"]
-    assert runs and max(runs) > 1, runs
-    assert rounds[1] == rounds[3] > 0, rounds            # after each run (before: 0 and 0)
-    assert all(r.ok for r in slow.records)
-    assert fast.duration == slow.duration
-    assert fast.counters == slow.counters
-    assert [vars(r) for r in fast.records] == [vars(r) for r in slow.records]
-
-
-def test_a_decode_run_stops_where_a_step_would_differ(llama_path, tmp_path):
-    """``schedule_decode_run`` plans a run only of pure decodes with nothing waiting, and no
-    longer than the first length limit or block boundary; a token that would stop a request
-    (its EOS, a stop token) allows none."""
-    from corellm import SamplingParams
-    from corellm.request import EngineCoreRequest
-
-    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
-                     kv_cache={"block_size": 16})
-    llm = LLM(cfg)
-    try:
-        engine = llm.engine
-        sched = engine.scheduler
-        token = engine.executor.fixed_token_id
-        assert token is not None
-
-        def add(rid, n_prompt, max_tokens, eos=2, **kw):
-            engine.add_request(EngineCoreRequest(
-                request_id=rid, prompt_token_ids=[5] * n_prompt,
-                sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
-                eos_token_id=eos, arrival_time=0.0))
-
-        add("a", 10, 40)
-        assert sched.schedule_decode_run(token) is None            # "a" waits
-        engine.step()                                               # its prefill
-        plan, steps = sched.schedule_decode_run(token)
-        # 10 tokens computed, one block of 16 held: 6 steps before the next block is needed
-        # (39 tokens before its length limit).
-        assert plan.num_scheduled_tokens == {"a": 1} and steps == 16 - 10
-        sched.update_from_decode_run(plan, steps, token)
-        assert sched.requests["a"].num_computed_tokens == 16
-        add("b", 5, 3)
-        assert sched.schedule_decode_run(token) is None            # "b" waits
-        engine.step()
-        plan, steps = sched.schedule_decode_run(token)
-        assert steps == 2                                           # "b" ends in 2 steps
-        out = {o.request_id: o for o in sched.update_from_decode_run(plan, steps, token)}
-        assert out["b"].finish_reason == "length" and len(out["b"].new_token_ids) == 2
-        assert out["a"].finish_reason is None
-        add("c", 4, 10, stop_token_ids=[token], min_tokens=5)
-        engine.step()
-        assert sched.schedule_decode_run(token) is None            # its token will stop "c"
-        engine.abort_requests(["c"])
-        add("d", 4, 10, eos=token, min_tokens=5)
-        engine.step()
-        assert sched.schedule_decode_run(token) is None            # its EOS is the token
-        engine.abort_requests(["d"])
-        add("e", 4, 10, eos=token, min_tokens=5, ignore_eos=True)
-        engine.step()
-        assert sched.schedule_decode_run(token) is not None        # ...unless it ignores EOS
-        engine.abort_requests(["a", "e"])
-        assert_pool_whole(llm)
-    finally:
-        llm.shutdown()
-
-
-def test_a_decode_run_ends_at_the_context_limit(llama_path, tmp_path):
-    """A run's last step is the one where a request reaches ``max_model_len``; applied, the
-    request ends by length with the tokens one step per call would give it."""
-    from corellm import SamplingParams
-    from corellm.request import EngineCoreRequest
-
-    cfg = sim_config(llama_path, make_profile(llama_path, tmp_path / "p.json"),
-                     kv_cache={"block_size": 64, "num_blocks": 8}, model={"max_model_len": 40})
-    llm = LLM(cfg)
-    try:
-        engine, sched = llm.engine, llm.engine.scheduler
-        engine.add_request(EngineCoreRequest(
-            request_id="a", prompt_token_ids=[5] * 20,
-            sampling_params=SamplingParams(max_tokens=100), eos_token_id=2, arrival_time=0.0))
-        engine.step()                                               # 21 tokens after it
-        plan, steps = sched.schedule_decode_run(engine.executor.fixed_token_id)
-        assert steps == 40 - 21
-        (out,) = sched.update_from_decode_run(plan, steps, engine.executor.fixed_token_id)
-        assert out.finish_reason == "length" and len(out.new_token_ids) == 19
-        assert_pool_whole(llm)
     finally:
         llm.shutdown()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import logging
@@ -11,18 +10,20 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
+from corellm.deprecation import warn_deprecated
 from corellm.errors import ConfigError, PluginError
 from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCacheManager,
                                 ModelInfo, Scheduler)
-from corellm.outputs import (EngineCoreOutput, EngineStats, FinishedRequestStats,
-                             SchedulerOutput, StepStats)
+from corellm.logits_processors import enabled_logits_processors
+from corellm.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput, EngineStats, FinishedRequestStats,
+                             ModelRunnerOutput, SchedulerOutput, StepStats)
 from corellm.plugins import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
 from corellm.setup import EngineSetup, resolve_setup
@@ -46,7 +47,20 @@ def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
 
 
 _ENGINE_SEQ = itertools.count()
-_T = TypeVar("_T")
+
+
+class _Launched:
+    """A step handed to the executor: its plan, its output (or a future of it), and when:
+    ``start`` the engine clock's monotonic() when planning began, ``t0`` / ``t1`` / ``t2``
+    perf_counter() then, once the plan was made, once the executor had it."""
+
+    __slots__ = ("plan", "result", "start", "t0", "t1", "t2")
+
+    def __init__(self, plan: SchedulerOutput,
+                 result: ModelRunnerOutput | Future[ModelRunnerOutput], start: float,
+                 t0: float, t1: float, t2: float) -> None:
+        self.plan, self.result = plan, result
+        self.start, self.t0, self.t1, self.t2 = start, t0, t1, t2
 
 
 def _call_each(registry: Registry, hook_name: str, kwargs: dict[str, Any]) -> None:
@@ -117,6 +131,15 @@ class EngineCore:
         self.timings: dict[str, float] = defaultdict(float)
         # Every unfinished request, for the records of StepStats.finished.
         self._requests: dict[str, Request] = {}
+        self._warn_decode_runs()
+        # Overlapped steps: the step handed to the executor and not yet updated.
+        self.async_scheduling = self._resolve_async_scheduling()
+        self._in_flight: _Launched | None = None
+        self.num_overlapped_steps = 0       # steps planned while the one before ran
+        # The enabled logits processors, and the unfinished requests one of them constrains:
+        # while any runs, steps run one at a time.
+        self._processors = [e.spec for e in enabled_logits_processors(config, registry)]
+        self._constrained: set[str] = set()
         self._observe_steps = registry.implements("corellm_step_finished")
         self._stats_listeners: list[Callable[[StepStats], None]] = []
         # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at exit
@@ -151,6 +174,41 @@ class EngineCore:
             raise ConfigError([("scheduler.max_num_batched_tokens",
                                 f"{sched.max_num_batched_tokens} < model.max_model_len={max_len} "
                                 "with chunked prefill disabled: long prompts could never run")])
+
+    def _warn_decode_runs(self) -> None:
+        """Decode runs (plugin API 1.3) are gone: an executor or scheduler still offering them
+        works, one step per call, and hears that its methods are never called."""
+        executor, scheduler = type(self.executor), type(self.scheduler)
+        runs = getattr(executor, "execute_decode_run", Executor.execute_decode_run)
+        if getattr(self.executor, "fixed_token_id", None) is not None \
+                or runs is not Executor.execute_decode_run:
+            warn_deprecated(f"{executor.__qualname__}.fixed_token_id / execute_decode_run "
+                            "(decode runs, never called since 0.5)",
+                            "one execute_model per step", "0.6")
+        if getattr(scheduler, "schedule_decode_run", Scheduler.schedule_decode_run) \
+                is not Scheduler.schedule_decode_run:
+            warn_deprecated(f"{scheduler.__qualname__}.schedule_decode_run / "
+                            "update_from_decode_run (decode runs, never called since 0.5)",
+                            "schedule() / update_from_output()", "0.6")
+
+    def _resolve_async_scheduling(self) -> bool:
+        """Overlapped steps when the executor runs two at once (``max_concurrent_batches``,
+        which follows ``scheduler.async_scheduling``) and the scheduler can plan ahead."""
+        wanted = self.config.scheduler.async_scheduling
+        executor = type(self.executor).__name__
+        if self.executor.max_concurrent_batches < 2:
+            if wanted:
+                logger.warning("scheduler.async_scheduling is on, but the executor %r (%s) "
+                               "runs one step at a time: steps run synchronously",
+                               self.config.executor.name, executor)
+            return False
+        if not getattr(self.scheduler, "supports_async_scheduling", False):
+            entry = self.registry.get("scheduler", self.config.scheduler.name)
+            logger.warning("%s (%s) was written for the synchronous loop "
+                           "(supports_async_scheduling is not set): steps run synchronously",
+                           entry.describe(), type(self.scheduler).__name__)
+            return False
+        return True
 
     def set_clock(self, clock: Clock) -> None:
         """Run the engine (and its scheduler) on ``clock`` from now on."""
@@ -188,6 +246,8 @@ class EngineCore:
             if o.finish_reason is None:
                 continue
             r = requests.pop(o.request_id, None)
+            if self._constrained:
+                self._constrained.discard(o.request_id)
             if r is None or not self._observed:
                 continue
             records.append(FinishedRequestStats(
@@ -211,6 +271,9 @@ class EngineCore:
         r = Request(request, self.model_info.max_model_len)
         self.scheduler.add_request(r)
         self._requests[r.request_id] = r
+        if self._processors and any(p.constrains_request(r.sampling_params)
+                                    for p in self._processors):
+            self._constrained.add(r.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -230,35 +293,89 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[EngineCoreOutput]:
-        """schedule -> execute model -> sample -> update."""
+        """schedule -> execute model -> sample -> update: the outputs of one step.
+
+        With overlapped steps (``async_scheduling``), the next step is planned and handed to
+        the executor before this one's output is taken and applied, so the executor runs it
+        while the host updates this one; the first call of a run launches two steps, and each
+        call returns the outputs of the step before the one it left running. While a request a
+        logits processor constrains is unfinished, steps run one at a time."""
+        launched = self._in_flight
+        self._in_flight = None
+        if launched is None:
+            launched = self._launch()
+        if self.async_scheduling and not self._constrained \
+                and self.scheduler.has_unfinished_requests():
+            try:
+                self._in_flight = self._launch()
+                self.num_overlapped_steps += 1
+            except BaseException:
+                self._drain(launched)
+                raise
+        try:
+            return self._finish(launched)
+        except BaseException:
+            if self._in_flight is not None:
+                launched, self._in_flight = self._in_flight, None
+                self._drain(launched)
+            raise
+
+    def _launch(self) -> _Launched:
+        """Plan a step and hand it to the executor."""
         start = self.clock.monotonic()
         t0 = time.perf_counter()
-        plan = self._planned(self.scheduler.schedule)
-        return self._execute(plan, start, t0)
-
-    def _execute(self, plan: SchedulerOutput, start: float, t0: float,
-                 ) -> list[EngineCoreOutput]:
-        """The rest of ``step()`` once ``plan`` is made: execute, update, count, observe."""
+        try:
+            plan = self.scheduler.schedule()
+        except BaseException:
+            # A half-built plan leaves no request in a known state: end them all.
+            self._fail(self.scheduler.get_request_ids())
+            raise
         t1 = time.perf_counter()
-        with self._failing(plan):
-            sampled = self.executor.execute_model(plan)
-            if isinstance(sampled, Future):
+        if plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids:
+            return _Launched(plan, EMPTY_MODEL_RUNNER_OUTPUT, start, t0, t1, t1)
+        try:
+            result = self.executor.execute_model(plan)
+        except BaseException as exc:
+            self._failed(plan, exc)
+            raise
+        return _Launched(plan, result, start, t0, t1, time.perf_counter())
+
+    def _drain(self, launched: _Launched) -> None:
+        """A step left behind by a failure: waited for (its error too), its requests ended."""
+        try:
+            if not isinstance(launched.result, ModelRunnerOutput):     # a future of it
+                launched.result.exception()
+        except BaseException:       # noqa: B036 - a second failure adds nothing
+            pass
+        self._fail(launched.plan.num_scheduled_tokens)
+
+    def _finish(self, launched: _Launched) -> list[EngineCoreOutput]:
+        """The rest of a step once launched: take its output, update, count, observe."""
+        plan, sampled = launched.plan, launched.result
+        t0, t1 = launched.t0, launched.t1
+        t2 = time.perf_counter()
+        try:
+            if not isinstance(sampled, ModelRunnerOutput):        # a future of it
                 sampled = sampled.result()
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             ended = self._end_failed(sampled.failed) if sampled.failed else None
             outputs = self.scheduler.update_from_output(plan, sampled)
             if ended:
                 outputs = ended + outputs
-        t3 = time.perf_counter()
+        except BaseException as exc:
+            self._failed(plan, exc)
+            raise
+        t4 = time.perf_counter()
 
         self.num_steps += 1
         tm = self.timings
         tm["schedule"] += t1 - t0
         for phase, seconds in sampled.timings.items():
             tm[phase] += seconds
-        tm["execute"] += t2 - t1
-        tm["update"] += t3 - t2
-        tm["step"] += t3 - t0
+        execute = (launched.t2 - t1) + (t3 - t2)      # handing over, and waiting
+        tm["execute"] += execute
+        tm["update"] += t4 - t3
+        tm["step"] += (t1 - t0) + execute + (t4 - t3)
         now = self.clock.time()
         finished = self._finished_records(outputs, now)
         if self._observed and not plan.is_empty:
@@ -268,78 +385,27 @@ class EngineCore:
                 step=self.num_steps, num_scheduled_reqs=len(scheduled),
                 num_scheduled_tokens=plan.total_num_scheduled_tokens,
                 num_finished_reqs=sum(o.finished for o in outputs),
-                timings={"schedule": t1 - t0, **sampled.timings, "update": t3 - t2},
+                timings={"schedule": t1 - t0, **sampled.timings, "update": t4 - t3},
                 scheduler=self.scheduler.get_stats(), engine_id=self.engine_id,
-                timestamp=now, duration=self.clock.monotonic() - start,
+                timestamp=now, duration=self.clock.monotonic() - launched.start,
                 num_prefill_tokens=plan.total_num_scheduled_tokens - decodes,
                 num_decode_reqs=decodes, finished=finished))
         return outputs
 
-    def step_decode_run(self, keep_going: Callable[[], bool],
-                        ) -> tuple[list[float], list[EngineCoreOutput]] | None:
-        """Several steps in one call, where the executor runs no model (``fixed_token_id``) and
-        the scheduler finds the coming steps to be pure decodes nothing can change
-        (``schedule_decode_run``): at least one, and after each, another while ``keep_going()``
-        (a driver's "nothing new has arrived"). Returns the clock's ``monotonic()`` at the end
-        of each step and one output per request with its tokens of them all; the engine's
-        state, counters and the requests' outputs are those of as many ``step()`` calls, for a
-        caller that changes nothing between them (an abort, such as a client's on a stop
-        string, takes effect after the run). None, having done nothing, where one ``step()``
-        is needed instead (a model to run, anything to admit, a block to allocate, a listener
-        of every step's ``StepStats``)."""
-        token = self.executor.fixed_token_id
-        if token is None or self._observed:
-            return None
-        start = self.clock.monotonic()
-        t0 = time.perf_counter()
-        planned = self._planned(lambda: self.scheduler.schedule_decode_run(token))
-        if planned is None:
-            return None
-        plan, max_steps = planned
-        if max_steps < 2:               # one step (or a preemption): executed as step() does
-            outputs = self._execute(plan, start, t0)
-            return [self.clock.monotonic()], outputs
-        t1 = time.perf_counter()
-        with self._failing(plan):
-            run = self.executor.execute_decode_run(plan, max_steps, keep_going)
-            t2 = time.perf_counter()
-            if not 1 <= len(run.step_seconds) == len(run.step_end_times) <= max_steps:
-                raise RuntimeError(f"{type(self.executor).__name__}.execute_decode_run ran "
-                                   f"{len(run.step_seconds)} steps ({len(run.step_end_times)} "
-                                   f"end times) of a run of at most {max_steps}")
-            outputs = self.scheduler.update_from_decode_run(plan, len(run.step_seconds), token)
-        t3 = time.perf_counter()
-        self.num_steps += len(run.step_seconds)
-        tm = self.timings
-        tm["schedule"] += t1 - t0
-        for seconds in run.step_seconds:        # one at a time, as step() adds them
-            tm["forward"] += seconds
-        tm["execute"] += t2 - t1
-        tm["update"] += t3 - t2
-        tm["step"] += t3 - t0
-        self._finished_records(outputs, self.clock.time())
-        return run.step_end_times, outputs
+    def step_decode_run(self, keep_going: Callable[[], bool]) -> None:
+        """Deprecated in 0.5 (removed in 0.6): decode runs are gone, ``step()`` is the one step
+        path. Returns None, "take one ``step()`` instead", as it did whenever no run was
+        possible."""
+        warn_deprecated("EngineCore.step_decode_run (decode runs)", "EngineCore.step()", "0.6")
+        return None
 
-    def _planned(self, schedule: Callable[[], _T]) -> _T:
-        try:
-            return schedule()
-        except BaseException:
-            # A half-built plan leaves no request in a known state: end them all.
-            self._fail(self.scheduler.get_request_ids())
-            raise
-
-    @contextlib.contextmanager
-    def _failing(self, plan: SchedulerOutput) -> Iterator[None]:
-        """Around a plan's execution and update: what a failure ends."""
-        try:
-            yield
-        except ExecutorError:
+    def _failed(self, plan: SchedulerOutput, exc: BaseException) -> None:
+        """A plan's execution or update raised ``exc``: what that ends."""
+        if isinstance(exc, ExecutorError):
             # The workers are gone: no request can make progress, so none is left waiting.
             self._fail(self.scheduler.get_request_ids())
-            raise
-        except BaseException:
+        else:
             self._fail(plan.num_scheduled_tokens)
-            raise
 
     def _end_failed(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
         """Requests the worker could not serve (a logits processor's ``RequestsFailed``): they

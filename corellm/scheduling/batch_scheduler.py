@@ -9,6 +9,11 @@ A waiting request starts at its longest cached prefix (``find_cached_prefix``): 
 ``num_computed_tokens`` begins at the cached length and only the rest is computed. After each step
 the KV-cache manager registers the blocks the step completed (``cache_computed_blocks``).
 
+A request's ``num_computed_tokens`` advances when its step is planned (vLLM's rule), and each
+step that samples for it holds a placeholder (``num_output_placeholders``) until its update
+appends the token: the next plan may be made before the previous step's tokens are known
+(overlapped steps, ``supports_async_scheduling``), and schedules them all the same.
+
 When the pool cannot hold a running request's next tokens, the policy picks a victim
 (``choose_victim``), which is preempted by recomputation: its blocks are freed and it rejoins the
 waiting queue with ``num_computed_tokens = 0``. When the request the policy selects for admission
@@ -31,14 +36,12 @@ from __future__ import annotations
 import inspect
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.specs import SchedulerOptions
 from corellm.errors import PluginError
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
-from corellm.kv_cache import PagedKVCacheManager
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
@@ -70,20 +73,25 @@ def check_policy(policy: SchedulingPolicy) -> None:
                 "'A scheduling policy')") from None
 
 
-@dataclass
 class _Plan:
-    """The step being planned: undone piece by piece when a scheduled request is preempted."""
+    """The step being planned: undone piece by piece when a scheduled request is preempted.
+    ``new_blocks``: of running requests only; ``changes``: admissions and preemptions so far
+    (they change the prefix cache)."""
 
-    budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)   # running requests only
-    admitted: list[Request] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)
-    changes: int = 0        # admissions and preemptions so far (they change the prefix cache)
+    __slots__ = ("budget", "num_scheduled", "new_blocks", "admitted", "preempted", "changes")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_blocks: dict[str, list[int]] = {}
+        self.admitted: list[Request] = []
+        self.preempted: set[str] = set()
+        self.changes = 0
 
 
 class BatchScheduler(Scheduler):
     clock: Clock = WALL_CLOCK       # the engine sets its own (virtual for a simulated run)
+    supports_async_scheduling = True
 
     def __init__(self, options: SchedulerOptions, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy) -> None:
@@ -106,14 +114,11 @@ class BatchScheduler(Scheduler):
         self._finished_notices: list[Request] = []
         self._grouped = _overrides(policy, "queue_group")
         self._preempts_for = _overrides(policy, "preempt_for")
-        # Decode runs skip per-step calls this scheduler's own steps and the core's paged
-        # KV-cache manager are known not to need (allocate_slots with room, cache_computed_blocks
-        # between block boundaries): another manager, or a subclass that changes a step, keeps
-        # one step per call.
-        self._runs_decodes = (
-            type(kv_cache_manager) is PagedKVCacheManager
-            and all(getattr(type(self), m) is getattr(BatchScheduler, m)
-                    for m in ("schedule", "update_from_output", "_update", "_finish")))
+        # With a manager that needs calls only at block boundaries: request id -> the tokens
+        # its blocks hold, and -> the full blocks it had at its last cache_computed_blocks.
+        self._capacity: dict[str, int] | None = (
+            {} if getattr(kv_cache_manager, "block_calls_only", False) else None)
+        self._cached_blocks: dict[str, int] = {}
         self.num_schedules = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -170,6 +175,9 @@ class BatchScheduler(Scheduler):
             _decrement(self._seats, request.group_id)
         request.status = status
         self.kv.free(request)
+        if self._capacity is not None:
+            self._capacity.pop(request.request_id, None)
+            self._cached_blocks.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         if self._notify_finished:
@@ -200,6 +208,9 @@ class BatchScheduler(Scheduler):
         plan.preempted.add(rid)
         plan.changes += 1
         self.kv.free(victim)
+        if self._capacity is not None:
+            self._capacity.pop(rid, None)
+            self._cached_blocks.pop(rid, None)
         _decrement(self._seats, victim.group_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -235,26 +246,51 @@ class BatchScheduler(Scheduler):
                 request.status = RequestStatus.WAITING
         self._preempted.clear()
         self.num_schedules += 1
-        plan = _Plan(budget=self.max_num_batched_tokens)
-        ctx = self._context(plan)
+        plan = _Plan(self.max_num_batched_tokens)
+        # The policy's view of this round, made when a decision needs it.
+        ctx = self._context(plan) if self.waiting or self._notify else None
 
-        # 1. Running requests, in admission order.
+        # 1. Running requests, in admission order. A request's tokens to compute: those known
+        # and those its planned steps are sampling (placeholders), less those computed or
+        # planned. One whose planned steps already end it by length is left out.
         i = 0
         running, allocate_slots = self.running, self.kv.allocate_slots
         num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
+        # With a manager that only needs block boundaries (block_calls_only), the tokens each
+        # request's blocks hold: a step within them allocates nothing, and is not asked for.
+        capacity, bs = self._capacity, self.kv.block_size
         # What the executor is told of each scheduled request, gathered as it is scheduled
         # (a preemption in this step has them gathered again below).
         computed: dict[str, int] = {}
         sampling: list[str] = []
         while i < len(running) and plan.budget > 0:
             request = running[i]
+            rid = request.request_id
             c = request.num_computed_tokens
-            known = len(request.all_token_ids)
-            n = known - c
+            end = len(request.all_token_ids)
+            ahead = request.num_output_placeholders
+            if ahead:
+                end += ahead
+                if end - len(request.prompt_token_ids) >= request.sampling_params.max_tokens \
+                        or end >= request.max_model_len:
+                    i += 1
+                    continue
+            n = end - c
             if n > plan.budget:
                 n = plan.budget
+            if capacity is not None and c % bs + n < bs and c + n <= capacity.get(rid, 0):
+                num_scheduled[rid] = n
+                new_blocks[rid] = []
+                computed[rid] = c
+                if c + n >= end:
+                    sampling.append(rid)
+                plan.budget -= n
+                i += 1
+                continue
             blocks = allocate_slots(request, n)
             while blocks is None:
+                if ctx is None:
+                    ctx = self._context(plan)
                 offered = self._victim_candidates()
                 victim = self._running_victim("choose_victim", self.policy.choose_victim(
                     offered, ctx), offered)
@@ -266,20 +302,21 @@ class BatchScheduler(Scheduler):
                 blocks = self.kv.allocate_slots(request, n)
             if blocks is None:
                 continue                               # `request` itself was preempted
-            rid = request.request_id
+            if capacity is not None:
+                capacity[rid] = len(self.kv.get_block_ids(request)) * bs
             num_scheduled[rid] = n
             new_blocks[rid] = blocks
             computed[rid] = c
-            if c + n >= known:
+            if c + n >= end:
                 sampling.append(rid)
             plan.budget -= n
             i += 1
 
         # 2. Waiting requests in policy order, unless this step already had to preempt.
         if not plan.preempted and self.waiting:
-            self._admit(plan, ctx)
+            self._admit(plan, ctx or self._context(plan))
 
-        now = self.clock.time()
+        now = self.clock.time() if plan.admitted else 0.0
         for request in plan.admitted:                  # recorded once the admission holds
             if request.num_cached_tokens < 0:          # first admission
                 request.num_cached_tokens = request.num_computed_tokens
@@ -295,16 +332,28 @@ class BatchScheduler(Scheduler):
         for rid, n in scheduled:
             request = requests[rid]
             c = computed[rid] = request.num_computed_tokens
-            if c + n >= len(request.all_token_ids):
+            if c + n >= len(request.all_token_ids) + request.num_output_placeholders:
                 sampling.append(rid)
+        # The plan holds: its tokens count as computed (those computed other than as a decode
+        # as prefill tokens), its samples as placeholders.
+        prefill = 0
+        for rid, n in plan.num_scheduled.items():
+            request = requests[rid]
+            c = request.num_computed_tokens
+            if n != 1 or c < len(request.prompt_token_ids):
+                prefill += n
+            request.num_computed_tokens = c + n
+        self.num_prefill_tokens += prefill
+        for rid in sampling:
+            requests[rid].num_output_placeholders += 1
         cached = [CachedRequestData(rid, blocks, computed[rid])
                   for rid, blocks in plan.new_blocks.items()]
         new = [NewRequestData(
             req_id=r.request_id, token_ids=list(r.all_token_ids),
             num_prompt_tokens=r.num_prompt_tokens, block_ids=list(self.kv.get_block_ids(r)),
-            num_computed_tokens=r.num_computed_tokens, sampling_params=r.sampling_params,
+            num_computed_tokens=computed[r.request_id], sampling_params=r.sampling_params,
             eos_token_id=r.eos_token_id) for r in plan.admitted]
-        if self._notify:
+        if ctx is not None and self._notify:
             self.policy.on_scheduled(
                 [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         finished, self._finished_ids = self._finished_ids, set()
@@ -411,13 +460,12 @@ class BatchScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        req_ids = runner_output.req_ids
-        row_of = dict(zip(req_ids, range(len(req_ids))))
-        lp = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         try:
-            self._update(scheduler_output, runner_output, row_of, lp, outputs,
-                         self.clock.time())
+            if len(scheduler_output.sampling_req_ids) != \
+                    len(scheduler_output.num_scheduled_tokens):
+                self._update_unsampled(scheduler_output, runner_output)
+            self._update(scheduler_output, runner_output, outputs, self.clock.time())
         finally:
             # Even when the update raised part-way, no finished request stays in `running`.
             running = RequestStatus.RUNNING
@@ -425,36 +473,47 @@ class BatchScheduler(Scheduler):
         self._deliver_finished()
         return outputs
 
-    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                row_of: dict[str, int], lp: Any, outputs: list[EngineCoreOutput],
-                now: float) -> None:
+    def _update_unsampled(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput,
+                          ) -> None:
+        """The scheduled requests that sample nothing this step: partial prefill chunks."""
+        samplers = set(plan.sampling_req_ids)
+        for rid in plan.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if rid in samplers or request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._cache_blocks(request)
+
+    def _update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput,
+                outputs: list[EngineCoreOutput], now: float) -> None:
+        """The requests that sampled (or were to sample) this step, in plan order."""
         requests, running_status = self.requests, RequestStatus.RUNNING
-        cache_computed_blocks = self.kv.cache_computed_blocks
-        sampled_token_ids = runner_output.sampled_token_ids
+        sampling, req_ids = plan.sampling_req_ids, runner_output.req_ids
+        tokens, lp = runner_output.sampled_token_ids, runner_output.logprobs
+        # The worker's rows, in plan order unless some were not sampled (or it reordered).
+        row_of = None if req_ids == sampling else dict(zip(req_ids, range(len(req_ids))))
+        capacity, cached_blocks = self._capacity, self._cached_blocks
+        cache, bs = self.kv.cache_computed_blocks, self.kv.block_size
         append = outputs.append
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
+        for row, rid in enumerate(sampling):
             request = requests.get(rid)
-            if request is None or request.status is not running_status:
-                continue                                   # aborted since it was scheduled
-            before = request.num_computed_tokens
-            request.num_computed_tokens = before + n
-            cache_computed_blocks(request)
-            if n > 1 or before < len(request.prompt_token_ids):     # not a decode
-                self.num_prefill_tokens += n
-            row = row_of.get(rid)
-            if row is None:
-                if before + n >= len(request.all_token_ids):
+            if request is None:
+                continue                        # finished or aborted since it was scheduled
+            if row_of is not None:
+                row = row_of.get(rid)
+                if row is None:
                     if rid in runner_output.deferred:
                         # A logits processor was not ready for it: its last token is
                         # computed again next step (its KV is rewritten, the same).
                         request.num_computed_tokens -= 1
+                        request.num_output_placeholders -= 1
                         continue
                     raise RuntimeError(f"request {rid} completed its tokens but nothing was "
                                        "sampled for it")
-                continue                                   # a partial prefill chunk
-            token = sampled_token_ids[row]
-            self.num_generation_tokens += 1
-            if not request.first_token_time:
+            token = tokens[row]
+            request.num_output_placeholders -= 1
+            first = not request.first_token_time
+            if first:
                 request.first_token_time = now
             status = request.append_output_token(token)
             logprobs = None
@@ -462,6 +521,23 @@ class BatchScheduler(Scheduler):
                 k = request.sampling_params.logprobs + 1
                 logprobs = LogprobsLists([lp.token_ids[row][:k]], [lp.logprobs[row][:k]],
                                          [lp.sampled_ranks[row]])
+            if request.status is running_status:
+                # After the token: a block it completes is hashed with it (under overlapped
+                # steps the next step's planned token may complete one).
+                if capacity is None:
+                    cache(request)
+                else:
+                    full = request.num_computed_tokens // bs
+                    if full > cached_blocks.get(rid, 0):
+                        cached_blocks[rid] = full
+                        cache(request)
+            elif status is not None:
+                # Preempted by the plan made while this step ran (overlapped steps): it waits,
+                # and ends there.
+                self._unqueue(request)
+            if status is None and not first:
+                append(EngineCoreOutput(rid, [token], logprobs))    # most outputs: the token
+                continue
             if status is not None:
                 self._finish(request, status)
             cached = request.num_cached_tokens
@@ -469,80 +545,17 @@ class BatchScheduler(Scheduler):
             append(EngineCoreOutput(
                 rid, [token], logprobs, status.finish_reason if status else None,
                 request.stop_reason, cached if cached > 0 else 0, request.first_scheduled_time))
+        self.num_generation_tokens += len(outputs)
 
-    # ------------------------------------------------------------------ decode runs
-    def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:
-        # Nothing waiting: no admission round, so the policy decides nothing, and no block is
-        # pending for anyone. A policy told of every step (on_scheduled) keeps one per call.
-        running = self.running
-        if self.waiting or self._notify or not running or not self._runs_decodes \
-                or len(running) > self.max_num_batched_tokens:
-            return None
-        for r in running:
-            params, c = r.sampling_params, r.num_computed_tokens
-            # A prefill (chunk) is next, or a prompt's last token (its first sample).
-            if len(r.all_token_ids) - c != 1 or c < len(r.prompt_token_ids):
-                return None
-            if token_id == r.eos_token_id and not params.ignore_eos \
-                    or token_id in params.stop_token_ids:
-                return None
-        # The first step is planned as ever (it allocates the blocks its tokens need, and
-        # preempts if the pool is short); the run goes on while no request reaches its length
-        # limit (that step may end the run) or needs a block it does not hold.
-        plan = self.schedule()
-        if plan.preempted_req_ids or not plan.num_scheduled_tokens:
-            return plan, 1
-        block_size = self.kv.block_size
-        get_block_ids = self.kv.get_block_ids
-        requests = self.requests
-        steps = None
-        for rid, c in plan.num_computed_tokens.items():
-            r = requests[rid]
-            ids, params = r.all_token_ids, r.sampling_params
-            left = min(params.max_tokens - (len(ids) - len(r.prompt_token_ids)),
-                       r.max_model_len - len(ids), len(get_block_ids(r)) * block_size - c)
-            steps = left if steps is None or left < steps else steps
-        return plan, steps or 1
-
-    def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
-                               token_id: int) -> list[EngineCoreOutput]:
-        k = num_steps
-        requests = [self.requests[rid] for rid in plan.num_scheduled_tokens]
-        self.num_schedules += k - 1                 # schedule() counted the first
-        # Every token but the last first (the blocks below hash them), then the blocks the
-        # run completed, registered in the order its steps would have (step, then batch order:
-        # two requests completing equal blocks leave the same one cached).
-        block_size = self.kv.block_size
-        events: list[tuple[int, int]] = []
-        for order, r in enumerate(requests):
-            c = r.num_computed_tokens
-            r.all_token_ids.extend([token_id] * (k - 1))
-            events.extend((j, order) for j in range(block_size - c % block_size, k + 1,
-                                                    block_size))
-        base = [r.num_computed_tokens for r in requests]
-        cache_computed_blocks = self.kv.cache_computed_blocks
-        for j, order in sorted(events):
-            r = requests[order]
-            r.num_computed_tokens = base[order] + j
-            cache_computed_blocks(r)
-        outputs = []
-        try:
-            for r, c in zip(requests, base):
-                r.num_computed_tokens = c + k
-                self.num_generation_tokens += k
-                status = r.append_output_token(token_id)
-                if status is not None:
-                    self._finish(r, status)
-                cached = r.num_cached_tokens
-                outputs.append(EngineCoreOutput(
-                    r.request_id, [token_id] * k, None,
-                    finish_reason=status.finish_reason if status else None,
-                    stop_reason=r.stop_reason, num_cached_tokens=cached if cached > 0 else 0,
-                    first_scheduled_time=r.first_scheduled_time))
-        finally:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        self._deliver_finished()
-        return outputs
+    def _cache_blocks(self, request: Request) -> None:
+        """``cache_computed_blocks`` after a step: every time, or (``block_calls_only``) when
+        the request has completed a block since the last call."""
+        if self._capacity is not None:
+            full = request.num_computed_tokens // self.kv.block_size
+            if full <= self._cached_blocks.get(request.request_id, 0):
+                return
+            self._cached_blocks[request.request_id] = full
+        self.kv.cache_computed_blocks(request)
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:

@@ -14,13 +14,18 @@ scheduler limits) through a designed set of workloads, each through the same off
 Every step's plan (``costmodel.StepShape``: tokens, decodes, attention work) is recorded
 with the time from the end of the previous step to the end of this one when the loop was busy
 (so the runner's own per-step work between steps is priced too), or the step alone after an idle
-wait. ``FittedCostModel.fit`` fits them; the profile records the model, dtype, device and corellm
-version, and the sim executor refuses it for anything else.
+wait, and with the engine's phase times (``StepStats.timings``). ``FittedCostModel.fit`` fits
+the step times; ``HostCostModel.fit`` the host part of each (the time less the device phases,
+``prepare_inputs``, ``forward`` and ``sample``: what overlapped steps hide). The engine is
+measured with ``scheduler.async_scheduling`` off, whatever the config says: overlapped, the
+host and device parts of a step could not be told apart. The profile records the model, dtype,
+device and corellm version, and the sim executor refuses it for anything else.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import random
 import sys
 import time
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .workload import BenchRequest, Workload
-from .costmodel import FittedCostModel, StepShape
+from .costmodel import DEVICE_PHASES, PHASES, FittedCostModel, HostCostModel, StepShape
 from .devices import DEVICES
 from .model_shape import ModelShape, model_fingerprint
 from .profile import Profile
@@ -137,25 +142,28 @@ _BUSY_GAP_S = 0.005
 
 def measure(llm: Any, design: Design, *, progress: bool = True,
             on_workload: Callable[[str], None] | None = None,
-            ) -> tuple[list[StepShape], list[float], list[str]]:
-    """Run the design through ``llm`` (an in-process ``LLM``); returns one shape, one time and
-    the workload's name per step."""
+            ) -> tuple[list[StepShape], list[float], list[str], list[dict[str, float]]]:
+    """Run the design through ``llm`` (an in-process ``LLM``); returns one shape, one time,
+    the workload's name and the engine's phase times (``StepStats.timings``) per step."""
     from .engine_driver import drive_engine
     from .targets import RunOptions
 
     engine = llm.engine
     recorder = _PlanRecorder(engine.executor)
     engine.executor = recorder
-    ends: list[tuple[float, float, int]] = []     # (end, duration, index in shapes)
+    # (end, duration, index in shapes, phase times)
+    ends: list[tuple[float, float, int, dict[str, float]]] = []
 
     def on_stats(stats: Any) -> None:
         if stats.kind == "step":
-            ends.append((time.perf_counter(), stats.duration, len(recorder.shapes) - 1))
+            ends.append((time.perf_counter(), stats.duration, len(recorder.shapes) - 1,
+                         dict(stats.timings)))
 
     engine.add_stats_listener(on_stats)
     shapes: list[StepShape] = []
     seconds: list[float] = []
     groups: list[str] = []
+    phases: list[dict[str, float]] = []
     opts = RunOptions(warmup_requests=0, progress=False)
     workloads = design.workloads(llm.model_info.vocab_size)
     from tqdm.auto import tqdm
@@ -172,20 +180,21 @@ def measure(llm: Any, design: Design, *, progress: bool = True,
             start_shapes = len(recorder.shapes)
             drive_engine(llm, wl, opts, salt=f"calibrate-{i}", progress=False)
             prev_end = None
-            for end, duration, idx in ends:
+            for end, duration, idx, timings in ends:
                 if idx < start_shapes:
                     continue
                 busy = prev_end is not None and (end - duration) - prev_end < _BUSY_GAP_S
                 shapes.append(recorder.shapes[idx])
                 seconds.append(end - prev_end if busy else duration)
                 groups.append(wl.description.split(" ")[0])
+                phases.append(timings)
                 prev_end = end
             bar.update(1)
     finally:
         bar.close()
         engine.executor = recorder.inner
         engine._stats_listeners.remove(on_stats)
-    return shapes, seconds, groups
+    return shapes, seconds, groups, phases
 
 
 def device_description() -> dict[str, Any]:
@@ -218,7 +227,8 @@ def _engine_context(config: Any, attention: str | None = None) -> dict[str, Any]
     return {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "enable_chunked_prefill": s.enable_chunked_prefill,
             "attention": attention or config.attention.name, "executor": config.executor.name,
-            "block_size": config.kv_cache.block_size}
+            "block_size": config.kv_cache.block_size,
+            "async_scheduling": getattr(s, "async_scheduling", None)}
 
 
 def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tuple[Profile, dict]:
@@ -227,7 +237,8 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
     import corellm
     from corellm.engine.llm import LLM
 
-    llm = LLM(config)
+    # Synchronous steps: the host and device parts of each are measured one after the other.
+    llm = LLM(config, async_scheduling=False)
     try:
         if llm.engine is None or getattr(llm.engine.executor, "clock", None) is not None:
             raise ValueError("calibration needs a real in-process executor (the config's "
@@ -239,7 +250,7 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
                                    llm.model_info.max_model_len, quick=quick,
                                    pool_tokens=kv.num_blocks * kv.block_size)
         t0 = time.perf_counter()
-        shapes, seconds, groups = measure(llm, design, progress=progress)
+        shapes, seconds, groups, timings = measure(llm, design, progress=progress)
         took = time.perf_counter() - t0
         name, arch, mshape = _model_facts(cfg, llm.registry)
         device = device_description()
@@ -248,6 +259,8 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
     finally:
         llm.shutdown()
     model = FittedCostModel.fit(shapes, seconds)
+    phase_rows = Profile.make_phase_rows(timings, PHASES)
+    host = HostCostModel.fit(shapes, Profile.host_seconds(seconds, phase_rows))
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
     profile = Profile(
         kind="measured",
@@ -257,27 +270,44 @@ def calibrate(config: Any, *, quick: bool = False, progress: bool = True) -> tup
         created=_dt.datetime.now().astimezone().strftime(PROFILE_DATE_FORMAT),
         block_size=cfg.kv_cache.block_size,
         kv_bytes_per_block=mshape.kv_bytes_per_token(dtype_bytes) * cfg.kv_cache.block_size,
-        engine=_engine_context(cfg, attention), cost_model=model,
+        engine=_engine_context(cfg, attention), cost_model=model, host_model=host,
+        device_phases=list(DEVICE_PHASES), phases=list(PHASES), sample_phases=phase_rows,
         samples=Profile.make_samples(shapes, seconds),
         notes=[f"{len(shapes)} steps measured in {took:.1f} s ({'quick' if quick else 'full'} "
-               "design)"])
-    return profile, fit_report(model, shapes, seconds, groups)
+               "design), steps not overlapped"])
+    return profile, fit_report(model, shapes, seconds, groups, host=host,
+                               host_seconds=profile.host_data()[1])
 
 
 def fit_report(model: Any, shapes: Sequence[StepShape], seconds: Sequence[float],
-               groups: Sequence[str]) -> dict[str, Any]:
-    """Per group of steps: count, measured and predicted mean step time, mean |error|."""
-    by: dict[str, list[tuple[float, float]]] = {}
-    for sh, t, g in zip(shapes, seconds, groups):
-        by.setdefault(g, []).append((t, model.predict(sh)))
-    by["all"] = [pair for rows in list(by.values()) for pair in rows]
+               groups: Sequence[str], *, host: Any = None,
+               host_seconds: Sequence[float] | None = None) -> dict[str, Any]:
+    """Per group of steps: count, measured and predicted mean step time, mean |error|; with a
+    host model and the measured host times, their means too, and the mean predicted step when
+    steps overlap (``max(host, device)``)."""
+    from .costmodel import OverlappedCostModel
+
+    overlapped = OverlappedCostModel(model, host) if host is not None else None
+    hs = list(host_seconds) if host_seconds else [math.nan] * len(shapes)
+    by: dict[str, list[tuple[float, float, float, float, float]]] = {}
+    for sh, t, g, h in zip(shapes, seconds, groups, hs):
+        ph, po = ((overlapped.split(sh)[0], overlapped.predict(sh)) if overlapped is not None
+                  else (math.nan, math.nan))
+        by.setdefault(g, []).append((t, model.predict(sh), h, ph, po))
+    by["all"] = [row for rows in list(by.values()) for row in rows]
     out = {}
     for g, rows in by.items():
-        meas = sum(t for t, _ in rows) / len(rows)
-        pred = sum(p for _, p in rows) / len(rows)
-        out[g] = {"steps": len(rows), "measured_ms": meas * 1e3, "predicted_ms": pred * 1e3,
+        n = len(rows)
+        meas = sum(r[0] for r in rows) / n
+        pred = sum(r[1] for r in rows) / n
+        out[g] = {"steps": n, "measured_ms": meas * 1e3, "predicted_ms": pred * 1e3,
                   "total_error_pct": 100 * (pred - meas) / meas,
-                  "mean_abs_error_pct": 100 * sum(abs(p - t) / t for t, p in rows) / len(rows)}
+                  "mean_abs_error_pct": 100 * sum(abs(p - t) / t for t, p, *_ in rows) / n}
+        if overlapped is not None:
+            out[g]["host_predicted_ms"] = 1e3 * sum(r[3] for r in rows) / n
+            out[g]["overlapped_predicted_ms"] = 1e3 * sum(r[4] for r in rows) / n
+            if host_seconds:
+                out[g]["host_measured_ms"] = 1e3 * sum(r[2] for r in rows) / n
     return out
 
 
@@ -311,16 +341,27 @@ def roofline_profile(config: Any, device_key: str, *, dtype: str | None = None,
         block_size=cfg.kv_cache.block_size,
         kv_bytes_per_block=mshape.kv_bytes_per_token(dtype_bytes) * cfg.kv_cache.block_size,
         engine=_engine_context(cfg), cost_model=model, samples=[],
-        notes=[f"derived from {device.name}'s published peaks ({device.source}); not measured"])
+        notes=[f"derived from {device.name}'s published peaks ({device.source}); not measured",
+               "host part of a step (hidden by overlapped steps): the assumed overhead_s + "
+               "per_req_s*num_reqs; the device part: the roof"])
 
 
 def print_report(report: Mapping[str, Mapping[str, float]], file: Any = None) -> None:
     file = file or sys.stdout
+    split = all("host_predicted_ms" in r for r in report.values()) and bool(report)
+    measured_host = split and all("host_measured_ms" in r for r in report.values())
+    extra = (f" {'host ms':>8} {'host pred':>9} {'overlap pred':>12}" if measured_host else
+             f" {'host pred':>9} {'overlap pred':>12}" if split else "")
     print(f"{'steps of':<10} {'count':>6} {'measured ms':>12} {'predicted ms':>13} "
-          f"{'total err %':>12} {'mean |err| %':>13}", file=file)
+          f"{'total err %':>12} {'mean |err| %':>13}{extra}", file=file)
     for g, r in report.items():
+        more = ""
+        if split:
+            more = (f" {r['host_measured_ms']:>8.3f}" if measured_host else "") + \
+                f" {r['host_predicted_ms']:>9.3f} {r['overlapped_predicted_ms']:>12.3f}"
         print(f"{g:<10} {r['steps']:>6} {r['measured_ms']:>12.3f} {r['predicted_ms']:>13.3f} "
-              f"{r['total_error_pct']:>+12.1f} {r['mean_abs_error_pct']:>13.1f}", file=file)
+              f"{r['total_error_pct']:>+12.1f} {r['mean_abs_error_pct']:>13.1f}{more}",
+              file=file)
 
 
 def plot_fit(profile: Profile, path: str | Path) -> None:
@@ -398,10 +439,14 @@ def cmd_calibrate(args: Any) -> int:
     print(f"# step-time fit: {profile.model['name']} ({profile.dtype}) on "
           f"{profile.device['name']}")
     print_report(report)
-    diag = getattr(profile.cost_model, "diagnostics", {}) or {}
-    if diag:
-        print("# fit: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in diag.items()))
+    for what, m in (("fit", profile.cost_model), ("host fit", profile.host_model)):
+        diag = getattr(m, "diagnostics", {}) or {}
+        if diag:
+            print(f"# {what}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float)
+                                            else f"{k} {v}" for k, v in diag.items()))
+    if profile.host_model is not None:
+        print(f"# host part of a step (overlapped steps hide it): {profile.host_model!r}; "
+              f"device phases: {', '.join(profile.device_phases)}")
     if args.plot:
         plot_fit(profile, args.plot)
         log(f"wrote {args.plot}")

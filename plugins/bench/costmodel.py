@@ -5,7 +5,20 @@ take from the step plan alone, and advances a virtual clock by that. This module
 
 * ``StepShape``: the handful of integers of one step plan that its cost depends on;
 * ``CostModel``: ``predict(shape) -> seconds``, serialisable to JSON;
-* ``FittedCostModel``: an empirical model calibrated from measured steps (one NNLS fit).
+* ``FittedCostModel``: an empirical model calibrated from measured steps (one NNLS fit);
+* ``HostCostModel``: the host's part of a step (the engine loop's work: planning, the update,
+  the runner's work between steps), a linear NNLS fit to the same steps' host times;
+* ``OverlappedCostModel``: a step's time when the engine overlaps steps
+  (``scheduler.async_scheduling``): ``max(host, device)`` of a step model split by a host model.
+
+**Host and device.** Calibration measures each step's phases (``StepStats.timings``). The
+*device* part is the executor's: ``DEVICE_PHASES``, the worker's ``prepare_inputs``, ``forward``
+and ``sample``, which run in order step after step (a worker prepares step N+1 only once step
+N's sampled tokens are appended, so preparing is on the model's critical path, not the host's).
+The *host* part is the rest of the step's measured time: ``schedule``, ``update`` and whatever
+the engine and the runner do between two steps. Overlapped steps hide the host part of step N+1
+under the device part of step N, so a step then costs ``max(host, device)`` instead of
+``host + device``.
 
 Beside it: ``roofline`` (``RooflineCostModel``: ``max(compute time, memory time)`` from a
 ``ModelShape`` of ``model_shape`` and a ``DeviceSpec`` of ``devices``, for hardware what-ifs, and
@@ -74,9 +87,9 @@ class StepShape:
         """From a ``SchedulerOutput``: ``num_scheduled_tokens``, ``num_computed_tokens`` (the
         context of every scheduled request) and ``sampling_req_ids``. One pass, no numpy."""
         scheduled = plan.num_scheduled_tokens
-        # The pairs straight from the dicts, no lists built (once per simulated step).
-        return cls._from_pairs(zip(scheduled.values(),
-                                   map(plan.num_computed_tokens.__getitem__, scheduled)),
+        # The pairs straight from the dicts (same keys in the same order, as the plan says),
+        # no lists built (once per simulated step).
+        return cls._from_pairs(zip(scheduled.values(), plan.num_computed_tokens.values()),
                                len(scheduled), len(plan.sampling_req_ids))
 
     def to_row(self) -> tuple[int, ...]:
@@ -90,6 +103,11 @@ class StepShape:
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepShape))
+# The engine's step phases (StepStats.timings) calibration records per step, and those of them
+# that are the device's part (the executor's, in order step after step); the host's part is the
+# rest of the step's measured time (see the module docstring).
+PHASES: tuple[str, ...] = ("schedule", "prepare_inputs", "forward", "sample", "update")
+DEVICE_PHASES: tuple[str, ...] = ("prepare_inputs", "forward", "sample")
 
 
 def feature_matrix(shapes: Sequence[StepShape]) -> np.ndarray:
@@ -121,6 +139,23 @@ def check_samples(shapes: Sequence[StepShape], seconds: Sequence[float],
     return t
 
 
+def nnls_relative(X: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Non-negative coefficients ``c`` minimising the sum of squared *relative* errors
+    ``(X @ c - t) / t``. Returns ``c``, which columns were fitted (a column zero in every row
+    gets 0) and the rank of the scaled system. Columns are scaled to unit norm before solving
+    (features span ten orders of magnitude) and unscaled after."""
+    from scipy.optimize import nnls
+
+    A = X / t[:, None]
+    norms = np.sqrt(np.sum(A * A, axis=0))
+    active = norms > 0
+    As = A[:, active] / norms[active]
+    x, _ = nnls(As, np.ones_like(t), maxiter=50 * As.shape[1])
+    coef = np.zeros(X.shape[1])
+    coef[active] = x / norms[active]
+    return coef, active, int(np.linalg.matrix_rank(As)) if As.size else 0
+
+
 # --------------------------------------------------------------------------- cost models
 class CostModel(ABC):
     """Predicts the wall time of one engine step from its ``StepShape``."""
@@ -131,6 +166,13 @@ class CostModel(ABC):
     @abstractmethod
     def predict(self, shape: StepShape) -> float:
         """Seconds the step takes; never negative."""
+
+    def predict_host(self, shape: StepShape) -> float:
+        """The host's part of ``predict(shape)`` as this model knows it by itself: what
+        overlapped steps hide under the previous step's device time. The default, 0, says the
+        whole step is the device's (a fitted step model alone cannot tell; a profile's
+        ``host_model`` does)."""
+        return 0.0
 
     def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
         """``predict`` of a step of ``num_reqs`` decodes reading ``decode_kv`` KV positions in
@@ -277,25 +319,17 @@ class FittedCostModel(CostModel):
         (e.g. no partial prefill chunks, so ``per_sample`` cannot be told from ``per_req``):
         the predictions for shapes like the measured ones remain good.
         """
-        from scipy.optimize import nnls
-
         knots = tuple(int(k) for k in knots) if knots is not None else (
             cls.default_knots([s.num_tokens for s in shapes]) if shapes else (1,))
         n_params = len(knots) + len(cls.COEFS)
         t = check_samples(shapes, seconds, n_params)
         X = cls.design_matrix(shapes, knots)
-        A = X / t[:, None]
-        norms = np.sqrt(np.sum(A * A, axis=0))
-        active = norms > 0
-        As = A[:, active] / norms[active]
-        x, _ = nnls(As, np.ones_like(t), maxiter=50 * As.shape[1])
-        coef = np.zeros(X.shape[1])
-        coef[active] = x / norms[active]
+        coef, active, rank = nnls_relative(X, t)
         m = len(knots)
         names = ["base", "per_req", *(f"g[{k}]" for k in knots), "a_prefill", "a_prefill_kv",
                  "a_decode", "per_sample"]
         diag = fit_diagnostics(X @ coef, t, n_params)
-        diag["rank"] = int(np.linalg.matrix_rank(As)) if As.size else 0
+        diag["rank"] = rank
         diag["unfitted"] = [n for n, a in zip(names, active) if not a]
         return cls(base=coef[0], per_req=coef[1], knots=knots,
                    knot_values=np.cumsum(coef[2:2 + m]).tolist(),
@@ -326,3 +360,110 @@ class FittedCostModel(CostModel):
     def __repr__(self) -> str:
         coefs = ", ".join(f"{n}={getattr(self, n):.3g}" for n in self.COEFS)
         return f"FittedCostModel({coefs}, knots={list(self.knots)})"
+
+
+class HostCostModel(CostModel):
+    """The host's part of a step (the engine loop's: planning, the update, the runner's work
+    between steps; see the module docstring), fitted to measured steps::
+
+        t_host = base + per_req*num_reqs + per_token*num_tokens + per_sample*num_sampled
+
+    Linear in what the loop handles: a fixed cost per step, each scheduled request (planning,
+    the update, its output), each token (block allocation) and each sampled row (a new token
+    appended, checked for stops, handed out). Non-negative coefficients, one NNLS on relative
+    error as ``FittedCostModel.fit``."""
+
+    type = "host-linear"
+    COEFS: ClassVar[tuple[str, ...]] = ("base", "per_req", "per_token", "per_sample")
+
+    def __init__(self, *, base: float, per_req: float, per_token: float, per_sample: float,
+                 diagnostics: dict[str, Any] | None = None) -> None:
+        self.base, self.per_req = float(base), float(per_req)
+        self.per_token, self.per_sample = float(per_token), float(per_sample)
+        self.diagnostics = dict(diagnostics or {})
+        for name in self.COEFS:
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+
+    def predict(self, shape: StepShape) -> float:
+        return (self.base + self.per_req * shape.num_reqs + self.per_token * shape.num_tokens
+                + self.per_sample * shape.num_sampled)
+
+    def predict_host(self, shape: StepShape) -> float:
+        return self.predict(shape)
+
+    @staticmethod
+    def design_matrix(shapes: Sequence[StepShape]) -> np.ndarray:
+        """Columns: 1, num_reqs, num_tokens, num_sampled."""
+        f = feature_matrix(shapes)
+        return np.column_stack([np.ones(len(f)), f[:, 0], f[:, 1], f[:, 7]])
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> HostCostModel:
+        """Fit to measured host times (each step's measured time less its device phases)."""
+        t = check_samples(shapes, seconds, len(cls.COEFS))
+        X = cls.design_matrix(shapes)
+        coef, active, rank = nnls_relative(X, t)
+        diag = fit_diagnostics(X @ coef, t, len(cls.COEFS))
+        diag["rank"] = rank
+        diag["unfitted"] = [n for n, a in zip(cls.COEFS, active) if not a]
+        return cls(**dict(zip(cls.COEFS, coef.tolist())), diagnostics=diag)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, **{n: getattr(self, n) for n in self.COEFS},
+                "diagnostics": self.diagnostics}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> HostCostModel:
+        diag = d.get("diagnostics", {})
+        if not isinstance(diag, dict):
+            raise ValueError(f"diagnostics: must be an object, got {diag!r}")
+        return cls(**{n: json_number(d, n) for n in cls.COEFS}, diagnostics=diag)
+
+    def __repr__(self) -> str:
+        coefs = ", ".join(f"{n}={getattr(self, n):.3g}" for n in self.COEFS)
+        return f"HostCostModel({coefs})"
+
+
+class OverlappedCostModel(CostModel):
+    """A step's time when the engine overlaps steps (``scheduler.async_scheduling``): the host
+    part of step N+1 runs while the device runs step N, so in a steady stream a step costs
+    ``max(host, device)`` instead of their sum.
+
+    ``split(shape)`` cuts the step model's time ``t`` (the synchronous step, as calibrated)
+    into ``host = min(h, t)`` and ``device = t - host``, ``h`` being the host model's
+    prediction, or the step model's own ``predict_host`` without one (a roofline's overhead
+    terms; 0 for a fitted step model alone, which then predicts no gain). So ``host + device``
+    is always the synchronous step, and the overlapped one never costs more."""
+
+    type = "overlapped"
+
+    def __init__(self, step: CostModel, host: CostModel | None = None) -> None:
+        self.step, self.host = step, host
+        self.diagnostics: dict[str, Any] = {}
+        self._host = (host or step).predict_host
+
+    def split(self, shape: StepShape) -> tuple[float, float]:
+        """``(host, device)`` seconds of the step; they add up to ``step.predict(shape)``."""
+        t = self.step.predict(shape)
+        h = self._host(shape)
+        h = t if h > t else h if h > 0.0 else 0.0
+        return h, t - h
+
+    def predict(self, shape: StepShape) -> float:
+        t = self.step.predict(shape)
+        h = self._host(shape)
+        h = t if h > t else h if h > 0.0 else 0.0
+        d = t - h
+        return h if h > d else d
+
+    def predict_host(self, shape: StepShape) -> float:
+        return self.split(shape)[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, "step": self.step.to_json(),
+                "host": None if self.host is None else self.host.to_json()}
+
+    def __repr__(self) -> str:
+        return f"OverlappedCostModel({self.step!r}, host={self.host!r})"

@@ -124,20 +124,8 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 step_start = now
                 free_during_step = (len(records) if limit == math.inf
                                     else int(limit) - len(live))
-                # Simulated decode steps that nothing can change run as one call, while no
-                # request comes due (the test this loop makes before each step; nothing is
-                # sent or finished within the run, so the next due time holds).
-                due = sessions.next_due()
-                run = None if ready else engine.step_decode_run(
-                    (lambda: True) if due is None
-                    else lambda: due > max(clock.monotonic() - t0, woke_at))
-                if run is None:
-                    outputs = engine.step()
-                    now = clock.monotonic() - t0
-                    times = None
-                else:
-                    times = [end - t0 for end in run[0]]
-                    outputs, now = run[1], times[-1]
+                outputs = engine.step()
+                now = clock.monotonic() - t0
                 for out in outputs:
                     state = live.get(out.request_id)
                     if state is None:
@@ -145,16 +133,14 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                     rec = state.record
                     new_ids = out.new_token_ids
                     if new_ids:
-                        if times is None:
-                            rec.chunk_times_s.append(now)
-                        else:                   # one token per step of the run
-                            rec.chunk_times_s.extend(times)
+                        rec.chunk_times_s.append(now)
                         rec.output_tokens += len(new_ids)
                         if state.keep:
                             state.output_ids.extend(new_ids)
+                    # (with a request's first token and its last)
                     if out.num_cached_tokens:
                         rec.cached_tokens = max(rec.cached_tokens or 0, out.num_cached_tokens)
-                    if rec.queue_time_s is None and out.first_scheduled_time:
+                    if out.first_scheduled_time and rec.queue_time_s is None:
                         rec.queue_time_s = out.first_scheduled_time - (wall0 + rec.arrival_s)
                     if out.finish_reason is not None:
                         del live[out.request_id]

@@ -3,6 +3,14 @@
 A profile holds one cost model (``cost_model_from_json`` reads either kind back), the model,
 dtype and device it was made for (``check_compatible`` refuses it for another), and, when it
 was measured, the samples it was fitted to.
+
+Version 2 adds the host/device split of a measured step (``costmodel``'s module docstring):
+``host_model`` (a ``HostCostModel`` fitted to each step's measured time less its
+``device_phases``), and per sample the engine's phase times (``sample_phases``, columns
+``phases``), so the split can be re-fitted another way without measuring again. Version 1 files
+still load: a measured one has no host model, so its host part is 0 (overlapped steps are
+priced as synchronous ones: re-calibrate); a roofline's host part is its overhead terms
+whatever the version.
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ from typing import Any, ClassVar
 from corellm import __version__
 from corellm.errors import ConfigError
 
-from .costmodel import STEP_FIELDS, CostModel, FittedCostModel, StepShape
+from .costmodel import (DEVICE_PHASES, PHASES, STEP_FIELDS, CostModel, FittedCostModel,
+                        HostCostModel, OverlappedCostModel, StepShape)
 from .model_shape import dtype_key
 from .roofline import RooflineCostModel
 
 PROFILE_FORMAT = "corellm-step-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)            # version 1: no host/device split
 _PROFILE_KEY = "executor.profile"     # the config key ConfigErrors about a profile are filed under
 
 
@@ -36,7 +46,14 @@ def cost_model_from_json(d: Mapping[str, Any]) -> CostModel:
         return FittedCostModel.from_json(d)
     if kind == RooflineCostModel.type:
         return RooflineCostModel.from_json(d)
-    raise ValueError(f"type: unknown cost model {kind!r} (known: 'fitted', 'roofline')")
+    if kind == HostCostModel.type:
+        return HostCostModel.from_json(d)
+    if kind == OverlappedCostModel.type:
+        step, host = d.get("step"), d.get("host")
+        return OverlappedCostModel(cost_model_from_json(step),
+                                   None if host is None else cost_model_from_json(host))
+    raise ValueError(f"type: unknown cost model {kind!r} (known: 'fitted', 'roofline', "
+                     "'host-linear', 'overlapped')")
 
 
 def _now() -> str:
@@ -48,7 +65,9 @@ class Profile:
     """A step-time profile: the cost model of one model on one device and dtype, and the
     context it was measured in. ``corellm bench calibrate`` writes it (``kind="measured"``, a
     ``FittedCostModel`` and the samples it was fitted to), or it is made from a ``DeviceSpec``
-    (``kind="roofline"``); the ``sim`` executor reads it."""
+    (``kind="roofline"``); the ``sim`` executor reads it. ``cost_model`` prices a whole
+    synchronous step; ``host_model`` (measured profiles, version 2) its host part, which
+    overlapped steps hide (``overlapped_cost_model``)."""
 
     kind: str                          # "measured" | "roofline"
     model: dict[str, Any]              # name, architecture, fingerprint (ModelShape.fingerprint)
@@ -60,6 +79,10 @@ class Profile:
     engine: dict[str, Any] = field(default_factory=dict)   # max_num_batched_tokens, backend...
     samples: list[list[float]] | None = None   # rows: STEP_FIELDS..., seconds
     notes: list[str] = field(default_factory=list)
+    host_model: CostModel | None = None    # the host part of a step (None: version 1, roofline)
+    device_phases: list[str] = field(default_factory=lambda: list(DEVICE_PHASES))
+    phases: list[str] = field(default_factory=lambda: list(PHASES))   # sample_phases' columns
+    sample_phases: list[list[float]] | None = None    # per sample: seconds in each phase
     corellm_version: str = __version__
     created: str = field(default_factory=_now)
     format: str = PROFILE_FORMAT
@@ -78,6 +101,42 @@ class Profile:
         rows = self.samples or []
         return [StepShape.from_row(r[:-1]) for r in rows], [float(r[-1]) for r in rows]
 
+    @staticmethod
+    def make_phase_rows(timings: Sequence[Mapping[str, float]],
+                        phases: Sequence[str] = PHASES) -> list[list[float]]:
+        """One row per step: its seconds in each of ``phases`` (0 for a phase it lacks)."""
+        return [[float(t.get(p, 0.0)) for p in phases] for t in timings]
+
+    @staticmethod
+    def host_seconds(seconds: Sequence[float], phase_rows: Sequence[Sequence[float]],
+                     phases: Sequence[str] = PHASES,
+                     device_phases: Sequence[str] = DEVICE_PHASES) -> list[float]:
+        """Each step's host time: its measured time less its device phases (at least 1 ns:
+        a timer's rounding never makes it 0 or less)."""
+        cols = [list(phases).index(p) for p in device_phases if p in phases]
+        return [max(float(t) - sum(row[i] for i in cols), 1e-9)
+                for t, row in zip(seconds, phase_rows, strict=True)]
+
+    def host_data(self) -> tuple[list[StepShape], list[float]]:
+        """The stored samples as shapes and host seconds (empty without ``sample_phases``),
+        e.g. to re-fit the host model with other ``device_phases``."""
+        if not self.sample_phases:
+            return [], []
+        shapes, seconds = self.sample_data()
+        return shapes, self.host_seconds(seconds, self.sample_phases, self.phases,
+                                         self.device_phases)
+
+    @property
+    def has_host_split(self) -> bool:
+        """Whether the profile knows a step's host part: a host model (measured, version 2),
+        or a step model that prices it itself (a roofline's overhead terms)."""
+        return self.host_model is not None or \
+            type(self.cost_model).predict_host is not CostModel.predict_host
+
+    def overlapped_cost_model(self) -> OverlappedCostModel:
+        """The step model of overlapped steps: ``max(host, device)`` of each step."""
+        return OverlappedCostModel(self.cost_model, self.host_model)
+
     # ---- JSON
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "version": self.version, "kind": self.kind,
@@ -85,17 +144,22 @@ class Profile:
                 "corellm_version": self.corellm_version, "created": self.created,
                 "block_size": self.block_size, "kv_bytes_per_block": self.kv_bytes_per_block,
                 "engine": self.engine, "cost_model": self.cost_model.to_json(),
-                "notes": list(self.notes), "samples": self.samples}
+                "host_model": None if self.host_model is None else self.host_model.to_json(),
+                "device_phases": list(self.device_phases), "phases": list(self.phases),
+                "notes": list(self.notes), "samples": self.samples,
+                "sample_phases": self.sample_phases}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the profile as indented JSON, one sample per line."""
+        """Write the profile as indented JSON, one sample (and one row of its phases) per
+        line."""
         d = self.to_json()
-        samples = d.pop("samples")
+        tables = {k: d.pop(k) for k in ("samples", "sample_phases")}
         text = json.dumps(d, indent=2)
-        if samples is not None:
-            rows = ",\n    ".join(json.dumps(r) for r in samples)
-            body = f"[\n    {rows}\n  ]" if samples else "[]"
-            text = text[:-2] + f',\n  "samples": {body}\n}}'
+        for key, table in tables.items():
+            if table is not None:
+                rows = ",\n    ".join(json.dumps(r) for r in table)
+                body = f"[\n    {rows}\n  ]" if table else "[]"
+                text = text[:-2] + f',\n  "{key}": {body}\n}}'
         with open(path, "w", encoding="utf-8") as f:
             f.write(text + "\n")
 
@@ -111,9 +175,10 @@ class Profile:
         if d.get("format") != PROFILE_FORMAT:
             raise fail(f"key 'format' is {d.get('format')!r}, expected {PROFILE_FORMAT!r} "
                        "(not a corellm step profile)")
-        if d.get("version") != PROFILE_VERSION:
-            raise fail(f"key 'version' is {d.get('version')!r}; this corellm reads version "
-                       f"{PROFILE_VERSION}")
+        version = d.get("version")
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise fail(f"key 'version' is {version!r}; this corellm reads versions "
+                       f"{', '.join(map(str, READABLE_VERSIONS))}")
         problems: list[str] = []
 
         def need(key: str, types: type | tuple[type, ...], what: str,
@@ -162,20 +227,47 @@ class Profile:
                     problems.append(f"key 'samples[{i}]' must be {width} numbers "
                                     f"({', '.join(STEP_FIELDS)}, seconds), got {r!r}")
                     break
-        cm = need("cost_model", dict, "an object")
-        cost_model = None
-        if cm is not None:
+        def names(key: str, default: tuple[str, ...]) -> list[str]:
+            v = need(key, list, "a list of strings", optional=True)
+            if v is not None and not all(isinstance(n, str) for n in v):
+                problems.append(f"key {key!r} must be a list of strings, got {v!r}")
+                v = None
+            return list(default) if v is None else v
+
+        device_phases = names("device_phases", DEVICE_PHASES)
+        phases = names("phases", PHASES)
+        sample_phases = need("sample_phases", list, "a list of rows", optional=True)
+        if sample_phases is not None:
+            for i, r in enumerate(sample_phases):
+                if not (isinstance(r, list) and len(r) == len(phases) and all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)):
+                    problems.append(f"key 'sample_phases[{i}]' must be {len(phases)} numbers "
+                                    f"({', '.join(phases)}), got {r!r}")
+                    break
+            if samples is not None and len(sample_phases) != len(samples):
+                problems.append(f"key 'sample_phases' has {len(sample_phases)} rows but "
+                                f"'samples' {len(samples)}")
+
+        def model_at(key: str, optional: bool = False) -> CostModel | None:
+            cm = need(key, dict, "an object", optional=optional)
+            if cm is None:
+                return None
             try:
-                cost_model = cost_model_from_json(cm)
+                return cost_model_from_json(cm)
             except ValueError as e:
-                key, sep, rest = str(e).partition(": ")
-                problems.append(f"key 'cost_model.{key}': {rest}" if sep and " " not in key
-                                else f"key 'cost_model': {e}")
+                k, sep, rest = str(e).partition(": ")
+                problems.append(f"key '{key}.{k}': {rest}" if sep and " " not in k
+                                else f"key '{key}': {e}")
+                return None
+
+        cost_model = model_at("cost_model")
+        host_model = model_at("host_model", optional=True)
         if problems:
             raise ConfigError([(_PROFILE_KEY, f"{source}: {p}") for p in problems])
         return cls(kind=kind, model=model, dtype=dtype, device=device, block_size=block_size,
                    kv_bytes_per_block=kvb, cost_model=cost_model, engine=engine or {},
-                   samples=samples, notes=notes or [],
+                   samples=samples, notes=notes or [], host_model=host_model,
+                   device_phases=device_phases, phases=phases, sample_phases=sample_phases,
                    corellm_version=version_s or "unknown", created=created or "unknown",
                    source=source)
 

@@ -34,6 +34,10 @@ class RooflineCostModel(CostModel):
       attention) + ``kv_bytes_per_token*num_tokens`` (KV written). Activations, the embedding
       gather and the logits are ignored (small next to weights and KV at serving batch sizes).
 
+    Overlapped steps (``scheduler.async_scheduling``) cost ``max(overhead_s +
+    per_req_s*num_reqs, roof)``: the additive terms are the host's (``predict_host``), the
+    roof the device's.
+
     The defaults (``DEFAULT_COMPUTE_EFF`` 0.5, ``DEFAULT_BW_EFF`` 0.7, ``DEFAULT_OVERHEAD_S``
     300 µs, ``DEFAULT_PER_REQ_S`` 10 µs) are assumptions typical of a GPU serving engine, not
     measurements; ``fit`` replaces them with values fitted to measured steps.
@@ -91,6 +95,13 @@ class RooflineCostModel(CostModel):
     def predict(self, shape: StepShape) -> float:
         return (self.overhead_s + self.per_req_s * shape.num_reqs
                 + max(self.compute_time(shape), self.memory_time(shape)))
+
+    def predict_host(self, shape: StepShape) -> float:
+        """The additive terms, ``overhead_s + per_req_s*num_reqs``: the step's fixed and
+        per-request host work (planning, input preparation, bookkeeping), which overlapped
+        steps hide under the previous step's device time; the device's part is the roof.
+        Assumed constants, as the defaults say, unless ``fit`` measured them."""
+        return self.overhead_s + self.per_req_s * shape.num_reqs
 
     def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
         # predict() of the decode step's shape, term for term in the same order (the same

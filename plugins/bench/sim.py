@@ -14,12 +14,27 @@ how many it has computed and which requests sample (``SchedulerOutput.num_comput
 check the profile is the model's and to size the KV pool as the real engine would. Sampled
 tokens are synthetic (one fixed, non-special id), so requests end by ``max_tokens`` (as with
 ``ignore_eos``), never by an EOS the model would have produced.
+
+**Overlapped steps.** With ``scheduler.async_scheduling`` on, ``max_concurrent_batches`` is 2
+and the engine plans step N+1 while the executor runs step N; off, 1, and a step costs the whole
+step as calibrated (``host + device``). Left out (None), overlap follows the profiled device:
+on for a GPU (or any accelerator), where the host plans while the device computes, off for a
+CPU, where the engine loop and the model share the cores (``default_overlap``, as the
+platforms' defaults). Overlapped, ``execute_model`` returns a future whose output is decided at
+once but whose time passes on the clock when the engine waits for it (``result()``), as a
+device's would, so step N's tokens are stamped at step N's end though step N+1 was launched
+before them. That step costs ``max(host, device)`` of its calibrated parts
+(``costmodel.OverlappedCostModel``) when the engine launched another step before waiting for
+it (the next step's host work ran under its device work), else ``host + device``: the last step
+of a busy stretch, and every step the engine runs one at a time though the executor could
+overlap (a scheduler that cannot plan ahead, a request a logits processor constrains).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -29,15 +44,24 @@ from corellm.components import BuildContext
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
 from corellm.model_config import checkpoint_name, resolve_dtype_name
-from corellm.outputs import DecodeRunOutput, ModelRunnerOutput, SchedulerOutput
+from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.setup import resolve_setup
 
-from .costmodel import StepShape
+from .costmodel import CostModel, OverlappedCostModel, StepShape
 from .model_shape import model_fingerprint
 from .options import SimOptions
 from .profile import Profile
 
 EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+logger = logging.getLogger(__name__)
+
+
+def default_overlap(profile: Profile) -> bool:
+    """Whether simulated steps overlap when ``scheduler.async_scheduling`` is left out: as the
+    profiled device would, on for a GPU or other accelerator (the host plans step N+1 while
+    the device computes step N), off for a CPU (the host's work would take cores from the
+    model's)."""
+    return str(profile.device.get("kind", "cpu")).split(":")[0] != "cpu"
 
 
 def _special_ids(raw: dict) -> set[int]:
@@ -48,6 +72,62 @@ def _special_ids(raw: dict) -> set[int]:
             if isinstance(v, int):
                 ids.add(v)
     return ids
+
+
+class _PricedStep(Future):
+    """A simulated step the engine has launched but not yet waited for (overlapped steps): its
+    output is decided, and its time passes on the executor's clock at the first ``result()``
+    (or ``exception()``, ``add_done_callback``), in the order the engine waits for its steps:
+    ``max(host, device)`` if the engine has launched a step since this one, else their sum.
+
+    A ``Future`` for the engine's ``isinstance`` test, without one's lock and condition (a
+    few microseconds a step, which a simulated run of 100,000 steps would feel): it answers
+    the calls above and ``done()`` (True: nothing is left to compute), not
+    ``concurrent.futures.wait`` or ``as_completed``."""
+
+    def __init__(self, executor: SimExecutor, host: float, device: float,  # no Future.__init__
+                 output: ModelRunnerOutput) -> None:
+        self._executor, self._host, self._device, self._output = executor, host, device, output
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        executor = self._executor
+        if executor is not None:
+            self._executor = None
+            h, d = self._host, self._device
+            if executor._last_launched is self:     # nothing planned while it ran
+                seconds = h + d
+            else:
+                seconds = h if h > d else d
+                executor.num_overlapped_steps += 1
+            executor.simulated_s += seconds
+            self._output.timings["forward"] = seconds
+            executor._pass(seconds)
+        return self._output
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.result()
+        return None
+
+    def add_done_callback(self, fn: Any) -> None:
+        self.result()
+        fn(self)
+
+    def done(self) -> bool:
+        return True
+
+    def running(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        state = "pending" if self._executor is not None else "passed"
+        return (f"<simulated step: host {self._host:.6g} s, device {self._device:.6g} s, "
+                f"{state}>")
 
 
 class SimExecutor(Executor):
@@ -64,7 +144,22 @@ class SimExecutor(Executor):
         if config.model.dtype == "auto" and kind == "cpu" and dtype == "float16":
             dtype = "float32"
         profile.check_compatible(checkpoint_name(path), model_fingerprint(arch), dtype, None)
-        self.cost_model = profile.cost_model
+        asked = getattr(config.scheduler, "async_scheduling", None)
+        #: Steps overlap: each costs max(host, device) of the profile's split, and the engine
+        #: may have two in this executor at once.
+        self.overlap = default_overlap(profile) if asked is None else bool(asked)
+        self.step_model: CostModel = profile.cost_model        # a synchronous step
+        # Overlapped: each step's host and device parts (max() when another step is planned
+        # while it runs, else their sum, the step model's price).
+        self.overlapped: OverlappedCostModel | None = (
+            profile.overlapped_cost_model() if self.overlap else None)
+        self.cost_model: CostModel = self.overlapped or profile.cost_model
+        if self.overlap and not profile.has_host_split:
+            logger.warning(
+                "%s: this measured profile has no host model (the host/device split of a "
+                "step; profiles of format version 1 have none), so a step's host part is "
+                "taken as 0 and overlapped steps cost what synchronous ones do; run corellm "
+                "bench calibrate again to price the overlap", options.profile)
         self._model_info = ModelInfo(
             vocab_size=arch.vocab_size,
             max_model_len=setup.max_model_len,
@@ -86,10 +181,13 @@ class SimExecutor(Executor):
                                  start)
         self.num_blocks = 0
         self.num_steps = 0
-        self.simulated_s = 0.0      # the sum of every step's predicted time
-        # On virtual time the engine may run several decode steps per call (the steps are
-        # priced, not slept, and every sample is this token); paced on the real clock, one.
-        self.fixed_token_id = self.token_id if self.clock is not None else None
+        self.simulated_s = 0.0      # the sum of every step's predicted time (passed)
+        self.num_overlapped_steps = 0   # steps priced max(host, device)
+        self._last_launched: _PricedStep | None = None
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self.overlap else 1
 
     @property
     def model_info(self) -> ModelInfo:
@@ -107,39 +205,29 @@ class SimExecutor(Executor):
         raise NotImplementedError(f"the sim executor runs no workers, so it cannot call "
                                   f"{method!r} on them")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY
-        seconds = self.cost_model.predict(StepShape.from_plan(scheduler_output))
-        self.num_steps += 1
-        self.simulated_s += seconds
+    def _pass(self, seconds: float) -> None:
+        """A step's time passes: on the virtual clock, or slept."""
         if self.clock is not None:
             self.clock.advance(seconds)
         else:
             time.sleep(seconds)
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY
+        shape = StepShape.from_plan(scheduler_output)
+        self.num_steps += 1
         req_ids = scheduler_output.sampling_req_ids
+        if self.overlap:
+            host, device = self.overlapped.split(shape)
+            step = self._last_launched = _PricedStep(self, host, device, ModelRunnerOutput(
+                req_ids=list(req_ids), sampled_token_ids=[self.token_id] * len(req_ids),
+                timings={}))
+            return step
+        seconds = self.cost_model.predict(shape)
+        self.simulated_s += seconds
+        self._pass(seconds)
         return ModelRunnerOutput(req_ids=list(req_ids),
                                  sampled_token_ids=[self.token_id] * len(req_ids),
                                  timings={"forward": seconds})
-
-    def execute_decode_run(self, plan: SchedulerOutput, max_steps: int,
-                           keep_going: Callable[[], bool]) -> DecodeRunOutput:
-        # The shape of step j: every request one token further than at step j - 1, priced and
-        # clocked one step at a time exactly as execute_model does (the same float sums).
-        assert self.clock is not None
-        scheduled = plan.num_scheduled_tokens
-        r = len(scheduled)
-        decode_kv = sum(map(plan.num_computed_tokens.__getitem__, scheduled)) + r
-        predict, clock = self.cost_model.predict_decode, self.clock
-        seconds: list[float] = []
-        ends: list[float] = []
-        for j in range(max_steps):
-            s = predict(r, decode_kv + j * r)
-            self.num_steps += 1
-            self.simulated_s += s
-            clock.advance(s)
-            seconds.append(s)
-            ends.append(clock.monotonic())
-            if not keep_going():
-                break
-        return DecodeRunOutput(seconds, ends)

@@ -63,9 +63,12 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._failed: ExecutorError | None = None
         self._prev: ModelRunnerOutput | None = None
+        self._last: _StepFuture | None = None         # the step the workers run last
         self.procs: list[Any] = []
         setup = ctx.setup or resolve_setup(config, ctx.registry)
         platform = _check_config(config, ctx.registry, setup)
+        wanted = config.scheduler.async_scheduling
+        self._overlap = type(platform).async_scheduling if wanted is None else wanted
         if config.parallel.external_launcher:
             self._impl: _Backend = _LauncherBackend(config, ctx.registry, setup, platform)
         else:
@@ -97,20 +100,35 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
+        last, self._last = self._last, None
+        if last is not None:            # between steps: the one running is received first
+            last.resolve()
         self._check()
         try:
             return self._impl.rpc(method, args, kwargs or {}, timeout)
         except ExecutorError as exc:
             raise self._fail(exc) from None
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self._overlap else 1
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        # Overlapped steps: the plan of step N+1 comes before step N's output is taken. Ranks
+        # > 0 need step N's tokens with it, so rank 0's output is received first (and kept
+        # in its future for the engine); the engine has planned step N+1 meanwhile, and
+        # updates step N while the workers run step N+1.
+        last, self._last = self._last, None
+        if last is not None and not last.done():
+            last.resolve()
         self._check()
         prev, self._prev = self._prev, None
         try:
             self._impl.send_step(scheduler_output, prev)
         except ExecutorError as exc:
             raise self._fail(exc) from None
-        return _StepFuture(self)
+        self._last = _StepFuture(self)
+        return self._last
 
     def _wait_output(self) -> ModelRunnerOutput:
         try:
@@ -137,10 +155,18 @@ class _StepFuture(Future):
         super().__init__()
         self._executor = executor
 
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+    def resolve(self) -> None:
+        """Receive rank 0's output (or the failure) into this future."""
         if not self.done():
             try:
                 self.set_result(self._executor._wait_output())
             except BaseException as exc:
                 self.set_exception(exc)
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self.resolve()
         return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.resolve()
+        return super().exception(timeout)

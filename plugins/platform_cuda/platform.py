@@ -101,6 +101,8 @@ class CudaStepper(ModelStepper):
 class CudaPlatform(Platform):
     device_type = "cuda"
     dist_backend = "nccl"
+    # The host plans step N+1 while the GPU runs step N (vLLM's default with CUDA graphs).
+    async_scheduling = True
     default_block_size = 16           # vLLM's GPU default: prefixes cached in finer blocks
     shares_devices = False
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 from corellm import hookimpl
 from corellm.components import BuildContext, LogitsProcessorSpec, NoOptions
@@ -48,12 +49,16 @@ def _validate(params) -> None:
     check(params.structured_outputs)
 
 
+def _constrains(params: Any) -> bool:
+    return params.structured_outputs is not None
+
+
 @hookimpl
 def corellm_logits_processors() -> Iterator[LogitsProcessorSpec]:
     yield LogitsProcessorSpec(
         name="xgrammar", factory=_make, validate=_validate,
         validate_imports=("corellm_plugins.structured_xgrammar.grammars",),
-        structured_outputs=True,
+        structured_outputs=True, constrains=_constrains,
         priority=10, unavailable=_unavailable(),
         summary="Structured outputs: JSON schema, JSON object, regex, choice and EBNF "
                 "grammars, as token masks (xgrammar).")

@@ -73,6 +73,11 @@ class BannedWords(LogitsProcessor):
         return True
 
 
+def constrains(params: Any) -> bool:
+    """The requests that name banned words: the others keep overlapped steps."""
+    return bool((params.extra_args or {}).get(KEY))
+
+
 def make_banned_words(options: NoOptions, ctx: BuildContext) -> BannedWords:
     return BannedWords(ctx.tokenizer(), ctx.setup.arch.vocab_size)
 
@@ -80,6 +85,6 @@ def make_banned_words(options: NoOptions, ctx: BuildContext) -> BannedWords:
 @hookimpl
 def corellm_logits_processors() -> Iterator[LogitsProcessorSpec]:
     yield LogitsProcessorSpec(name="banned_words", factory=make_banned_words,
-                              validate=validate,
+                              validate=validate, constrains=constrains,
                               summary="Keeps the words of extra_args['banned_words'] out of "
                                       "a request's output.")
