@@ -150,12 +150,14 @@ def run_benchmark(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sim_speed-") as tmp:
         if args.baseline:
             trees = {"baseline": baseline_path(Path(args.baseline), Path(tmp)), **trees}
-        profile = Path(args.profile) if args.profile else roofline_profile(
-            Path(tmp), args.roofline, here)
-        base = {"executor": {"name": "sim", "profile": str(profile.resolve())}}
         configs = {}
-        for tree in trees:
-            data = json.loads(json.dumps(base))
+        for tree, pythonpath in trees.items():
+            # Each tree derives its own roofline profile (the format may differ between them).
+            (Path(tmp) / tree).mkdir()
+            profile = Path(args.profile) if args.profile else roofline_profile(
+                Path(tmp) / tree, args.roofline, pythonpath)
+            data: dict[str, Any] = {"executor": {"name": "sim",
+                                                 "profile": str(profile.resolve())}}
             if args.async_scheduling and tree == "this":
                 data["scheduler"] = {"async_scheduling": args.async_scheduling == "on"}
             configs[tree] = Path(tmp) / f"sim-{tree}.yaml"

@@ -288,7 +288,9 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
         "model": {"path": str(model), "dtype": args.dtype, "max_model_len": max_model_len,
                   "seed": args.seed},
         "scheduler": {"max_num_seqs": args.max_num_seqs,
-                      "max_num_batched_tokens": args.max_num_batched_tokens},
+                      "max_num_batched_tokens": args.max_num_batched_tokens,
+                      **({} if args.async_scheduling is None
+                         else {"async_scheduling": args.async_scheduling == "on"})},
         "kv_cache": {"block_size": bs, "num_blocks": num_blocks},
         "parallel": {"tensor_parallel_size": tp},
     }
@@ -829,6 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--warmup-requests", type=int, default=4,
                    help="untimed warm-up requests per engine (prompt 32, output 16); 0: none")
     c = p.add_argument_group("corellm")
+    c.add_argument("--async-scheduling", choices=("on", "off"),
+                   help="corellm's scheduler.async_scheduling (default: the platform's)")
     c.add_argument("--max-num-seqs", type=int, default=64)
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     c.add_argument("--block-size", type=int, default=None,

@@ -18,7 +18,7 @@ messages are the executor's own: ``("step", plan, prev)`` as ``_SpawnBackend.sen
 it, with realistic ``SchedulerOutput`` plans:
 
 * ``null``: a tiny message (``("ping",)``, answered ``("pong",)``): the floor of the channel;
-* ``decode B=..``: B running requests, one ``CachedRequestData`` each (a new KV block every 16
+* ``decode B=..``: B running requests, a ``CachedRequestData`` for each that gets a new KV block (every 16
   tokens), the per-request dicts and lists, and the previous step's sampled tokens (``prev``);
 * ``prefill 8x512``: 8 new requests of 512 prompt tokens (``NewRequestData`` with
   ``SamplingParams()``), the largest plan; with a small ``--slot-bytes`` it spans ring slots.
@@ -277,7 +277,7 @@ class Decode:
             if n % BLOCK_SIZE == 0:
                 new_blocks = [self.next_block]
                 self.next_block += 1
-            cached.append(CachedRequestData(rid, new_blocks, n))
+                cached.append(CachedRequestData(rid, new_blocks, n))
             sched[rid] = 1
             computed[rid] = n
             self.computed[i] = n + 1

@@ -30,7 +30,8 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the workers already hold: only what changed since the last step."""
+    """A running request the workers already hold that got new KV blocks this step (a request
+    that got none is not listed: its context is in ``SchedulerOutput.num_computed_tokens``)."""
 
     req_id: str
     new_block_ids: list[int]

@@ -95,8 +95,9 @@ class KVCacheManagerWrapper(_Forwarding, KVCacheManager):
 
     block_size = _attribute("block_size")
     num_blocks = _attribute("num_blocks")
-    # As ``inner`` allows; a wrapper that must see every step's calls sets it False.
-    block_calls_only = _attribute("block_calls_only")
+    # A wrapper sees every step's calls unless it says otherwise (True: it changes nothing
+    # between block boundaries either, as ``inner`` may).
+    block_calls_only = False
     prefix_cache_queries = _attribute("prefix_cache_queries")
     prefix_cache_hits = _attribute("prefix_cache_hits")
 

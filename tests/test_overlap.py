@@ -215,3 +215,65 @@ def test_a_scheduler_for_the_synchronous_loop_runs_synchronously(llama_path, cap
             outs = llm.generate(_prompts(3), GREEDY, use_tqdm=False)
             assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert "written for the synchronous loop" in caplog.text
+
+
+def test_a_failed_step_in_flight_leaves_no_block_in_the_prefix_cache(llama_path):
+    """Blocks are registered once the step that computed them has been updated, not when the
+    next one is planned: a step that fails while the next is in flight leaves the blocks it
+    did not write out of the prefix cache."""
+    from corellm.request import EngineCoreRequest
+
+    cfg = engine_config(llama_path, scheduler={"async_scheduling": True,
+                                               "max_num_batched_tokens": 32})
+    with LLM(cfg) as llm:
+        engine = llm.engine
+        worker = engine.executor.worker
+        execute, calls = worker.execute_model, []
+
+        def failing(plan):
+            calls.append(plan)
+            if len(calls) == 2:                 # the second chunk of the prompt
+                raise RuntimeError("injected")
+            return execute(plan)
+
+        worker.execute_model = failing
+        engine.add_request(EngineCoreRequest("a", list(range(10, 90)), GREEDY,
+                                             eos_token_id=0, arrival_time=0.0))
+        with pytest.raises(RuntimeError, match="injected"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        worker.execute_model = execute
+        # The first chunk (32 tokens, two 16-token blocks) ran; the second did not.
+        assert engine.kv_cache_manager.num_cached_blocks == 2
+        assert not engine.has_unfinished_requests()
+        assert_pool_whole(llm)
+
+
+def test_an_id_reused_while_its_step_is_in_flight(llama_path):
+    """A request aborted between two overlapped steps and sent again under the same id gets
+    none of the old one's tokens: its output is a fresh run's."""
+    from corellm.request import EngineCoreRequest
+
+    def request(prompt):
+        return EngineCoreRequest("a", prompt, GREEDY, eos_token_id=0, arrival_time=0.0)
+
+    def run_to_end(engine) -> list[int]:
+        got = []
+        while engine.has_unfinished_requests():
+            got += [t for o in engine.step() for t in o.new_token_ids]
+        return got
+
+    cfg = engine_config(llama_path, scheduler={"async_scheduling": True})
+    with LLM(cfg) as llm:
+        engine = llm.engine
+        engine.add_request(request(list(range(10, 30))))
+        for _ in range(3):
+            engine.step()
+        assert engine._in_flight is not None
+        engine.abort_requests(["a"])
+        engine.add_request(request(list(range(200, 240))))
+        second = run_to_end(engine)
+        engine.add_request(request(list(range(200, 240))))
+        fresh = run_to_end(engine)
+        assert second == fresh and len(fresh) == 24
+        assert_pool_whole(llm)

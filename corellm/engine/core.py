@@ -136,6 +136,7 @@ class EngineCore:
         self.async_scheduling = self._resolve_async_scheduling()
         self._in_flight: _Launched | None = None
         self.num_overlapped_steps = 0       # steps planned while the one before ran
+        self._early_outputs: list[EngineCoreOutput] = []    # of a step updated out of turn
         # The enabled logits processors, and the unfinished requests one of them constrains:
         # while any runs, steps run one at a time.
         self._processors = [e.spec for e in enabled_logits_processors(config, registry)]
@@ -269,11 +270,20 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
         r = Request(request, self.model_info.max_model_len)
+        rid = r.request_id
+        constrained = bool(self._processors) and any(
+            p.constrains_request(r.sampling_params) for p in self._processors)
+        launched = self._in_flight
+        if launched is not None and rid in launched.plan.num_scheduled_tokens:
+            # The id of a request that ended while its next step runs: that step is updated
+            # first (its outputs come with the next step's), so none of its tokens can reach
+            # the new request.
+            self._in_flight = None
+            self._early_outputs += self._finish(launched)
         self.scheduler.add_request(r)
-        self._requests[r.request_id] = r
-        if self._processors and any(p.constrains_request(r.sampling_params)
-                                    for p in self._processors):
-            self._constrained.add(r.request_id)
+        self._requests[rid] = r
+        if constrained:
+            self._constrained.add(rid)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -313,7 +323,10 @@ class EngineCore:
                 self._drain(launched)
                 raise
         try:
-            return self._finish(launched)
+            outputs = self._finish(launched)
+            if self._early_outputs:
+                outputs, self._early_outputs = self._early_outputs + outputs, []
+            return outputs
         except BaseException:
             if self._in_flight is not None:
                 launched, self._in_flight = self._in_flight, None

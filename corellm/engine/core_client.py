@@ -1,6 +1,9 @@
 """Engine-core clients: how ``LLM`` and ``AsyncLLM`` reach an ``EngineCore``.
 
 - ``InprocClient``: the core lives in the caller's process; ``get_output()`` runs one step.
+- ``ThreadedInprocClient``: the core lives in the caller's process and a thread of its own (the
+  "core thread") steps it while a run is on (``stepping()``), so that the caller processes one
+  step's outputs (detokenization, stop strings) while the next step runs.
 - ``SyncMPClient`` / ``AsyncMPClient`` (``corellm.engine.async_client``): the core runs its busy
   loop in a child process (``corellm.engine.core_proc``, started and stopped by
   ``corellm.engine.core_process``); requests go in and outputs come back over ZeroMQ as msgpack.
@@ -15,13 +18,16 @@ seen dead, or by the engine core itself when the client's process dies first.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -58,6 +64,17 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """Around a caller's loop of ``get_output()`` calls (``LLM._run``): a client whose
+        engine steps on its own while the caller processes outputs starts that here, and stops
+        it on the way out, when every abort sent inside has been applied."""
+        return contextlib.nullcontext()
+
+    def ran_dry(self, batch: EngineCoreOutputs) -> bool:
+        """Whether ``batch`` (from ``get_output()``) says the engine has nothing left to step:
+        a caller still waiting for a request then never gets it. False where it cannot tell."""
+        return False
+
 
 class InprocClient(EngineCoreClient):
     """The core in this process: nothing crosses a process boundary."""
@@ -81,11 +98,338 @@ class InprocClient(EngineCoreClient):
             return EngineCoreOutputs([], self.engine.clock.time())
         return EngineCoreOutputs(self.engine.step(), self.engine.clock.time())
 
+    def ran_dry(self, batch: EngineCoreOutputs) -> bool:
+        return not batch.outputs and not self.engine.has_unfinished_requests()
+
     def call_utility(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+# Commands to the core thread.
+_ADD, _ABORT, _CALL, _CREDIT, _RUN, _PAUSE, _STOP = range(7)
+
+
+@dataclass(slots=True)
+class _Failed:
+    """Sent by the core thread instead of a batch when a step (or an abort) raised."""
+    error: BaseException
+    stats: list[StepStats]
+
+
+@dataclass(slots=True)
+class _Dry:
+    """Sent once the engine has nothing left to step (see ``ran_dry``)."""
+    timestamp: float
+    stats: list[StepStats]
+
+
+@dataclass(slots=True)
+class _RunState:
+    """The core thread's own state (no other thread touches it)."""
+    stepping: bool = False  # a run is on
+    ahead: int = 0          # batches sent and not yet credited
+    dry: bool = False       # _Dry sent, and nothing stepped since
+
+
+class ThreadedInprocClient(InprocClient):
+    """The core in this process, stepped by a thread of its own (the *core thread*) while a
+    run is on, so that the caller's output processing overlaps the next step.
+
+    Inside ``stepping()`` (``LLM._run``'s loop) the engine is the core thread's: it steps while
+    anything is unfinished and queues each step's outputs for ``get_output()``. Aborts (stop
+    strings) reach it through a command queue without waiting and apply before its next step;
+    ``add_requests`` and ``call_utility`` run there too, between steps, and return or raise.
+    At most ``max_batches_ahead`` batches are unprocessed (a batch counts until the caller asks
+    for the next): with 2, as ``AsyncMPClient.MAX_OUTPUTS_AHEAD``, step k+1 runs while the
+    caller processes step k, and a stop string found in step k is aborted before step k+2
+    (serially: k+1), one token of compute per stop string and nothing of the output.
+
+    Between runs the thread waits and the engine is the caller's: ``llm.engine`` may be used
+    and stepped directly (``drive_engine``, tests), and every method here is
+    ``InprocClient``'s. The thread starts with the first run; ``shutdown()`` joins it.
+
+    Stats made on the core thread reach ``add_stats_listener``'s listeners in the caller's
+    thread before the batch they came with is returned (serially, listeners run inside
+    ``step()``), or at the end of the run; between runs, at once: every one, in order. (The
+    ``corellm_step_finished`` hook runs where the step runs.) A step's exception
+    (``ExecutorError``, ``PluginError``, a policy's error...) is raised again, the same object,
+    by the caller's next ``get_output()``, once the engine has ended what it touched, as
+    serially. A ``KeyboardInterrupt`` in the caller propagates at once, and ``stepping()``
+    returns only when the thread has applied the aborts sent and stopped (a step at most).
+    """
+
+    MAX_BATCHES_AHEAD = 2
+
+    def __init__(self, config: EngineConfig, registry: Registry,
+                 max_batches_ahead: int = MAX_BATCHES_AHEAD) -> None:
+        if max_batches_ahead < 1:
+            raise ValueError(f"max_batches_ahead must be >= 1, got {max_batches_ahead}")
+        super().__init__(config, registry)
+        self.max_batches_ahead = max_batches_ahead
+        self._cmds: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._outs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None     # the core thread, from the first run
+        self._running = False        # inside stepping(): the engine is the core thread's
+        self._owe_credit = False     # a batch was handed out and is not yet credited
+        self._dry: EngineCoreOutputs | None = None
+        self._failed: BaseException | None = None   # a step of this run raised it
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._thread_stats: list[StepStats] = []    # made on the core thread, not yet sent
+        self._closed = False
+
+    # ------------------------------------------------------------------ on the core thread
+    def _start_thread(self) -> None:
+        self.thread = threading.Thread(target=_core_thread_main,
+                                        args=(weakref.ref(self), self._cmds),
+                                        daemon=True, name="corellm-core")
+        self.thread.start()
+        # A client dropped without shutdown(): its thread leaves once it is collected.
+        weakref.finalize(self, self._cmds.put, (_STOP, None))
+
+    def _apply(self, kind: int, arg: Any, state: _RunState) -> bool:
+        """Apply one command; False for _STOP."""
+        if kind == _CREDIT:
+            state.ahead -= 1
+        elif kind == _ABORT:
+            try:
+                self.engine.abort_requests(arg)
+            except BaseException as exc:        # noqa: B036 - the caller's to raise
+                state.stepping = False
+                self._outs.put(_Failed(exc, self._take_stats()))
+        elif kind == _ADD or kind == _CALL:
+            fn, fut = arg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as exc:    # noqa: B036 - the caller's to raise
+                    fut.set_exception(exc)
+        elif kind == _RUN:
+            state.stepping, state.ahead, state.dry = True, 0, False
+        elif kind == _PAUSE:
+            state.stepping = False
+            arg.set_result(self._take_stats())
+        elif kind == _STOP:
+            return False
+        return True
+
+    def _due(self, state: _RunState) -> bool:
+        """A step (or the news that there is none to take) is due."""
+        return state.stepping and state.ahead < self.max_batches_ahead and (
+            not state.dry or self.engine.has_unfinished_requests())
+
+    def _step(self, state: _RunState) -> None:
+        """One step's outputs, or _Dry, onto the output queue."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            state.dry = True
+            state.ahead += 1
+            self._outs.put(_Dry(engine.clock.time(), self._take_stats()))
+            return
+        state.dry = False
+        try:
+            outputs = engine.step()
+        except BaseException as exc:            # noqa: B036 - the caller's to raise
+            state.stepping = False
+            self._outs.put(_Failed(exc, self._take_stats()))
+            return
+        state.ahead += 1
+        self._outs.put(EngineCoreOutputs(outputs, engine.clock.time(), self._take_stats()))
+
+    def _take_stats(self) -> list[StepStats]:
+        stats, self._thread_stats = self._thread_stats, []
+        return stats
+
+    def _on_stats(self, stats: StepStats) -> None:
+        """The engine's listener: on the core thread, keep the record for the caller; in the
+        caller's thread (between runs), deliver it now."""
+        if threading.current_thread() is self.thread:
+            self._thread_stats.append(stats)
+        else:
+            self._deliver([stats])
+
+    # ------------------------------------------------------------------ the caller's side
+    def _deliver(self, stats: list[StepStats]) -> None:
+        for s in stats:
+            for listener in self._listeners:
+                listener(s)
+
+    def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        if not self._listeners:
+            self.engine.add_stats_listener(self._on_stats)
+        self._listeners.append(listener)
+
+    def _on_core_thread(self, kind: int, fn: Callable[[EngineCore], Any]) -> Any:
+        """``fn(engine)`` run on the core thread between two steps: its result, or its error."""
+        fut: Future = Future()
+        self._cmds.put((kind, (fn, fut)))
+        while True:
+            try:
+                return fut.result(1.0)
+            except TimeoutError:
+                self._check_thread()
+
+    def _check_thread(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            raise RuntimeError("the engine's core thread has stopped")
+
+    def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is shut down")
+        if not self._running:
+            return super().add_requests(requests)
+        requests = list(requests)
+
+        def add(engine: EngineCore) -> None:
+            for r in requests:
+                engine.add_request(r)
+        self._on_core_thread(_ADD, add)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not self._running:
+            return super().abort_requests(request_ids)
+        if request_ids:
+            self._cmds.put((_ABORT, list(request_ids)))     # applied before the next step
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        if not self._running:
+            return super().call_utility(method, *args)
+        return self._on_core_thread(_CALL, lambda engine: getattr(engine, method)(*args))
+
+    def get_output(self) -> EngineCoreOutputs:
+        if not self._running:
+            return super().get_output()         # outside a run: one step, in this thread
+        if self._failed is not None:
+            raise self._failed
+        if self._owe_credit:
+            self._owe_credit = False
+            self._cmds.put((_CREDIT, None))     # the last batch is processed
+        while True:
+            try:
+                item = self._outs.get(timeout=1.0)
+                break
+            except queue.Empty:
+                self._check_thread()
+        if item.stats:
+            stats, item.stats = item.stats, []
+            self._deliver(stats)
+        if isinstance(item, _Failed):
+            self._failed = item.error            # the thread steps no more in this run
+            raise item.error
+        self._owe_credit = True
+        if isinstance(item, _Dry):
+            self._dry = EngineCoreOutputs([], item.timestamp)
+            return self._dry
+        return item
+
+    def ran_dry(self, batch: EngineCoreOutputs) -> bool:
+        if not self._running:
+            return super().ran_dry(batch)
+        return batch is self._dry
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        if self._closed:
+            raise RuntimeError("this engine is shut down")
+        if self._running:
+            raise RuntimeError("a run is already on: LLM.generate is not reentrant (called "
+                               "from a stats listener, or from two threads at once?)")
+        if self.thread is None:
+            self._start_thread()
+        else:
+            self._check_thread()
+        self._owe_credit = False
+        self._dry = None
+        self._failed = None
+        self._cmds.put((_RUN, None))
+        self._running = True
+        try:
+            yield
+        except BaseException:
+            self._end_run(failing=True)
+            raise
+        self._end_run(failing=False)
+
+    def _end_run(self, failing: bool) -> None:
+        """Stop the thread stepping and wait until it has, every command sent before applied;
+        then drop the batches the caller did not take, delivering their stats. A
+        KeyboardInterrupt meanwhile waits for that too (a step at most), then is raised."""
+        ack: Future = Future()
+        self._cmds.put((_PAUSE, ack))
+        interrupted: KeyboardInterrupt | None = None
+        stats: list[StepStats] = []
+        while True:
+            try:
+                stats = ack.result(1.0)
+                break
+            except TimeoutError:
+                if self.thread is None or not self.thread.is_alive():
+                    break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+        self._running = False
+        self._owe_credit = False
+        self._dry = None
+        self._failed = None
+        while True:             # what the thread sent before it paused
+            try:
+                item = self._outs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Failed) and not failing:
+                # After the caller had what it waited for: a step it ran ahead (of requests
+                # nobody waits for) or an abort failed. The engine ended what it touched.
+                logger.warning("the engine's core thread, ahead of the caller: %r", item.error,
+                               exc_info=item.error)
+            if item.stats:
+                self._deliver(item.stats)
+        self._deliver(stats)
+        if interrupted is not None and not failing:
+            raise interrupted
+
+    def shutdown(self) -> None:
+        """Stop and join the core thread, then shut the engine down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self.thread
+        if thread is not None:
+            self._cmds.put((_STOP, None))
+            if thread is not threading.current_thread():
+                thread.join()
+        super().shutdown()
+
+
+def _core_thread_main(ref: weakref.ref, cmds: queue.SimpleQueue) -> None:
+    """The core thread: apply commands; step while a run is on. It holds its client only while
+    it works, so a client nobody refers to can be collected while the thread waits (its
+    finalizer sends _STOP)."""
+    state = _RunState()
+    due = False
+    while True:
+        if due:
+            try:
+                cmd = cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+        else:
+            cmd = cmds.get()
+        client = ref()
+        if client is None:
+            return
+        while cmd is not None:
+            if not client._apply(*cmd, state):
+                return
+            try:
+                cmd = cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+        if client._due(state):
+            client._step(state)
+        due = client._due(state)
+        del client
 
 
 class _MPClientBase(EngineCoreClient):

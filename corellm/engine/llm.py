@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from corellm.config import EngineConfig, load_config, read_config_file
 from corellm.engine_config import apply_overrides, engine_arg_overrides
 from corellm.engine.core import EngineCore
-from corellm.engine.core_client import InprocClient, SyncMPClient
+from corellm.engine.core_client import InprocClient, SyncMPClient, ThreadedInprocClient
 from corellm.engine.output_processor import OutputProcessor
 from corellm.engine.processor import Processor, PromptType
 from corellm.errors import InvalidRequestError
@@ -66,6 +67,37 @@ def with_engine_args(config: EngineConfig | Mapping[str, Any] | str | Path | Non
     return apply_overrides(data, overrides)
 
 
+# Whether LLM steps its in-process engine on a core thread unless told (``core_thread``);
+# CORELLM_CORE_THREAD=0/1 overrides it (for a whole test run, a benchmark, the CLI).
+#
+# Off, by measurement (benchmarks/output_overlap.py, 2-core AMD EPYC VM, torch CPU; medians of
+# 5 rounds, the three modes interleaved; the machine was shared, load averages in the output):
+# * the tests' tiny Llama (output processing ~23% of the serial loop's time), 256 requests x
+#   128 tokens: core thread 0.92x the serial loop's tok/s on a quiet machine (two runs, 0.917x
+#   and 0.924x: the step's Python and the caller's share one GIL, and the step gets slower by
+#   about the time the caller takes), 1.03-1.07x beside one busy process; the engine process
+#   1.05-1.14x quiet, 0.83-1.20x beside a busy process;
+# * the ~100M benchmark Llama (output processing ~1% of the time), 64 x 64 tokens: all three
+#   within 1.2% on a quiet machine (thread 1.012x, process 1.010x).
+# So on this CPU the thread does not pay; the engine process (engine_process=True) can, where
+# output processing is a large share, at the cost of llm.engine (None) and in-process plugins.
+# Where a step mostly waits for a device with the GIL released (CUDA), the thread can hide the
+# caller's work: measure there (python benchmarks/output_overlap.py --model PATH) before
+# turning this on.
+DEFAULT_CORE_THREAD = False
+
+
+def default_core_thread() -> bool:
+    """``DEFAULT_CORE_THREAD``, unless the ``CORELLM_CORE_THREAD`` environment variable says
+    otherwise (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``)."""
+    value = os.environ.get("CORELLM_CORE_THREAD", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return DEFAULT_CORE_THREAD
+
+
 def _per_prompt(name: str, value: Any, n: int, scalar: type | tuple[type, ...]) -> list[Any]:
     """One value for every prompt, or a sequence of one per prompt."""
     if isinstance(value, scalar) or not isinstance(value, Sequence):
@@ -91,6 +123,11 @@ class LLM:
     The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);
     ``engine_process=True`` runs it in a child process behind the same client the server uses
     (``llm.engine`` is then None, and only entry-point plugins are available to it).
+    ``core_thread=True`` keeps it in this process but steps it on a thread of its own while
+    ``generate`` runs (``ThreadedInprocClient``), so that detokenization, stop strings and
+    output building here overlap the next step; between calls ``llm.engine`` is the caller's
+    as before. Left out, ``DEFAULT_CORE_THREAD`` (off: measured slower on a 2-core CPU, see
+    there) unless ``CORELLM_CORE_THREAD=1``.
     ``tokenizer`` is the model's tokenizer when the caller already loaded it (with
     ``load_tokenizer``, from the directory the config names): it is used instead of loading
     it again. ``skip_tokenizer_init=True`` (vLLM's option) loads none: prompts are token ids,
@@ -101,8 +138,9 @@ class LLM:
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path | None = None, *,
                  model: str | None = None, plugins: Sequence[object] = (),
-                 engine_process: bool = False, tokenizer: Any = None,
-                 skip_tokenizer_init: bool = False, **engine_args: Any) -> None:
+                 engine_process: bool = False, core_thread: bool | None = None,
+                 tokenizer: Any = None, skip_tokenizer_init: bool = False,
+                 **engine_args: Any) -> None:
         if engine_args:
             config = with_engine_args(config, engine_args)
         self.config, self.registry = build_config(config, model, plugins)
@@ -110,9 +148,15 @@ class LLM:
         if engine_process and plugins:
             raise InvalidRequestError("plugins", "in-process plugin objects cannot reach an "
                                       "engine process; install them as entry-point plugins")
+        if engine_process and core_thread:
+            raise InvalidRequestError("core_thread", "an engine process steps on its own; "
+                                      "give engine_process or core_thread, not both")
+        if core_thread is None:
+            core_thread = default_core_thread() and not engine_process
         self.client: InprocClient | SyncMPClient = (
-            SyncMPClient(self.config) if engine_process else InprocClient(self.config,
-                                                                          self.registry))
+            SyncMPClient(self.config) if engine_process
+            else ThreadedInprocClient(self.config, self.registry) if core_thread
+            else InprocClient(self.config, self.registry))
         self.engine: EngineCore | None = getattr(self.client, "engine", None)
         try:
             self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init \
@@ -169,10 +213,20 @@ class LLM:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc
                 raise
         order = []
-        for text, core_request in processed:
-            state = self.output_processor.add_request(core_request.request_id, text, core_request)
-            self.client.add_requests(state.core_requests)
-            order.append(core_request.request_id)
+        try:
+            for text, core_request in processed:
+                state = self.output_processor.add_request(core_request.request_id, text,
+                                                          core_request)
+                order.append(core_request.request_id)
+                self.client.add_requests(state.core_requests)
+        except BaseException:
+            # Refused (a policy's error, a shut-down engine): what was added goes again.
+            leftover = self.output_processor.abort_requests(order)
+            try:
+                self.client.abort_requests(leftover)
+            except Exception:
+                pass
+            raise
         results = self._run(order, use_tqdm)
         return [results[rid] for rid in order]
 
@@ -215,34 +269,40 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm,
                    dynamic_ncols=True)
         generated = 0
+        client = self.client
         try:
-            while len(results) < len(request_ids):
-                batch = self.client.get_output()
-                outputs = batch.outputs
-                if not outputs and self.engine is not None \
-                        and not self.engine.has_unfinished_requests():
-                    raise RuntimeError("engine has no unfinished requests but "
-                                       f"{len(request_ids) - len(results)} were never finished")
-                generated += sum(len(o.new_token_ids) for o in outputs)
-                done = self.output_processor.process_outputs(
-                    outputs, batch.timestamp if self.engine is not None else None)
-                if done.reqs_to_abort:           # stop strings: free their KV blocks now
-                    self.client.abort_requests(done.reqs_to_abort)
-                for out in done.request_outputs:
-                    results[out.request_id] = out
-                    bar.update(1)
-                if use_tqdm and bar.format_dict["elapsed"] > 0:
-                    bar.set_postfix_str(f"{generated / bar.format_dict['elapsed']:.1f} tok/s",
-                                        refresh=False)
-        except BaseException:
-            # Interrupted or failed: nothing stays behind in the engine.
-            leftover = self.output_processor.abort_requests(
-                [rid for rid in request_ids if rid not in results])
-            try:
-                self.client.abort_requests(leftover)
-            except Exception:
-                pass
-            raise
+            # With a core thread, it steps from here on while this thread processes outputs;
+            # on the way out it has stopped, with every abort sent here applied.
+            with client.stepping():
+                try:
+                    while len(results) < len(request_ids):
+                        batch = client.get_output()
+                        outputs = batch.outputs
+                        if not outputs and client.ran_dry(batch):
+                            raise RuntimeError(
+                                "engine has no unfinished requests but "
+                                f"{len(request_ids) - len(results)} were never finished")
+                        generated += sum(len(o.new_token_ids) for o in outputs)
+                        done = self.output_processor.process_outputs(
+                            outputs, batch.timestamp if self.engine is not None else None)
+                        if done.reqs_to_abort:      # stop strings: free their KV blocks now
+                            client.abort_requests(done.reqs_to_abort)
+                        for out in done.request_outputs:
+                            results[out.request_id] = out
+                            bar.update(1)
+                        if use_tqdm and bar.format_dict["elapsed"] > 0:
+                            bar.set_postfix_str(
+                                f"{generated / bar.format_dict['elapsed']:.1f} tok/s",
+                                refresh=False)
+                except BaseException:
+                    # Interrupted or failed: nothing stays behind in the engine.
+                    leftover = self.output_processor.abort_requests(
+                        [rid for rid in request_ids if rid not in results])
+                    try:
+                        client.abort_requests(leftover)
+                    except Exception:
+                        pass
+                    raise
         finally:
             bar.close()
         return results

@@ -278,34 +278,28 @@ class BatchScheduler(Scheduler):
             n = end - c
             if n > plan.budget:
                 n = plan.budget
-            if capacity is not None and c % bs + n < bs and c + n <= capacity.get(rid, 0):
-                num_scheduled[rid] = n
-                new_blocks[rid] = []
-                computed[rid] = c
-                if c + n >= end:
-                    sampling.append(rid)
-                plan.budget -= n
-                i += 1
-                continue
-            blocks = allocate_slots(request, n)
-            while blocks is None:
-                if ctx is None:
-                    ctx = self._context(plan)
-                offered = self._victim_candidates()
-                victim = self._running_victim("choose_victim", self.policy.choose_victim(
-                    offered, ctx), offered)
-                if self.running.index(victim) < i:
-                    i -= 1
-                self._preempt(victim, plan, ctx)
-                if victim is request:
-                    break
-                blocks = self.kv.allocate_slots(request, n)
-            if blocks is None:
-                continue                               # `request` itself was preempted
-            if capacity is not None:
-                capacity[rid] = len(self.kv.get_block_ids(request)) * bs
+            # Within the blocks it holds, completing none: nothing to allocate or announce.
+            if capacity is None or c % bs + n >= bs or c + n > capacity.get(rid, 0):
+                blocks = allocate_slots(request, n)
+                while blocks is None:
+                    if ctx is None:
+                        ctx = self._context(plan)
+                    offered = self._victim_candidates()
+                    victim = self._running_victim("choose_victim", self.policy.choose_victim(
+                        offered, ctx), offered)
+                    if self.running.index(victim) < i:
+                        i -= 1
+                    self._preempt(victim, plan, ctx)
+                    if victim is request:
+                        break
+                    blocks = self.kv.allocate_slots(request, n)
+                if blocks is None:
+                    continue                           # `request` itself was preempted
+                if capacity is not None:
+                    capacity[rid] = len(self.kv.get_block_ids(request)) * bs
+                if blocks:
+                    new_blocks[rid] = blocks
             num_scheduled[rid] = n
-            new_blocks[rid] = blocks
             computed[rid] = c
             if c + n >= end:
                 sampling.append(rid)
@@ -334,6 +328,10 @@ class BatchScheduler(Scheduler):
             c = computed[rid] = request.num_computed_tokens
             if c + n >= len(request.all_token_ids) + request.num_output_placeholders:
                 sampling.append(rid)
+        # The policy hears of the plan as made, before its tokens count as computed.
+        if ctx is not None and self._notify:
+            self.policy.on_scheduled(
+                [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         # The plan holds: its tokens count as computed (those computed other than as a decode
         # as prefill tokens), its samples as placeholders.
         prefill = 0
@@ -353,9 +351,6 @@ class BatchScheduler(Scheduler):
             num_prompt_tokens=r.num_prompt_tokens, block_ids=list(self.kv.get_block_ids(r)),
             num_computed_tokens=computed[r.request_id], sampling_params=r.sampling_params,
             eos_token_id=r.eos_token_id) for r in plan.admitted]
-        if ctx is not None and self._notify:
-            self.policy.on_scheduled(
-                [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new, scheduled_cached_reqs=cached,
@@ -477,12 +472,13 @@ class BatchScheduler(Scheduler):
                           ) -> None:
         """The scheduled requests that sample nothing this step: partial prefill chunks."""
         samplers = set(plan.sampling_req_ids)
-        for rid in plan.num_scheduled_tokens:
+        computed = plan.num_computed_tokens
+        for rid, n in plan.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if rid in samplers or request is None:
                 continue
             if request.status is RequestStatus.RUNNING:
-                self._cache_blocks(request)
+                self._cache_blocks(request, computed[rid] + n)
 
     def _update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput,
                 outputs: list[EngineCoreOutput], now: float) -> None:
@@ -493,7 +489,8 @@ class BatchScheduler(Scheduler):
         # The worker's rows, in plan order unless some were not sampled (or it reordered).
         row_of = None if req_ids == sampling else dict(zip(req_ids, range(len(req_ids))))
         capacity, cached_blocks = self._capacity, self._cached_blocks
-        cache, bs = self.kv.cache_computed_blocks, self.kv.block_size
+        computed, scheduled = plan.num_computed_tokens, plan.num_scheduled_tokens
+        bs = self.kv.block_size
         append = outputs.append
         for row, rid in enumerate(sampling):
             request = requests.get(rid)
@@ -522,15 +519,11 @@ class BatchScheduler(Scheduler):
                 logprobs = LogprobsLists([lp.token_ids[row][:k]], [lp.logprobs[row][:k]],
                                          [lp.sampled_ranks[row]])
             if request.status is running_status:
-                # After the token: a block it completes is hashed with it (under overlapped
-                # steps the next step's planned token may complete one).
-                if capacity is None:
-                    cache(request)
-                else:
-                    full = request.num_computed_tokens // bs
-                    if full > cached_blocks.get(rid, 0):
-                        cached_blocks[rid] = full
-                        cache(request)
+                # The blocks this step completed (with a paged manager, only when it completed
+                # one: most steps skip the call).
+                if capacity is None or request.num_computed_tokens // bs > cached_blocks.get(
+                        rid, 0):
+                    self._cache_blocks(request, computed[rid] + scheduled[rid])
             elif status is not None:
                 # Preempted by the plan made while this step ran (overlapped steps): it waits,
                 # and ends there.
@@ -547,15 +540,27 @@ class BatchScheduler(Scheduler):
                 request.stop_reason, cached if cached > 0 else 0, request.first_scheduled_time))
         self.num_generation_tokens += len(outputs)
 
-    def _cache_blocks(self, request: Request) -> None:
-        """``cache_computed_blocks`` after a step: every time, or (``block_calls_only``) when
-        the request has completed a block since the last call."""
+    def _cache_blocks(self, request: Request, through: int) -> None:
+        """``cache_computed_blocks`` after a step that computed ``request``'s tokens up to
+        ``through``: every time, or (``block_calls_only``) when it completed a block since the
+        last call. The manager sees ``num_computed_tokens == through``, as in the synchronous
+        loop: under overlapped steps the next step's planned tokens are not registered before
+        that step has run (a step that fails must leave no block in the cache it did not
+        write)."""
         if self._capacity is not None:
-            full = request.num_computed_tokens // self.kv.block_size
+            full = through // self.kv.block_size
             if full <= self._cached_blocks.get(request.request_id, 0):
                 return
             self._cached_blocks[request.request_id] = full
-        self.kv.cache_computed_blocks(request)
+        ahead = request.num_computed_tokens
+        if ahead == through:
+            self.kv.cache_computed_blocks(request)
+            return
+        request.num_computed_tokens = through
+        try:
+            self.kv.cache_computed_blocks(request)
+        finally:
+            request.num_computed_tokens = ahead
 
     # ------------------------------------------------------------------ introspection
     def check_invariants(self) -> None:

@@ -1,8 +1,12 @@
 """Turns a SchedulerOutput into input tensors and attention metadata, runs the model, samples.
 
-Per-request state (token ids, block ids, progress) persists across steps and is updated from the
-deltas in each plan; only the flat per-step arrays are rebuilt, with vectorized numpy (one Python
-iteration per request, never per token).
+Each running request keeps a row of the persistent batch (``input_batch.InputBatch``: token ids,
+block table, progress and sampling parameters in fixed-size arrays) from its first step to its
+finish or preemption; each plan changes only what it names (a row filled for a new request, a
+block appended to a row, the progress of the scheduled rows), and each step gathers its inputs
+from the rows with vectorized numpy (one Python pass over the plan's requests to find their rows,
+never one over tokens or block ids). The sampler's tensors are reused while the rows that sample
+stay the same requests.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from corellm.plugins import Registry
 from corellm.setup import EngineSetup
 from corellm.worker.attention_choice import predicted_attention_layers, select_attention_backend
 from corellm.logits_processors import enabled_logits_processors
+from corellm.worker.input_batch import InputBatch
 from corellm.worker.logits_processing import LogitsProcessorSet
-from corellm.worker.request_state import CachedRequestState, sampling_metadata
+from corellm.worker.request_state import CachedRequestState
 from corellm.sampling import find_banned
 
 logger = logging.getLogger(__name__)
@@ -105,6 +110,8 @@ class ModelRunner:
         self.model_info = ModelInfo(vocab_size=setup.arch.vocab_size,
                                     max_model_len=setup.max_model_len,
                                     architecture=(setup.arch.architectures or ("?",))[0])
+        self.batch = InputBatch(setup.max_num_seqs, setup.max_model_len, self.block_size,
+                                setup.arch.vocab_size, self.device)
 
     # ------------------------------------------------------------------ attention and KV cache
     def _check_attention_layers(self, model: CausalLM) -> list[AttentionLayerSpec]:
@@ -200,21 +207,30 @@ class ModelRunner:
         return scratch
 
     # ------------------------------------------------------------------ one step
+    def _drop(self, state: CachedRequestState) -> None:
+        self.logits_processors.remove(state)
+        self.batch.remove(state)
+
     def _update_states(self, so: SchedulerOutput) -> None:
-        processors = self.logits_processors
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            state = self.requests.pop(req_id, None)
-            if state is not None:
-                processors.remove(state)
+        reqs, batch = self.requests, self.batch
+        for ids in (so.finished_req_ids, so.preempted_req_ids):
+            for req_id in ids:
+                state = reqs.pop(req_id, None)
+                if state is not None:
+                    self._drop(state)
         for new in so.scheduled_new_reqs:
-            state = self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+            old = reqs.pop(new.req_id, None)
+            if old is not None:         # held already (not dropped first): the plan wins
+                self._drop(old)
+            state = reqs[new.req_id] = CachedRequestState(
+                new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
                 new.num_computed_tokens, new.sampling_params, new.eos_token_id)
-            processors.add(state)
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            batch.add(state)
+            self.logits_processors.add(state)
+        row_of = batch.row_of
+        for cached in so.scheduled_cached_reqs:       # the running requests given new blocks
+            if cached.new_block_ids:
+                batch.append_blocks(row_of[cached.req_id], cached.new_block_ids)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -225,93 +241,70 @@ class ModelRunner:
             return
         # The batch in the order the backend's metadata builder asks for (by default decodes
         # first, shortest context first, then prefills: similar lengths batch together).
-        reqs = self.requests
-        order = list(so.num_scheduled_tokens.items())
-        if self.batch_order is BatchOrder.DECODES_FIRST:
-            order.sort(key=lambda kv: (kv[1] != 1, reqs[kv[0]].num_computed_tokens))
-        states = [reqs[rid] for rid, _ in order]
-        n_sched = np.fromiter((n for _, n in order), dtype=np.int64, count=len(order))
-        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
-                             count=len(states))
-        num_reqs = len(states)
-        not_decode = np.flatnonzero(n_sched != 1)
-        num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
-        total = int(n_sched.sum())
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(n_sched, out=cu[1:])
-
-        ids: list[int] = []
-        for s, start, n in zip(states, starts.tolist(), n_sched.tolist()):
-            ids.extend(s.token_ids[start:start + n])
-        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
-        positions = np.arange(total, dtype=np.int64) - cu[:-1][req_of_token] + starts[req_of_token]
-        seq_lens = starts + n_sched
-        bs = self.block_size
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, s in enumerate(states):
-            block_table[i, :len(s.block_ids)] = s.block_ids
-        slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
-
-        # Rows that reach the end of their known tokens sample; partial prefill chunks do not.
-        num_tokens = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
-        samples = seq_lens == num_tokens
-        sample_rows = np.flatnonzero(samples)
-        logits_indices = cu[1:][sample_rows] - 1
-
-        common = CommonAttentionMetadata(
-            num_reqs=num_reqs, num_decodes=num_decodes, num_actual_tokens=total,
-            query_start_loc=cu, seq_lens=seq_lens, context_lens=starts, block_table=block_table,
-            slot_mapping=slot_mapping, max_seq_len=int(seq_lens.max()),
-            max_query_len=int(n_sched.max()), block_size=bs)
+        batch = self.batch
+        scheduled = so.num_scheduled_tokens
+        n_sched = np.fromiter(scheduled.values(), dtype=np.int64, count=len(scheduled))
+        rows = batch.rows_of(scheduled)
+        # Every scheduled request's context, from the plan (same order as the tokens).
+        batch.num_computed[rows] = np.fromiter(map(so.num_computed_tokens.__getitem__, scheduled),
+                                               dtype=np.int64, count=len(scheduled))
+        step = batch.prepare(rows, n_sched, self.batch_order is BatchOrder.DECODES_FIRST)
+        common = step.common
         backend_md = self.attn_builder.build(common)
-        inputs = StepInputs(np.asarray(ids, dtype=np.int64), positions, logits_indices,
-                            backend_md, num_reqs, num_decodes)
-        sample_states = [states[i] for i in sample_rows.tolist()]
+        inputs = StepInputs(step.input_ids, step.positions, step.logits_indices, backend_md,
+                            common.num_reqs, common.num_decodes)
         t1 = time.perf_counter()
 
         # With tensor parallelism only rank 0 gets the logits (the others get None).
         logits = self.stepper.forward(inputs)
         t2 = time.perf_counter()
-        self._pending = (logits, sample_states, {"prepare_inputs": t1 - t0, "forward": t2 - t1})
+        self._pending = (logits, step.sample_rows,
+                         {"prepare_inputs": t1 - t0, "forward": t2 - t1})
 
     def discard_pending(self) -> None:
         """Drop the last forward's logits (ranks > 0 do not sample)."""
         self._pending = None
 
     def add_sampled_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """Append tokens sampled elsewhere (by rank 0) to the requests' states."""
-        reqs = self.requests
-        for rid, token in zip(req_ids, token_ids):
-            state = reqs.get(rid)
-            if state is not None:
-                state.token_ids.append(token)
+        """Append tokens sampled elsewhere (by rank 0) to the requests' rows."""
+        row_of = self.batch.row_of
+        if all(rid in row_of for rid in req_ids):
+            rows, tokens = self.batch.rows_of(req_ids), token_ids
+        else:
+            held = [(row_of[rid], t) for rid, t in zip(req_ids, token_ids) if rid in row_of]
+            rows = np.fromiter((r for r, _ in held), dtype=np.int64, count=len(held))
+            tokens = [t for _, t in held]
+        self.batch.append_tokens(rows, tokens)
 
     @torch.inference_mode()
     def sample_tokens(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self._pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        logits, states, timings = self._pending
+        logits, rows, timings = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        if not states:
+        if not len(rows):
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
+        batch = self.batch
+        # The rows' states only where a logits processor constrains some request.
+        processors = self.logits_processors
+        states = batch.states[rows].tolist() if processors.num_constrained else None
         # A row a logits processor is not ready for (its grammar still compiling) is not
         # sampled: the request computes its last token again next step, the batch goes on.
-        processors = self.logits_processors
-        waiting = processors.deferred(states)
+        waiting = processors.deferred(states) if states is not None else []
         deferred = [states[i].req_id for i in waiting]
         if waiting:
-            keep = [i for i in range(len(states)) if i not in set(waiting)]
-            states = [states[i] for i in keep]
-            if not states:
+            skip = set(waiting)
+            keep = [i for i in range(len(states)) if i not in skip]
+            if not keep:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings,
                                          deferred=deferred)
-            logits = logits[torch.tensor(keep, device=logits.device)]
+            states, rows = [states[i] for i in keep], rows[keep]
+            logits = batch.select(logits, keep)
         # Logits processors constrain their rows in place before the sampler sees them; a
         # request one of them cannot serve ends alone (its row is sampled, then dropped).
-        failed = processors.apply(logits, states)
-        md = sampling_metadata(states, self.model_info.vocab_size, self.device, self.generator)
+        failed = processors.apply(logits, states) if states is not None else {}
+        md = batch.sampling_metadata(rows, self.generator)
         # The bans as the engine made them (a sampler may change its metadata): usually none.
         bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
                 if md.banned_token_ids else None)
@@ -322,10 +315,10 @@ class ModelRunner:
             row, token = banned
             entry = self.sampler_entry
             raise PluginError(
-                f"{entry.describe()} sampled token {token} for request {states[row].req_id!r}, "
-                "which is banned for it (SamplingMetadata.banned_token_ids: its min_tokens is "
-                "not reached); a sampler must apply banned_token_ids (docs/plugins.md, "
-                "'A sampler')")
+                f"{entry.describe()} sampled token {token} for request "
+                f"{batch.req_ids[rows[row]]!r}, which is banned for it "
+                "(SamplingMetadata.banned_token_ids: its min_tokens is not reached); a sampler "
+                "must apply banned_token_ids (docs/plugins.md, 'A sampler')")
         logprobs = None
         if out.logprobs is not None:
             lp = out.logprobs
@@ -333,14 +326,15 @@ class ModelRunner:
                                      lp.sampled_ranks.tolist())
         if failed:
             keep = [i for i, s in enumerate(states) if s.req_id not in failed]
-            states, sampled = [states[i] for i in keep], [sampled[i] for i in keep]
+            states, sampled, rows = [states[i] for i in keep], [sampled[i] for i in keep], \
+                rows[keep]
             if logprobs is not None:
-                logprobs = LogprobsLists(*([rows[i] for i in keep] for rows in (
+                logprobs = LogprobsLists(*([lists[i] for i in keep] for lists in (
                     logprobs.token_ids, logprobs.logprobs, logprobs.sampled_ranks)))
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
-        self.logits_processors.accept(states, sampled)
+        batch.append_tokens(rows, sampled)
+        if states is not None:
+            processors.accept(states, sampled)
         timings["sample"] = time.perf_counter() - t0
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled,
-                                 logprobs=logprobs, timings=timings, failed=failed,
-                                 deferred=deferred)
+        return ModelRunnerOutput(req_ids=batch.req_ids[rows].tolist(),
+                                 sampled_token_ids=sampled, logprobs=logprobs, timings=timings,
+                                 failed=failed, deferred=deferred)

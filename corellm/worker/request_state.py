@@ -1,14 +1,21 @@
 """What the model runner keeps of each running request between steps, and the sampler's inputs
-built from it each step.
+built from it.
 
-A request's token ids, block ids and progress persist across steps (updated from each plan's
-deltas); the sampling metadata is rebuilt per step from the rows that sample, with one Python
-iteration per request and the penalty pairs in vectorized numpy.
+A request's token ids, block ids and progress live in its row of the runner's persistent batch
+(``corellm.worker.input_batch.InputBatch``), updated from each plan's deltas and from the tokens
+the worker samples; ``CachedRequestState`` is the request's handle on that row plus what is not
+an array (its ``SamplingParams``, its logits processors' states, its seeded generator).
+
+``sampling_metadata`` is the per-request construction of a step's ``SamplingMetadata``, one
+Python iteration per row: the reference that the persistent batch's vectorized, reused metadata
+(``InputBatch.sampling_metadata``) must equal, kept for tests and for anyone who builds metadata
+for a handful of states. ``penalty_pairs`` is the penalty rule both share.
 """
 
 from __future__ import annotations
 
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,18 +30,31 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 _U64 = (1 << 64) - 1
 
 
+def generator_seed(seed: int, num_output_tokens: int) -> int:
+    """The seed of a seeded request's generator for its next token (must never change: seeded
+    outputs are reproducible across versions)."""
+    return (seed * _SEED_MIX + num_output_tokens) & _U64
+
+
 class CachedRequestState:
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "params", "min_tokens_banned", "prompt_token_set", "processors")
+    """A running request's handle on its row of the persistent batch (``row``, from
+    ``InputBatch.add`` until its finish or preemption; ``serial`` is unique to that stay, so a
+    row reused by another request, or by the same request back after preemption, is told
+    apart). Built from the plan's lists, which ``InputBatch.add`` copies into the row and
+    drops; then token ids, block ids and progress are read from the batch's arrays
+    (``token_ids`` and ``block_ids`` build lists, for the rare readers: a logits processor's
+    ``new_request``, tests). A state not in a batch keeps its lists (the per-request reference,
+    tests)."""
+
+    __slots__ = ("req_id", "num_prompt_tokens", "params", "min_tokens_banned",
+                 "prompt_token_set", "processors", "generator", "batch", "row", "serial",
+                 "_token_ids", "_block_ids", "_num_computed")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
                  eos_token_id: int | None) -> None:
         self.req_id = req_id
-        self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
-        self.block_ids = block_ids
-        self.num_computed_tokens = num_computed_tokens
         self.params = params
         # Tokens that would stop the request, banned while fewer than min_tokens are generated.
         banned = list(params.stop_token_ids)
@@ -47,15 +67,79 @@ class CachedRequestState:
         # (index of an enabled logits processor, its state of this request), for each processor
         # that constrains it.
         self.processors: list[tuple[int, object]] = []
+        # A seeded request's generator, reseeded before each of its samples.
+        self.generator: torch.Generator | None = None
+        # The InputBatch holding the row, set by its add (not imported: it imports this).
+        self.batch: Any = None
+        self.row = -1
+        self.serial = -1
+        self._token_ids: list[int] | None = token_ids
+        self._block_ids: list[int] | None = block_ids
+        self._num_computed = num_computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        if self.batch is None:
+            return len(self._token_ids)
+        return int(self.batch.num_tokens[self.row])
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self.batch is None:
+            return self._num_computed
+        return int(self.batch.num_computed[self.row])
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output so far (in a batch: a new list)."""
+        if self.batch is None:
+            return self._token_ids
+        return self.batch.token_ids[self.row, :self.num_tokens].tolist()
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The request's KV blocks (in a batch: a new list)."""
+        if self.batch is None:
+            return self._block_ids
+        return self.batch.block_table[self.row, :int(self.batch.num_blocks[self.row])].tolist()
+
+    def prompt_set(self) -> np.ndarray:
+        """The distinct prompt token ids, sorted int64 (computed once)."""
+        if self.prompt_token_set is None:
+            if self.batch is None:
+                prompt = np.asarray(self._token_ids[:self.num_prompt_tokens], dtype=np.int64)
+            else:
+                prompt = self.batch.token_ids[self.row, :self.num_prompt_tokens]
+            self.prompt_token_set = np.unique(prompt.astype(np.int64))
+        return self.prompt_token_set
+
+
+def penalty_pairs(rows: np.ndarray, lens: np.ndarray, out_tokens: np.ndarray,
+                  rep_rows: np.ndarray, prompt_sets: list[np.ndarray], vocab: int,
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (row, token) pairs the penalties touch, as keys ``row * vocab + token``
+    (sorted), and each one's count in the output: ``rows`` [k] the penalized rows, ``lens`` [k]
+    their output lengths, ``out_tokens`` their output tokens concatenated; ``rep_rows`` the
+    rows with a repetition penalty and ``prompt_sets`` their distinct prompt tokens."""
+    keys = [np.repeat(rows.astype(np.int64) * vocab, lens) + out_tokens]
+    if len(rep_rows):
+        plens = np.fromiter((len(t) for t in prompt_sets), dtype=np.int64,
+                            count=len(prompt_sets))
+        keys.append(np.repeat(rep_rows.astype(np.int64) * vocab, plens)
+                    + np.concatenate(prompt_sets))
+    pairs, inverse = np.unique(np.concatenate(keys), return_inverse=True)
+    counts = np.bincount(inverse[:len(out_tokens)], minlength=len(pairs)).astype(np.int32)
+    return pairs, counts
 
 
 def sampling_metadata(states: list[CachedRequestState], vocab: int, device: torch.device,
                       generator: torch.Generator | None) -> SamplingMetadata:
-    """The sampler's inputs for ``states``' rows, one row each, in order."""
+    """The sampler's inputs for ``states``' rows, one row each, in order, built per request
+    (the reference of ``InputBatch.sampling_metadata``; fresh generators)."""
     params = [s.params for s in states]
     n = len(params)
     greedy = [p.greedy for p in params]
@@ -81,7 +165,7 @@ def sampling_metadata(states: list[CachedRequestState], vocab: int, device: torc
         for i, (state, p, g) in enumerate(zip(states, params, greedy)):
             if p.seed is not None and not g:
                 gen = torch.Generator(device=device)
-                gen.manual_seed((p.seed * _SEED_MIX + state.num_output_tokens) & _U64)
+                gen.manual_seed(generator_seed(p.seed, state.num_output_tokens))
                 generators[i] = gen
     banned = {i: s.min_tokens_banned for i, s in enumerate(states)
               if s.min_tokens_banned and s.num_output_tokens < s.params.min_tokens}
@@ -99,12 +183,8 @@ def sampling_metadata(states: list[CachedRequestState], vocab: int, device: torc
 
 def add_penalties(md: SamplingMetadata, states: list[CachedRequestState], rows: list[int],
                   vocab: int, device: torch.device) -> None:
-    """Fill md's penalty fields; ``rows`` are the rows with a penalty (others stay neutral).
-
-    The (row, token) pairs and output counts are rebuilt every step with vectorized numpy,
-    O(output tokens + distinct prompt tokens) of the penalized rows; each request's distinct
-    prompt tokens are computed once and kept in its state.
-    """
+    """Fill md's penalty fields; ``rows`` are the rows with a penalty (others stay neutral),
+    per request (the reference of the persistent batch's vectorized gather)."""
     dev = device
     params = [s.params for s in states]
 
@@ -118,27 +198,15 @@ def add_penalties(md: SamplingMetadata, states: list[CachedRequestState], rows: 
     md.frequency_penalties = column("frequency_penalty", 0.0)
     md.repetition_penalties = column("repetition_penalty", 1.0)
 
-    # Keys row * V + token, so one np.unique both deduplicates and orders the pairs.
     sel = [states[i] for i in rows]
     lens = np.fromiter((s.num_output_tokens for s in sel), dtype=np.int64, count=len(sel))
     out_tokens = np.fromiter(chain.from_iterable(s.token_ids[s.num_prompt_tokens:]
                                                  for s in sel),
                              dtype=np.int64, count=int(lens.sum()))
-    keys = [np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lens) + out_tokens]
     rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if rep_rows:
-        sets = []
-        for i in rep_rows:
-            s = states[i]
-            if s.prompt_token_set is None:
-                s.prompt_token_set = np.unique(np.asarray(s.token_ids[:s.num_prompt_tokens],
-                                                          dtype=np.int64))
-            sets.append(s.prompt_token_set)
-        plens = np.fromiter((len(t) for t in sets), dtype=np.int64, count=len(sets))
-        keys.append(np.repeat(np.asarray(rep_rows, dtype=np.int64) * vocab, plens)
-                    + np.concatenate(sets))
-    pairs, inverse = np.unique(np.concatenate(keys), return_inverse=True)
-    counts = np.bincount(inverse[:len(out_tokens)], minlength=len(pairs)).astype(np.int32)
+    sets: list[Any] = [states[i].prompt_set() for i in rep_rows]
+    pairs, counts = penalty_pairs(np.asarray(rows, dtype=np.int64), lens, out_tokens,
+                                  np.asarray(rep_rows, dtype=np.int64), sets, vocab)
     md.penalty_rows = torch.from_numpy(pairs // vocab).to(dev)
     md.penalty_token_ids = torch.from_numpy(pairs % vocab).to(dev)
     md.penalty_output_counts = torch.from_numpy(counts).to(dev)

@@ -228,6 +228,13 @@ class _SpawnBackend(_Backend):
         if msg[0] == "error":
             if msg[3] is not None:      # a config or checkpoint problem: the user's to fix
                 raise msg[3]
+            # A rank's collective fails when a peer dies: the death, if one follows at once,
+            # is the cause to report.
+            dead = mp_wait([p.sentinel for r, p in enumerate(self.procs) if r != rank],
+                           timeout=0.5)
+            if dead:
+                died = next(r for r, p in enumerate(self.procs) if p.sentinel == dead[0])
+                raise self._death(died)
             raise ExecutorError(f"tensor-parallel rank {rank} failed: {msg[1]}\n{msg[2]}")
         return msg
 
