@@ -329,7 +329,12 @@ def test_failed_step_finishes_requests_with_error(llm, monkeypatch):
     assert llm.generate("still alive", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
-def test_interrupted_generate_aborts_everything(llm, monkeypatch):
+@pytest.mark.parametrize("core_thread", [False, True])
+def test_interrupted_generate_aborts_everything(llm, llama_path, monkeypatch, core_thread):
+    """A KeyboardInterrupt from a step reaches the caller (from the core thread too), and
+    nothing stays behind."""
+    if core_thread:
+        llm = LLM(engine_config(llama_path), core_thread=True)
     engine = llm.engine
     calls = {"n": 0}
     real_step = engine.step
@@ -346,6 +351,8 @@ def test_interrupted_generate_aborts_everything(llm, monkeypatch):
     monkeypatch.undo()
     assert not engine.has_unfinished_requests()
     assert_pool_whole(llm)
+    if core_thread:
+        llm.shutdown()
 
 
 def test_stats_snapshot(llm):

@@ -318,31 +318,6 @@ def test_a_lost_request_is_an_error_not_a_hang(llama_path, monkeypatch, core_thr
         llm.shutdown()
 
 
-def test_a_keyboard_interrupt_from_the_step_aborts_everything(llama_path, monkeypatch):
-    """The serial loop's test (tests/test_engine.py), on the core thread: the step's
-    KeyboardInterrupt reaches the caller, and nothing stays behind."""
-    llm = LLM(engine_config(llama_path), core_thread=True)
-    engine = llm.engine
-    calls = {"n": 0}
-    real_step = engine.step
-
-    def step():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_step()
-    monkeypatch.setattr(engine, "step", step)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(["one", "two", "three"], SamplingParams(max_tokens=20, ignore_eos=True),
-                         use_tqdm=False)
-        monkeypatch.undo()
-        assert not engine.has_unfinished_requests()
-        assert_pool_whole(llm)
-    finally:
-        llm.shutdown()
-
-
 def test_ctrl_c_in_the_caller_aborts_leftovers_and_stops_the_thread(llama_path):
     """A real SIGINT to the main thread while it waits for outputs (the core thread sends it
     from its third step): generate raises KeyboardInterrupt, every request of the call is
