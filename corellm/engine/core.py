@@ -51,13 +51,14 @@ _ENGINE_SEQ = itertools.count()
 
 class _Launched:
     """A step handed to the executor: its plan, its output (or a future of it), and when:
-    ``start`` the engine clock's monotonic() when planning began, ``t0`` / ``t1`` / ``t2``
-    perf_counter() then, once the plan was made, once the executor had it."""
+    ``start`` the engine clock's monotonic() when planning began (None while nothing observes
+    steps), ``t0`` / ``t1`` / ``t2`` perf_counter() then, once the plan was made, once the
+    executor had it."""
 
     __slots__ = ("plan", "result", "start", "t0", "t1", "t2")
 
     def __init__(self, plan: SchedulerOutput,
-                 result: ModelRunnerOutput | Future[ModelRunnerOutput], start: float,
+                 result: ModelRunnerOutput | Future[ModelRunnerOutput], start: float | None,
                  t0: float, t1: float, t2: float) -> None:
         self.plan, self.result = plan, result
         self.start, self.t0, self.t1, self.t2 = start, t0, t1, t2
@@ -143,6 +144,8 @@ class EngineCore:
         self._constrained: set[str] = set()
         self._observe_steps = registry.implements("corellm_step_finished")
         self._stats_listeners: list[Callable[[StepStats], None]] = []
+        # Whether anything hears of steps (then each step builds its StepStats).
+        self._observed = self._observe_steps
         # From here on corellm_engine_stopped is owed exactly once: on shutdown(), or at exit
         # (or garbage collection) for an engine nobody shut down. At exit it runs before Python
         # joins non-daemon threads, so a sink may stop its own writer thread there.
@@ -228,10 +231,7 @@ class EngineCore:
         engine-core process ships the records to the API process this way (``/metrics``), and
         ``corellm bench`` counts with them."""
         self._stats_listeners.append(listener)
-
-    @property
-    def _observed(self) -> bool:
-        return self._observe_steps or bool(self._stats_listeners)
+        self._observed = True
 
     def _emit(self, stats: StepStats) -> None:
         if self._observe_steps and stats.kind == "step":
@@ -335,7 +335,7 @@ class EngineCore:
 
     def _launch(self) -> _Launched:
         """Plan a step and hand it to the executor."""
-        start = self.clock.monotonic()
+        start = self.clock.monotonic() if self._observed else None  # (for StepStats.duration)
         t0 = time.perf_counter()
         try:
             plan = self.scheduler.schedule()
@@ -344,7 +344,8 @@ class EngineCore:
             self._fail(self.scheduler.get_request_ids())
             raise
         t1 = time.perf_counter()
-        if plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids:
+        if not plan.total_num_scheduled_tokens and not plan.finished_req_ids \
+                and not plan.preempted_req_ids:
             return _Launched(plan, EMPTY_MODEL_RUNNER_OUTPUT, start, t0, t1, t1)
         try:
             result = self.executor.execute_model(plan)
@@ -389,9 +390,9 @@ class EngineCore:
         tm["execute"] += execute
         tm["update"] += t4 - t3
         tm["step"] += (t1 - t0) + execute + (t4 - t3)
-        now = self.clock.time()
+        now = self.clock.time() if self._observed else 0.0    # (records only when observed)
         finished = self._finished_records(outputs, now)
-        if self._observed and not plan.is_empty:
+        if self._observed and plan.total_num_scheduled_tokens:
             scheduled = plan.num_scheduled_tokens
             decodes = sum(1 for n in scheduled.values() if n == 1)
             self._emit(StepStats(
@@ -400,7 +401,8 @@ class EngineCore:
                 num_finished_reqs=sum(o.finished for o in outputs),
                 timings={"schedule": t1 - t0, **sampled.timings, "update": t4 - t3},
                 scheduler=self.scheduler.get_stats(), engine_id=self.engine_id,
-                timestamp=now, duration=self.clock.monotonic() - launched.start,
+                timestamp=now, duration=(self.clock.monotonic() - launched.start
+                                         if launched.start is not None else 0.0),
                 num_prefill_tokens=plan.total_num_scheduled_tokens - decodes,
                 num_decode_reqs=decodes, finished=finished))
         return outputs

@@ -33,44 +33,18 @@ group waiting, a group may use every seat (the share costs a lone request nothin
 
 from __future__ import annotations
 
-import inspect
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.specs import SchedulerOptions
-from corellm.errors import PluginError
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
 from corellm.policy_view import SchedulingContext, WaitingQueue
-
-
-def _overrides(policy: SchedulingPolicy, name: str) -> bool:
-    return getattr(type(policy), name) is not getattr(SchedulingPolicy, name)
-
-
-def check_policy(policy: SchedulingPolicy) -> None:
-    """Fail at start-up, not at the first step, when a policy was written against another
-    version of the interface (0.3 added the ``ctx`` argument to every decision)."""
-    if not isinstance(policy, SchedulingPolicy):
-        raise PluginError(f"{type(policy).__qualname__} does not implement "
-                          "corellm.interfaces.SchedulingPolicy")
-    arity = {"waiting_key": 2, "choose_victim": 2, "queue_group": 1, "select": 2,
-             "can_admit": 2, "preempt_for": 3, "on_scheduled": 2, "on_finished": 2}
-    for name, n in arity.items():
-        method = getattr(policy, name)
-        try:
-            inspect.signature(method).bind(*[None] * n)
-        except TypeError:
-            expected = inspect.signature(getattr(SchedulingPolicy, name))
-            raise PluginError(
-                f"{type(policy).__qualname__}.{name}{inspect.signature(method)} does not take the "
-                f"arguments corellm passes: {name}{expected} (the policy interface changed in "
-                "corellm 0.3: every decision receives a SchedulingContext; see docs/plugins.md, "
-                "'A scheduling policy')") from None
+from corellm.scheduling.policy_check import check_policy, overrides
 
 
 class _Plan:
@@ -109,11 +83,11 @@ class BatchScheduler(Scheduler):
         self._queued: Counter[str] = Counter()      # group_id -> its requests in `waiting`
         self._finished_ids: set[str] = set()        # to tell the workers at the next step
         self._preempted: list[Request] = []         # PREEMPTED until the next schedule()
-        self._notify = _overrides(policy, "on_scheduled")
-        self._notify_finished = _overrides(policy, "on_finished")
+        self._notify = overrides(policy, "on_scheduled")
+        self._notify_finished = overrides(policy, "on_finished")
         self._finished_notices: list[Request] = []
-        self._grouped = _overrides(policy, "queue_group")
-        self._preempts_for = _overrides(policy, "preempt_for")
+        self._grouped = overrides(policy, "queue_group")
+        self._preempts_for = overrides(policy, "preempt_for")
         # With a manager that needs calls only at block boundaries: request id -> the tokens
         # its blocks hold, and -> the full blocks it had at its last cache_computed_blocks.
         self._capacity: dict[str, int] | None = (
@@ -241,10 +215,11 @@ class BatchScheduler(Scheduler):
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         # Requests preempted by the previous step rejoin the queue as WAITING.
-        for request in self._preempted:
-            if request.status == RequestStatus.PREEMPTED:
-                request.status = RequestStatus.WAITING
-        self._preempted.clear()
+        if self._preempted:
+            for request in self._preempted:
+                if request.status == RequestStatus.PREEMPTED:
+                    request.status = RequestStatus.WAITING
+            self._preempted.clear()
         self.num_schedules += 1
         plan = _Plan(self.max_num_batched_tokens)
         # The policy's view of this round, made when a decision needs it.
@@ -263,6 +238,9 @@ class BatchScheduler(Scheduler):
         # (a preemption in this step has them gathered again below).
         computed: dict[str, int] = {}
         sampling: list[str] = []
+        # The same, as requests: (request, tokens) in plan order, and the requests sampling.
+        planned: list[tuple[Request, int]] = []
+        samplers: list[Request] = []
         while i < len(running) and plan.budget > 0:
             request = running[i]
             rid = request.request_id
@@ -301,8 +279,10 @@ class BatchScheduler(Scheduler):
                     new_blocks[rid] = blocks
             num_scheduled[rid] = n
             computed[rid] = c
+            planned.append((request, n))
             if c + n >= end:
                 sampling.append(rid)
+                samplers.append(request)
             plan.budget -= n
             i += 1
 
@@ -310,54 +290,58 @@ class BatchScheduler(Scheduler):
         if not plan.preempted and self.waiting:
             self._admit(plan, ctx or self._context(plan))
 
-        now = self.clock.time() if plan.admitted else 0.0
-        for request in plan.admitted:                  # recorded once the admission holds
-            if request.num_cached_tokens < 0:          # first admission
-                request.num_cached_tokens = request.num_computed_tokens
-                request.first_scheduled_time = now
-                self.num_prompt_tokens += request.num_prompt_tokens
-        requests = self.requests
+        admitted = plan.admitted
+        if admitted:
+            now = self.clock.time()
+            for request in admitted:                   # recorded once the admission holds
+                if request.num_cached_tokens < 0:      # first admission
+                    request.num_cached_tokens = request.num_computed_tokens
+                    request.first_scheduled_time = now
+                    self.num_prompt_tokens += request.num_prompt_tokens
+        # (Most steps admit and preempt nothing: no list built for nothing.)
+        more: list[tuple[Request, int]] | tuple[()] = ()
         if plan.preempted:
             computed.clear()
             sampling.clear()
-            scheduled = plan.num_scheduled.items()
-        else:
-            scheduled = ((r.request_id, num_scheduled[r.request_id]) for r in plan.admitted)
-        for rid, n in scheduled:
-            request = requests[rid]
+            samplers.clear()
+            requests = self.requests
+            planned = more = [(requests[rid], n) for rid, n in num_scheduled.items()]
+        elif admitted:
+            more = [(r, num_scheduled[r.request_id]) for r in admitted]
+            planned += more
+        for request, n in more:
+            rid = request.request_id
             c = computed[rid] = request.num_computed_tokens
             if c + n >= len(request.all_token_ids) + request.num_output_placeholders:
                 sampling.append(rid)
+                samplers.append(request)
         # The policy hears of the plan as made, before its tokens count as computed.
         if ctx is not None and self._notify:
-            self.policy.on_scheduled(
-                [(self.requests[rid], n) for rid, n in plan.num_scheduled.items()], ctx)
+            self.policy.on_scheduled(list(planned), ctx)
         # The plan holds: its tokens count as computed (those computed other than as a decode
         # as prefill tokens), its samples as placeholders.
         prefill = 0
-        for rid, n in plan.num_scheduled.items():
-            request = requests[rid]
+        for request, n in planned:
             c = request.num_computed_tokens
             if n != 1 or c < len(request.prompt_token_ids):
                 prefill += n
             request.num_computed_tokens = c + n
         self.num_prefill_tokens += prefill
-        for rid in sampling:
-            requests[rid].num_output_placeholders += 1
+        for request in samplers:
+            request.num_output_placeholders += 1
         cached = [CachedRequestData(rid, blocks, computed[rid])
-                  for rid, blocks in plan.new_blocks.items()]
+                  for rid, blocks in plan.new_blocks.items()] if plan.new_blocks else []
         new = [NewRequestData(
             req_id=r.request_id, token_ids=list(r.all_token_ids),
             num_prompt_tokens=r.num_prompt_tokens, block_ids=list(self.kv.get_block_ids(r)),
             num_computed_tokens=computed[r.request_id], sampling_params=r.sampling_params,
-            eos_token_id=r.eos_token_id) for r in plan.admitted]
+            eos_token_id=r.eos_token_id) for r in admitted] if admitted else []
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
-            finished_req_ids=finished, preempted_req_ids=plan.preempted,
-            num_computed_tokens=computed, sampling_req_ids=sampling)
+        # (positional, the fields in SchedulerOutput's order: once per step, keywords cost
+        # twice as much)
+        return SchedulerOutput(new, cached, plan.num_scheduled,
+                               self.max_num_batched_tokens - plan.budget, finished,
+                               plan.preempted, computed, sampling)
 
     def _admit(self, plan: _Plan, ctx: SchedulingContext) -> None:
         # Requests of groups at their share, set aside for this round while others wait.
@@ -456,16 +440,24 @@ class BatchScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        unfinished = len(self.requests)
         try:
             if len(scheduler_output.sampling_req_ids) != \
                     len(scheduler_output.num_scheduled_tokens):
                 self._update_unsampled(scheduler_output, runner_output)
-            self._update(scheduler_output, runner_output, outputs, self.clock.time())
+            self._update(scheduler_output, runner_output, outputs)
+        except BaseException:
+            unfinished = -1
+            raise
         finally:
-            # Even when the update raised part-way, no finished request stays in `running`.
-            running = RequestStatus.RUNNING
-            self.running = [r for r in self.running if r.status is running]
-        self._deliver_finished()
+            # Even when the update raised part-way, no finished request stays in `running`
+            # (a request leaves `running` here only by finishing, which takes it out of
+            # `requests`).
+            if len(self.requests) != unfinished:
+                running = RequestStatus.RUNNING
+                self.running = [r for r in self.running if r.status is running]
+        if self._finished_notices:
+            self._deliver_finished()
         return outputs
 
     def _update_unsampled(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput,
@@ -481,8 +473,9 @@ class BatchScheduler(Scheduler):
                 self._cache_blocks(request, computed[rid] + n)
 
     def _update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput,
-                outputs: list[EngineCoreOutput], now: float) -> None:
+                outputs: list[EngineCoreOutput]) -> None:
         """The requests that sampled (or were to sample) this step, in plan order."""
+        now = 0.0           # the clock's time(), read at the first first token
         requests, running_status = self.requests, RequestStatus.RUNNING
         sampling, req_ids = plan.sampling_req_ids, runner_output.req_ids
         tokens, lp = runner_output.sampled_token_ids, runner_output.logprobs
@@ -511,7 +504,7 @@ class BatchScheduler(Scheduler):
             request.num_output_placeholders -= 1
             first = not request.first_token_time
             if first:
-                request.first_token_time = now
+                request.first_token_time = now = now or self.clock.time()
             status = request.append_output_token(token)
             logprobs = None
             if lp is not None and request.sampling_params.logprobs is not None:

@@ -36,18 +36,19 @@ import math
 from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 
 # --------------------------------------------------------------------------- step features
-@dataclass(frozen=True, slots=True)
-class StepShape:
+class StepShape(NamedTuple):
     """What one step's cost depends on, read from its plan. A request with ``n`` tokens
     scheduled this step and ``c`` tokens already in the KV cache is a *decode* when ``n == 1``
-    and a *prefill* (a whole prompt or a chunk of one, or a recomputation) when ``n > 1``."""
+    and a *prefill* (a whole prompt or a chunk of one, or a recomputation) when ``n > 1``.
+
+    A named tuple, immutable: a simulated run builds one per step, and a frozen dataclass's
+    field-by-field ``__init__`` costs several times a tuple's."""
 
     num_reqs: int            # requests in the step
     num_tokens: int          # tokens computed this step: sum of n (the rows of every GEMM)
@@ -87,22 +88,31 @@ class StepShape:
         """From a ``SchedulerOutput``: ``num_scheduled_tokens``, ``num_computed_tokens`` (the
         context of every scheduled request) and ``sampling_req_ids``. One pass, no numpy."""
         scheduled = plan.num_scheduled_tokens
-        # The pairs straight from the dicts (same keys in the same order, as the plan says),
-        # no lists built (once per simulated step).
-        return cls._from_pairs(zip(scheduled.values(), plan.num_computed_tokens.values()),
-                               len(scheduled), len(plan.sampling_req_ids))
+        # _from_pairs inlined (once per simulated step), the pairs straight from the dicts
+        # (same keys in the same order, as the plan says).
+        tokens = decodes = ptok = pattn = pkv = dkv = 0
+        for n, c in zip(scheduled.values(), plan.num_computed_tokens.values()):
+            tokens += n
+            if n == 1:
+                decodes += 1
+                dkv += c + 1
+            else:
+                ptok += n
+                pattn += n * c + n * (n + 1) // 2
+                pkv += c + n
+        return tuple.__new__(cls, (len(scheduled), tokens, decodes, ptok, pattn, pkv, dkv,
+                                   len(plan.sampling_req_ids)))
 
     def to_row(self) -> tuple[int, ...]:
         """The fields in ``STEP_FIELDS`` order (a profile's sample row, before the seconds)."""
-        return (self.num_reqs, self.num_tokens, self.num_decodes, self.num_prefill_tokens,
-                self.prefill_attn, self.prefill_kv, self.decode_kv, self.num_sampled)
+        return tuple(self)
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> StepShape:
         return cls(*(int(v) for v in row))
 
 
-STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepShape))
+STEP_FIELDS: tuple[str, ...] = StepShape._fields
 # The engine's step phases (StepStats.timings) calibration records per step, and those of them
 # that are the device's part (the executor's, in order step after step); the host's part is the
 # rest of the step's measured time (see the module docstring).
@@ -174,12 +184,10 @@ class CostModel(ABC):
         ``host_model`` does)."""
         return 0.0
 
-    def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
-        """``predict`` of a step of ``num_reqs`` decodes reading ``decode_kv`` KV positions in
-        all (the simulator prices runs of such steps one after another). A model may compute
-        it faster, to the same float."""
-        return self.predict(StepShape(num_reqs, num_reqs, num_reqs, 0, 0, 0, decode_kv,
-                                      num_reqs))
+    def predict_parts(self, shape: StepShape) -> tuple[float, float]:
+        """``(predict(shape), predict_host(shape))``, in one pass where a model can (the
+        simulator asks once per overlapped step)."""
+        return self.predict(shape), self.predict_host(shape)
 
     @abstractmethod
     def to_json(self) -> dict[str, Any]:
@@ -446,8 +454,10 @@ class OverlappedCostModel(CostModel):
 
     def split(self, shape: StepShape) -> tuple[float, float]:
         """``(host, device)`` seconds of the step; they add up to ``step.predict(shape)``."""
-        t = self.step.predict(shape)
-        h = self._host(shape)
+        if self.host is None:
+            t, h = self.step.predict_parts(shape)
+        else:
+            t, h = self.step.predict(shape), self.host.predict_host(shape)
         h = t if h > t else h if h > 0.0 else 0.0
         return h, t - h
 

@@ -118,13 +118,15 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
             else:
                 step_start = None
             if live:
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"the engine has no unfinished requests but {len(live)} "
-                                       "were never finished")
                 step_start = now
                 free_during_step = (len(records) if limit == math.inf
                                     else int(limit) - len(live))
                 outputs = engine.step()
+                # (asked only when a step returns nothing: an engine with no unfinished
+                # request has nothing to return)
+                if not outputs and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine has no unfinished requests but {len(live)} "
+                                       "were never finished")
                 now = clock.monotonic() - t0
                 for out in outputs:
                     state = live.get(out.request_id)

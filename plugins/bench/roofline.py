@@ -93,8 +93,20 @@ class RooflineCostModel(CostModel):
         return "compute" if self.compute_time(s) >= self.memory_time(s) else "memory"
 
     def predict(self, shape: StepShape) -> float:
-        return (self.overhead_s + self.per_req_s * shape.num_reqs
-                + max(self.compute_time(shape), self.memory_time(shape)))
+        return self.predict_parts(shape)[0]
+
+    def predict_parts(self, shape: StepShape) -> tuple[float, float]:
+        # compute_time and memory_time inlined, term for term (the same floats): once per
+        # simulated step.
+        n = shape.num_sampled
+        compute = (self._f_tok * shape.num_tokens + self._f_head * n
+                   + self._f_attn * (shape.prefill_attn + shape.decode_kv)
+                   ) / (self.peak_flops * self.compute_eff)
+        memory = (self._b_body + (self._b_head if n else 0.0)
+                  + self._b_kv * (shape.prefill_kv + shape.decode_kv + shape.num_tokens)
+                  ) / (self.device.mem_bw * self.bw_eff)
+        host = self.overhead_s + self.per_req_s * shape.num_reqs
+        return host + (compute if compute >= memory else memory), host
 
     def predict_host(self, shape: StepShape) -> float:
         """The additive terms, ``overhead_s + per_req_s*num_reqs``: the step's fixed and
@@ -102,16 +114,6 @@ class RooflineCostModel(CostModel):
         steps hide under the previous step's device time; the device's part is the roof.
         Assumed constants, as the defaults say, unless ``fit`` measured them."""
         return self.overhead_s + self.per_req_s * shape.num_reqs
-
-    def predict_decode(self, num_reqs: int, decode_kv: int) -> float:
-        # predict() of the decode step's shape, term for term in the same order (the same
-        # float), without building the shape.
-        flops = self._f_tok * num_reqs + self._f_head * num_reqs + self._f_attn * (0 + decode_kv)
-        nbytes = (self._b_body + (self._b_head if num_reqs else 0.0)
-                  + self._b_kv * (0 + decode_kv + num_reqs))
-        return (self.overhead_s + self.per_req_s * num_reqs
-                + max(flops / (self.peak_flops * self.compute_eff),
-                      nbytes / (self.device.mem_bw * self.bw_eff)))
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], model: ModelShape,

@@ -101,7 +101,11 @@ class _PricedStep(Future):
                 executor.num_overlapped_steps += 1
             executor.simulated_s += seconds
             self._output.timings["forward"] = seconds
-            executor._pass(seconds)
+            clock = executor.clock              # executor._pass(seconds), inlined
+            if clock is not None:
+                clock.advance(seconds)
+            else:
+                time.sleep(seconds)
         return self._output
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -222,12 +226,10 @@ class SimExecutor(Executor):
         if self.overlap:
             host, device = self.overlapped.split(shape)
             step = self._last_launched = _PricedStep(self, host, device, ModelRunnerOutput(
-                req_ids=list(req_ids), sampled_token_ids=[self.token_id] * len(req_ids),
-                timings={}))
+                list(req_ids), [self.token_id] * len(req_ids), None, {}))
             return step
         seconds = self.cost_model.predict(shape)
         self.simulated_s += seconds
         self._pass(seconds)
-        return ModelRunnerOutput(req_ids=list(req_ids),
-                                 sampled_token_ids=[self.token_id] * len(req_ids),
-                                 timings={"forward": seconds})
+        return ModelRunnerOutput(list(req_ids), [self.token_id] * len(req_ids), None,
+                                 {"forward": seconds})
