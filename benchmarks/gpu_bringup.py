@@ -8,7 +8,7 @@ own timeout, so one failing step hides nothing of the others).
                    token for token, on random-weight Llamas built the way tests/conftest.py
                    builds them; with and without CUDA graphs, and with chunked prefills
     make-qwen3     a random-weight checkpoint of Qwen3-0.6B's published shape (bfloat16), with
-                   the tests' tokenizer (corellm.demo.train_tokenizer)
+                   the tests' tokenizer (corellm.checkpoint.demo.train_tokenizer)
     tp-corellm     benchmarks/throughput.py, its engine config amended (``--platform`` JSON:
                    e.g. cuda_graphs off), the rest of the arguments passed through
     hf-throughput  transformers ``generate`` on the same workload as benchmarks/throughput.py
@@ -116,7 +116,7 @@ def release_device_memory(llm) -> None:
 
 def _tiny_llama(tokenizer, path: Path) -> Path:
     """tests/conftest.py's Llama, exactly: TINY sizes (head size 16), seed 1234, std 0.15."""
-    from corellm.demo import write_random_checkpoint
+    from corellm.checkpoint.demo import write_random_checkpoint
     from tests.conftest import _hf_config
     cfg = _hf_config("llama", len(tokenizer), tokenizer.eos_token_id)
     return write_random_checkpoint(path, cfg, tokenizer, seed=1234, init_std=0.15)
@@ -127,7 +127,7 @@ def _h128_llama(tokenizer, path: Path) -> Path:
     prompts over split_kv_min_len (1024) take the split-KV decode path when run eagerly."""
     import transformers as tf
 
-    from corellm.demo import write_random_checkpoint
+    from corellm.checkpoint.demo import write_random_checkpoint
     eos = tokenizer.eos_token_id
     cfg = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2048,
                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -177,7 +177,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     import torch
 
     from corellm import LLM, SamplingParams
-    from corellm.demo import train_tokenizer
+    from corellm.checkpoint.demo import train_tokenizer
     from tests.test_hf_equivalence import make_prompts
     device = args.device or default_device()
     tok = train_tokenizer(vocab_size=1024)
@@ -299,13 +299,13 @@ QWEN3_TINY = dict(QWEN3_06B, vocab_size=4096, hidden_size=128, intermediate_size
 
 def cmd_make_qwen3(args: argparse.Namespace) -> int:
     """Qwen3-0.6B's config with random weights (initializer_range 0.02, norms perturbed as
-    corellm.demo.write_random_checkpoint does), built directly in bfloat16 on the GPU (seconds,
+    corellm.checkpoint.demo.write_random_checkpoint does), built directly in bfloat16 on the GPU (seconds,
     where the CPU in float32 takes a minute and twice the disk), and the tests' tokenizer
     (1024 tokens: prompts are drawn below it; generated ids above it decode to nothing)."""
     import torch
     import transformers as tf
 
-    from corellm.demo import train_tokenizer
+    from corellm.checkpoint.demo import train_tokenizer
     device = args.device or default_device()
     out = Path(args.path)
     if (out / ".complete").exists():

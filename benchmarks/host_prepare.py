@@ -102,7 +102,7 @@ def runner_class(cls: type | None):
 def tiny_llama(directory: Path) -> Path:
     import transformers as tf
 
-    from corellm.demo import train_tokenizer, write_random_checkpoint
+    from corellm.checkpoint.demo import train_tokenizer, write_random_checkpoint
     tokenizer = train_tokenizer(vocab_size=1024)
     cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,

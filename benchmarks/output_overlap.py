@@ -55,7 +55,7 @@ def make_tiny(path: str | Path) -> Path:
         return path
     import transformers as tf
 
-    from corellm.demo import train_tokenizer, write_random_checkpoint
+    from corellm.checkpoint.demo import train_tokenizer, write_random_checkpoint
     tokenizer = train_tokenizer(vocab_size=1024)
     cfg = tf.LlamaConfig(**TINY, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None, pad_token_id=tokenizer.eos_token_id,

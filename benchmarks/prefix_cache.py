@@ -171,7 +171,7 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
     if args.model:
         model = Path(args.model)
     else:
-        from corellm.demo import ensure_demo_model
+        from corellm.checkpoint.demo import ensure_demo_model
         model = ensure_demo_model()
     facts = model_facts(model)
     vocab, special = prompt_id_space(model, facts["vocab_size"])

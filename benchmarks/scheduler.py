@@ -44,7 +44,7 @@ from corellm.request import EngineCoreRequest, Request  # noqa: E402
 from corellm.sampling_params import SamplingParams  # noqa: E402
 from corellm.scheduling import BatchScheduler  # noqa: E402
 from corellm_fairshare import FairSharePolicy  # noqa: E402
-from corellm.kv_cache import PagedKVCacheManager  # noqa: E402
+from corellm.kv.paged import PagedKVCacheManager  # noqa: E402
 from corellm_plugins.scheduler_fcfs import FCFSPolicy  # noqa: E402
 from corellm_plugins.scheduler_priority import PriorityPolicy  # noqa: E402
 from corellm_rsjf import ResidualSJFPolicy  # noqa: E402

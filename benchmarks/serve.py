@@ -470,7 +470,7 @@ def base_config(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     path = (data.get("model") or {}).get("path")
     if path:
         return data, Path(path)
-    from corellm.demo import ensure_demo_model
+    from corellm.checkpoint.demo import ensure_demo_model
     return data, ensure_demo_model()
 
 

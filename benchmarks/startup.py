@@ -77,7 +77,7 @@ def gguf_pieces(path: str) -> dict[str, float]:
     code = f"""
 import json, time
 import torch  # imported by the engine before it loads weights: not part of the loading time
-from corellm.model_config import iter_weights, load_arch_config
+from corellm.checkpoint.reader import iter_weights, load_arch_config
 from corellm.engine.llm import load_tokenizer
 load_arch_config({path!r})
 t = time.perf_counter(); n = sum(w.numel() for _, w in iter_weights({path!r}))
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--plot", help="write a bar chart (median, min-max) here (PNG)")
     args = ap.parse_args()
 
-    from corellm.demo import ensure_demo_model, smollm2_gguf
+    from corellm.checkpoint.demo import ensure_demo_model, smollm2_gguf
 
     targets: list[tuple[str, str | None, dict[str, str]]] = []
     base = {k: v for k, v in os.environ.items() if k != "CORELLM_DEFAULT_MODEL"}

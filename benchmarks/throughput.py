@@ -92,7 +92,7 @@ def _log(msg: str) -> None:
 def make_model(path: str | Path, seed: int = 0) -> Path:
     """Build (once; cached by a marker file) the random-weight float32 benchmark Llama.
 
-    The tokenizer is a byte-level BPE trained locally (corellm.demo.train_tokenizer). The pydoc
+    The tokenizer is a byte-level BPE trained locally (corellm.checkpoint.demo.train_tokenizer). The pydoc
     text it trains on yields only ~6.7k merges, so it is padded with reserved special tokens up to
     the model's 32000-entry vocabulary: every id the model can emit decodes, and engines that
     check prompt ids against the tokenizer (vLLM does) accept any id in the vocabulary.
@@ -108,7 +108,7 @@ def make_model(path: str | Path, seed: int = 0) -> Path:
                          "by this script; give an empty or new directory")
     from transformers import LlamaConfig
 
-    from corellm.demo import train_tokenizer, write_random_checkpoint
+    from corellm.checkpoint.demo import train_tokenizer, write_random_checkpoint
 
     t0 = time.perf_counter()
     _log(f"building the benchmark model in {path} (first use only)...")

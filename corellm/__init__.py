@@ -5,10 +5,13 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+from corellm import _imports
 from corellm.hookspecs import hookimpl
 from corellm.sampling_params import SamplingParams
 
-__version__ = "0.5.0"
+_imports.install()      # the modules' paths before 0.6 (CorellmDeprecationWarning)
+
+__version__ = "0.6.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "hookimpl", "load_config", "__version__"]
@@ -23,8 +26,8 @@ def __getattr__(name: str):
         from corellm.engine.async_llm import AsyncLLM
         return AsyncLLM
     if name in ("EngineConfig", "load_config"):
-        from corellm import config
-        return getattr(config, name)
+        from corellm.config import compose
+        return getattr(compose, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from corellm import outputs
         return getattr(outputs, name)

@@ -1,5 +1,5 @@
 import sys
 
-from corellm.cli import main
+from corellm.cli.main import main
 
 sys.exit(main())

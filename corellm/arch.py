@@ -3,7 +3,7 @@ needs, plus whatever a model needs), the Llama family's ``LlamaArchConfig``, its
 (``RopeConfig``), and ``ConfigReader``, the typed reads a model plugin's config parser makes.
 
 Data only: reading a checkpoint from disk and choosing the model plugin that parses it is
-``corellm.model_config``'s.
+``corellm.checkpoint.reader``'s.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from corellm.distributed import SINGLE, ParallelContext
+from corellm.platforms.distributed import SINGLE, ParallelContext
 from corellm.errors import ConfigError
-from corellm.registry import call_factory
+from corellm.plugins.registry import call_factory
 from corellm.specs import (  # noqa: F401  (public here)
     ComponentOptions, SchedulerOptions, KVCacheOptions, AttentionOptions, ExecutorOptions,
     SamplerOptions, FrontendOptions, PlatformOptions, NoOptions, SECTION_OF_OPTIONS,
@@ -29,11 +29,11 @@ from corellm.specs import (  # noqa: F401  (public here)
 
 if TYPE_CHECKING:
     from corellm.arch import ModelArchConfig
-    from corellm.engine_config import EngineConfig
+    from corellm.config.schema import EngineConfig
     from corellm.interfaces import AttentionBackend, KVCacheManager
-    from corellm.platforms import Platform
-    from corellm.plugins import Registry
-    from corellm.setup import EngineSetup
+    from corellm.platforms.interface import Platform
+    from corellm.plugins.discovery import Registry
+    from corellm.config.setup import EngineSetup
 
 
 @dataclass
@@ -43,10 +43,10 @@ class BuildContext:
     config: EngineConfig
     registry: Registry
     arch: ModelArchConfig | None = None
-    # The worker's platform (corellm.platforms.Platform), for worker-side components: its ops
+    # The worker's platform (corellm.platforms.interface.Platform), for worker-side components: its ops
     # (a sampler's argmax), its native kernels (an attention backend's), its device facts.
     platform: Platform | None = None
-    # What the config and checkpoint resolved to (corellm.setup.EngineSetup): set for the
+    # What the config and checkpoint resolved to (corellm.config.setup.EngineSetup): set for the
     # executor and every worker-side component.
     setup: EngineSetup | None = None
     device: Any = None                 # torch.device, for worker-side components
@@ -55,7 +55,7 @@ class BuildContext:
     num_kv_blocks: int | None = None
     attention_backend: AttentionBackend | None = None
     max_model_len: int | None = None
-    # This worker's rank among parallel.tensor_parallel_size (corellm.distributed); the one-rank
+    # This worker's rank among parallel.tensor_parallel_size (corellm.platforms.distributed); the one-rank
     # context outside workers and without tensor parallelism.
     parallel: ParallelContext = field(default_factory=lambda: SINGLE)
     # The key path of the component being built ("executor", "executor.delegate", ...), set
@@ -66,7 +66,7 @@ class BuildContext:
         """The model's tokenizer (``model.tokenizer``, else the checkpoint's), as the engine
         loads it: for components that read the vocabulary (a logits processor's words or
         grammar). Loaded on each call: keep what is needed of it."""
-        from corellm.model_config import load_tokenizer, model_path
+        from corellm.checkpoint.reader import load_tokenizer, model_path
 
         given = self.config.model.tokenizer
         return load_tokenizer(given or model_path(self.config),

@@ -11,7 +11,7 @@ Registration hooks (``corellm_platforms`` ... ``corellm_commands``) are called o
 plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
 Every implementation is called and all results are collected (none is "first wins"). Two plugins
 may provide one name: selecting it picks an installed plugin over a built-in, and is an error
-naming both distributions when two installed plugins provide it (``corellm.plugins.Registry.get``;
+naming both distributions when two installed plugins provide it (``corellm.plugins.discovery.Registry.get``;
 ``distribution:name`` selects one).
 
 Observer hooks (``corellm_engine_started``, ``corellm_step_finished``, ``corellm_engine_stopped``)
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from corellm.specs import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
                                KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec, PlatformSpec,
                                SamplerSpec, SchedulerSpec)
-    from corellm.engine_config import EngineConfig
+    from corellm.config.schema import EngineConfig
     from corellm.outputs import StepStats
 
 PROJECT_NAME = "corellm"
@@ -46,7 +46,7 @@ def corellm_platforms() -> Iterable[PlatformSpec]:
 
     Called once when the registry is built. Return an iterable of ``PlatformSpec``. The factory
     receives the validated options (a subclass of ``PlatformOptions``) and returns a
-    ``corellm.platforms.Platform``: the device, its memory, its distributed backend, its dtype
+    ``corellm.platforms.interface.Platform``: the device, its memory, its distributed backend, its dtype
     rules, how a step runs (``ModelStepper``) and the kernels it gives models
     (``corellm.ops.DeviceOps``). ``availability()`` says why it cannot run here;
     ``platform.name: auto`` (the default) picks the available one of the highest
@@ -150,7 +150,7 @@ def corellm_models() -> Iterable[ModelSpec]:
     a checkpoint is ``model.implementation`` when set, else the spec listing its architecture
     (an installed plugin's over a built-in's; two installed ones make ``model.implementation``
     necessary). The spec's ``config_class`` (a
-    ``corellm.model_config.ModelArchConfig`` subclass; default: the core's Llama-family
+    ``corellm.checkpoint.reader.ModelArchConfig`` subclass; default: the core's Llama-family
     ``LlamaArchConfig``) parses the checkpoint's config. The factory receives that parsed config
     and a ``BuildContext`` with ``device``, ``dtype``, ``attention_backend`` and
     ``max_model_len`` set, and returns a module implementing ``corellm.interfaces.CausalLM``

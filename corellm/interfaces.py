@@ -2,13 +2,13 @@
 
 The engine core talks to components only through these. Shared mechanism that several
 implementations need (the batching scheduler, the block pool) lives in the core as a library
-(``corellm.scheduling``, ``corellm.block_pool``) that plugins compose.
+(``corellm.scheduling``, ``corellm.kv.block_pool``) that plugins compose.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from corellm.attention import AttentionBuildLimits, AttentionMetadataBuilder, KVCacheSpec
-    from corellm.outputs import (DecodeRunOutput, EngineCoreOutput, ModelRunnerOutput,
+    from corellm.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                  SchedulerOutput, SchedulerStats)
     from corellm.request import Request
     from corellm.policy_view import SchedulingContext, WaitingQueue
@@ -75,16 +75,6 @@ class Scheduler(ABC):
 
     @abstractmethod
     def get_stats(self) -> SchedulerStats: ...
-
-    # Decode runs (plugin API 1.3), deprecated in 1.6: never called, removed in 1.7.
-    def schedule_decode_run(self, token_id: int) -> tuple[SchedulerOutput, int] | None:
-        """Deprecated in plugin API 1.6: the engine no longer asks (one step path)."""
-        return None
-
-    def update_from_decode_run(self, plan: SchedulerOutput, num_steps: int,
-                               token_id: int) -> list[EngineCoreOutput]:
-        """Deprecated in plugin API 1.6: the engine no longer asks (one step path)."""
-        raise NotImplementedError(f"{type(self).__name__} plans no decode runs")
 
 
 class SchedulingPolicy(ABC):
@@ -412,8 +402,6 @@ class Executor(ABC):
     """
 
     clock: Clock | None = None
-    #: Deprecated in plugin API 1.6 (the engine no longer runs decode runs; removed in 1.7).
-    fixed_token_id: int | None = None
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -445,12 +433,6 @@ class Executor(ABC):
         """Run the step: forward pass on every worker and sampling on rank 0. Returns rank 0's
         output, or a future of it (the engine waits on it; an executor with worker processes
         hands the wait back, so a failure can surface as the future's exception)."""
-
-    def execute_decode_run(self, plan: SchedulerOutput, max_steps: int,
-                           keep_going: Callable[[], bool]) -> DecodeRunOutput:
-        """Deprecated in plugin API 1.6 (never called; removed in 1.7): decode runs are gone,
-        one step path serves every executor."""
-        raise NotImplementedError(f"{type(self).__name__} runs one step per call")
 
     @property
     @abstractmethod

@@ -107,15 +107,6 @@ INVALID_REQUEST = "invalid_request: "
 SERVER_BUSY = "server_busy: "
 
 
-@dataclass
-class DecodeRunOutput:
-    """What ``Executor.execute_decode_run`` returns: the steps it ran, in order. Every request of
-    the plan sampled the executor's ``fixed_token_id`` at every one of them."""
-
-    step_seconds: list[float]       # each step's duration
-    step_end_times: list[float]     # the engine clock's monotonic() when each step ended
-
-
 # --------------------------------------------------------------------------- core -> client
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The per-step delta of one request. ``num_cached_tokens`` and ``first_scheduled_time``

@@ -324,7 +324,7 @@ class FrontendSpec(ComponentSpec):
 class ModelSpec(ComponentSpec):
     """A model implementation, chosen by the checkpoint's ``architectures`` (config.json).
 
-    ``config_class`` parses the checkpoint's config: a ``corellm.model_config.ModelArchConfig``
+    ``config_class`` parses the checkpoint's config: a ``corellm.checkpoint.reader.ModelArchConfig``
     subclass (its ``from_dict``), by default the core's Llama-family ``LlamaArchConfig``.
     ``factory(arch, ctx) -> CausalLM`` receives that parsed config; ``ctx.device``,
     ``ctx.dtype``, ``ctx.attention_backend`` and ``ctx.max_model_len`` are set and the factory
@@ -350,14 +350,14 @@ def _available(*_: Any) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class PlatformSpec(ComponentSpec):
-    """A device platform (``corellm.platforms.Platform``): ``factory(options) -> Platform``.
+    """A device platform (``corellm.platforms.interface.Platform``): ``factory(options) -> Platform``.
 
     ``availability() -> reason or None``: why the platform cannot run on this machine (no
     device, no driver), asked lazily (``platform: auto``, ``corellm plugins``), so a probe that
     imports torch costs nothing at discovery. ``auto_priority``: ``platform: auto`` picks the
     available platform of the highest one; None keeps it out of ``auto`` (selected by name
     only, as a reference or test platform should be). ``interface_version``: the major.minor
-    of ``corellm.platforms.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
+    of ``corellm.platforms.interface.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
     ``default_block_size`` (plugin API 1.3): the platform's ``Platform.default_block_size``,
     declared here so that a config is validated without building the platform (building one
     imports torch and its kernels; a run that executes no model, such as the simulator's, never
@@ -382,7 +382,7 @@ class CommandSpec(ComponentSpec):
     --help`` and its description unless the factory sets another) and names the function that
     runs it: ``parser.set_defaults(func=run)`` with ``run(args) -> int``, the exit status. It may
     add nested sub-commands, each setting its own ``func``. The parser is a
-    ``corellm.cli_parser.Parser``, as are the nested ones it makes, so a misspelt flag is answered with
+    ``corellm.cli.parser.Parser``, as are the nested ones it makes, so a misspelt flag is answered with
     the closest one; give every argument a ``help``. Heavy imports belong inside ``run``:
     every ``corellm`` invocation builds every command's parser. A ``CorellmError`` that ``run``
     raises is printed as ``corellm: error: ...`` with exit status 2, as the built-in commands'

@@ -39,14 +39,14 @@ def _hf_config(arch: str, vocab_size: int, eos: int):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from corellm.demo import train_tokenizer
+    from corellm.checkpoint.demo import train_tokenizer
     return train_tokenizer(vocab_size=1024)
 
 
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory, tokenizer):
     """make_checkpoint(arch, **config_overrides) -> path of a cached tiny checkpoint."""
-    from corellm.demo import write_random_checkpoint
+    from corellm.checkpoint.demo import write_random_checkpoint
 
     cache: dict[tuple, Path] = {}
 

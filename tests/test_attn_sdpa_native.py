@@ -24,7 +24,7 @@ import torch
 from corellm.attention import AttentionBuildLimits
 from corellm.errors import ConfigError
 from corellm.interfaces import AttentionLayerSpec
-from corellm.platforms import NativeUnavailable
+from corellm.platforms.interface import NativeUnavailable
 from corellm_plugins.platform_cpu import CpuOptions
 from corellm_plugins.platform_cpu.platform import CpuPlatform
 from tests.attn_reference import common_metadata, paged_cache, reference_attention
@@ -414,7 +414,7 @@ def test_decode_paths_equal_transformers(make_checkpoint):
 
 
 def test_decode_and_prefill_options_are_validated_at_their_keys():
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     attention = load_config({"attention": {"name": "torch_sdpa"}}).attention
     assert (attention.decode, attention.prefill) == ("auto", "auto")
     with pytest.raises(ConfigError, match=r"attention\.decode.*'auto', 'native' or 'gather'"):

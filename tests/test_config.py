@@ -7,11 +7,11 @@ import json
 import pytest
 
 import corellm
-from corellm.cli import main
+from corellm.cli.main import main
 from corellm.components import SchedulerOptions
-from corellm.config import EngineConfig, config_schema, load_config
+from corellm.config.compose import EngineConfig, config_schema, load_config
 from corellm.errors import ConfigError
-from corellm.plugins import load_registry
+from corellm.plugins.discovery import load_registry
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ class _TestPlatforms:
 
     @staticmethod
     def _make(options):
-        from corellm.platforms import Platform
+        from corellm.platforms.interface import Platform
 
         class Fake(Platform):
             device_type = "cpu"
@@ -75,7 +75,7 @@ def test_kv_block_size_defaults_per_platform(registry, caplog):
     assert size({"platform": {"name": "cpu"}, "kv_cache": {"block_size": 16}}) == 16
     with_fake = load_registry(plugins=[_TestPlatforms()])
     assert size({"platform": {"name": "fake16"}}, with_fake) == 16
-    with caplog.at_level("INFO", logger="corellm.config"):
+    with caplog.at_level("INFO", logger="corellm.config.compose"):
         cfg = load_config({}, registry=with_fake)
     assert cfg.platform.name == "fake16" and cfg.kv_cache.block_size == 16
     assert "platform.name: auto -> fake16" in caplog.text
@@ -314,7 +314,7 @@ def test_an_unknown_engine_argument_names_the_closest(llama_path):
 
 def test_engine_arguments_of_none_keep_the_default():
     """vLLM's None means "the default": the config key is left alone."""
-    from corellm.engine_config import engine_arg_overrides
+    from corellm.config.schema import engine_arg_overrides
 
     assert engine_arg_overrides({"seed": None, "max_num_batched_tokens": None,
                                  "max_num_seqs": 8}) == [("scheduler.max_num_seqs", 8)]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from corellm.constraint_shape import repetition_size, without_annotations
+from corellm.serving.constraint_shape import repetition_size, without_annotations
 from corellm.errors import InvalidRequestError
 from corellm.sampling_params import StructuredOutputsParams
 from corellm_plugins.frontend_openai.constraints import check_constraint_bounds

@@ -274,7 +274,7 @@ def test_num_params_matches_transformers():
 
 
 def test_model_shape_from_arch():
-    from corellm.model_config import LlamaArchConfig, ModelArchConfig
+    from corellm.checkpoint.reader import LlamaArchConfig, ModelArchConfig
 
     cfg = {"architectures": ["X"], "hidden_size": 8, "num_hidden_layers": 2,
            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32,

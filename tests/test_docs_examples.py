@@ -38,8 +38,8 @@ QUOTED = {
     "A platform": [
         *(REPO / "examples" / "corellm-platform-reference" / "corellm_platform_reference")
         .glob("*.py"), REPO / "tests" / "test_example_platform.py",
-        *(REPO / "corellm" / name for name in ("platforms.py", "devices.py", "ops.py",
-                                                "layers/layers.py"))],
+        *(REPO / "corellm" / name for name in ("platforms/interface.py", "platforms/devices.py",
+                                                "ops.py", "layers/layers.py"))],
     # The example, and the core's sampling module, interface and default sampler it composes.
     "A sampler": [REPO / "examples" / "corellm-banned-tokens" / "corellm_ban_tokens"
                   / "__init__.py",
@@ -90,7 +90,7 @@ def test_guide_quotes_the_code_verbatim(title):
 def test_command_example_runs(capsys):
     """"A command": the guide's plugin, registered in-process, is a `corellm trace` command
     with its help, its flags and its exit status."""
-    from corellm.cli import main
+    from corellm.cli.main import main
 
     blocks = python_blocks(section("A command"))
     assert len(blocks) == 1
@@ -210,7 +210,7 @@ def test_policy_package_is_complete(tmp_path):
     """The page names what a newcomer needs (the Request field with the prompt length, the
     hook), the entry point names the module the page prints, and the printed commands are
     valid for this corellm and name files that exist."""
-    from corellm.cli import build_parser
+    from corellm.cli.main import build_parser
 
     section = policy_section()
     for needed in ("`num_prompt_tokens`", "@hookimpl", "policy_scheduler(",
@@ -246,9 +246,9 @@ def test_policy_package_in_process(policy_package, llama_path):
     policy orders as the page says: shortest prompt first, and a prompt that arrived 1 s
     earlier counts aging_tokens_per_s (50) tokens less."""
     from corellm import LLM
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     from corellm.errors import ConfigError
-    from corellm.plugins import load_registry
+    from corellm.plugins.discovery import load_registry
 
     package, module = policy_package
     registry = load_registry(plugins=[module])

@@ -61,10 +61,10 @@ def test_a_kv_cache_larger_than_memory_is_refused_at_start(llama_path):
 
 
 def test_the_setup_is_resolved_once(llama_path, monkeypatch):
-    """The checkpoint's config is read once per engine (``corellm.setup.resolve_setup``), and
+    """The checkpoint's config is read once per engine (``corellm.config.setup.resolve_setup``), and
     the worker takes its facts from the resulting ``EngineSetup``: the batch limits are the
     scheduler's own options, the block size the config's."""
-    import corellm.model_config as mc
+    import corellm.checkpoint.reader as mc
     from corellm import LLM
     from tests.conftest import engine_config
 

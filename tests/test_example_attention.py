@@ -205,9 +205,9 @@ def test_backend_matches_dense_causal_attention(naive_module, dtype, compute_dty
 
 # --------------------------------------------------------------------------- options and docs
 def test_option_typo_and_bad_value_are_config_errors(naive_module):
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     from corellm.errors import ConfigError
-    from corellm.plugins import load_registry
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[naive_module])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)

@@ -39,8 +39,8 @@ def lines_module(monkeypatch):
 def build_frontend(module, path, **options):
     """What `corellm serve` does before `run()`: validate the config, build the front end."""
     from corellm.components import BuildContext
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     # The entry point is disabled in case the example is also installed here.
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[module])
@@ -204,8 +204,8 @@ def test_bad_options_are_config_errors_at_their_key_paths(lines_module, llama_pa
 
 
 def test_example_config_validates(lines_module):
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[lines_module])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)

@@ -42,7 +42,7 @@ PROJECT = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
 REFERENCE = "reference"
 SUMMARY = "The CPU with corellm's plain torch ops only: the starting point of a device port."
 # The corellm modules a third-party package may import (the example's own list, checked below).
-PUBLIC = {"corellm", "corellm.components", "corellm.platforms", "corellm.layers",
+PUBLIC = {"corellm", "corellm.components", "corellm.platforms.interface", "corellm.layers",
           "corellm.ops"}
 
 
@@ -108,7 +108,7 @@ def assert_reference_path(llm) -> None:
     core layer and in the sampler, no layer with kernel state, the eager stepper, and an
     attention backend that found no platform to build its C kernels."""
     from corellm.ops import REFERENCE_OPS, OpsModule
-    from corellm.platforms import ModelStepper
+    from corellm.platforms.interface import ModelStepper
 
     runner = llm.engine.executor.worker.runner
     assert type(runner.platform).__name__ == "ReferencePlatform"
@@ -194,7 +194,7 @@ def test_free_memory_is_the_hosts_available_share(reference_module, llama_path):
 
 # --------------------------------------------------------------------------- discovery and config
 def test_corellm_plugins_lists_it_available_under_its_distribution(installed_example, capsys):
-    from corellm.cli import main
+    from corellm.cli.main import main
 
     assert main(["plugins", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
@@ -221,9 +221,9 @@ def test_corellm_plugins_lists_it_available_under_its_distribution(installed_exa
 
 
 def test_auto_never_picks_it(reference_module):
-    from corellm.config import load_config
-    from corellm.platforms import choose_platform
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.platforms.interface import choose_platform
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[reference_module])
     chosen, skipped = choose_platform(registry)
@@ -246,7 +246,7 @@ def test_auto_never_picks_it(reference_module):
 
 
 def test_bad_options_are_config_errors_naming_key_and_distribution(installed_example):
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
 
     distribution = f"{PROJECT['name']} {PROJECT['version']}"
     cfg = load_config({"platform": {"name": REFERENCE, "threads": 3}})
@@ -268,8 +268,8 @@ def test_bad_options_are_config_errors_naming_key_and_distribution(installed_exa
 
 
 def test_example_config_validates(reference_module):
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[reference_module])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)
@@ -288,7 +288,7 @@ def test_the_example_imports_only_public_names():
                 if name.split(".")[0] in ("corellm", "corellm_plugins"):
                     assert name in PUBLIC, f"{f.name} imports {name}"
                     imported.add(name)
-    assert {"corellm.platforms", "corellm.ops"} <= imported
+    assert {"corellm.platforms.interface", "corellm.ops"} <= imported
 
 
 def test_entry_module_does_not_import_torch():

@@ -110,8 +110,8 @@ def test_in_process_plugin_preempts_longest_prompt(spf_module, llama_path):
 
 
 def test_example_config_validates(spf_module):
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[spf_module])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)

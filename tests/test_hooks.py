@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from corellm import LLM, SamplingParams, hookimpl, hookspecs
-from corellm.block_pool import BlockPool
+from corellm.kv.block_pool import BlockPool
 from corellm.components import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendOptions,
                                 FrontendSpec, KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec,
                                 PlatformSpec, SamplerSpec, SchedulerSpec)
-from corellm.config import load_config
+from corellm.config.compose import load_config
 from corellm.errors import PluginError
 from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager,
                                 LogitsProcessor, Sampler, SchedulingPolicy)
 from corellm.ops import DeviceOps
-from corellm.platforms import ModelStepper, Platform
-from corellm.plugins import load_registry
+from corellm.platforms.interface import ModelStepper, Platform
+from corellm.plugins.discovery import load_registry
 from corellm.sampling import SamplerOutput
 from corellm.scheduling import BatchScheduler
 from tests.conftest import assert_pool_whole, engine_config
@@ -496,7 +496,7 @@ class CommandPlugin:
 
 
 def test_corellm_commands(capsys, caplog):
-    from corellm.cli import build_parser, main
+    from corellm.cli.main import build_parser, main
     help_text = build_parser([CommandPlugin()]).format_help()
     assert "hello" in help_text and "say hello" in help_text and "bench" in help_text
     assert "serve an OpenAI-compatible API" in help_text       # the built-in kept its name
@@ -527,7 +527,7 @@ def test_a_registry_that_cannot_load_leaves_the_command_line_working(monkeypatch
     """Under CORELLM_STRICT_PLUGINS a bad plugin makes the registry fail: the command line still
     answers --version and --help, and the command that needs the registry says why."""
     from corellm import __version__
-    from corellm.cli import main
+    from corellm.cli.main import main
 
     monkeypatch.setenv("CORELLM_STRICT_PLUGINS", "1")
     with pytest.raises(SystemExit) as exit_:

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule)
 
-from corellm.block_pool import BlockHasher, BlockPool, EvictionPolicy
+from corellm.kv.block_pool import BlockHasher, BlockPool, EvictionPolicy
 from corellm.interfaces import CachedPrefix
-from corellm.kv_cache import PagedKVCacheManager
+from corellm.kv.paged import PagedKVCacheManager
 from corellm.request import EngineCoreRequest, Request
 from corellm.sampling_params import SamplingParams
 

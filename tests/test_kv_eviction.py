@@ -1,5 +1,5 @@
-"""The eviction-policy extension point of the KV block pool (``corellm.block_pool``), the public
-paged manager (``corellm.kv_cache``) built on it, its deprecated import path, and the example
+"""The eviction-policy extension point of the KV block pool (``corellm.kv.block_pool``), the public
+paged manager (``corellm.kv.paged``) built on it, its deprecated import path, and the example
 package examples/corellm-lfu-kv, registered in-process.
 
 The pool is checked against a policy that records every call, against LRU and LFU on the same
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, settings
 
 import tests.test_kv_cache_manager as paged_tests
 from corellm import LLM, SamplingParams
-from corellm.block_pool import BlockPool, EvictionPolicy, LRUEviction
+from corellm.kv.block_pool import BlockPool, EvictionPolicy, LRUEviction
 from corellm.errors import ConfigError, CorellmDeprecationWarning
-from corellm.kv_cache import PagedKVCacheManager, PagedKVCacheOptions
+from corellm.kv.paged import PagedKVCacheManager, PagedKVCacheOptions
 from tests.conftest import assert_pool_whole, engine_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,7 +281,7 @@ def test_the_old_import_path_warns_once_and_gives_the_core_classes():
         from corellm_plugins.kv_paged import PagedKVCacheOptions as OldOptions
     assert OldManager is PagedKVCacheManager and OldOptions is PagedKVCacheOptions
     message = ("corellm_plugins.kv_paged.{0}, which is deprecated and will be removed in "
-               "corellm 0.5; use corellm.kv_cache.{0}")
+               "corellm 0.5; use corellm.kv.paged.{0}")
     assert [(w.category, str(w.message)) for w in record] == [
         (CorellmDeprecationWarning, message.format(name))
         for name in ("PagedKVCacheManager", "PagedKVCacheOptions")]
@@ -340,8 +340,8 @@ def test_the_example_keeps_a_shared_prefix_that_lru_loses_and_generates_the_same
 
 
 def test_the_example_config_validates_with_the_paged_options():
-    from corellm.config import load_config
-    from corellm.plugins import load_registry
+    from corellm.config.compose import load_config
+    from corellm.plugins.discovery import load_registry
 
     registry = load_registry(disable=[EXAMPLE_ENTRY_POINT], plugins=[lfu])
     config = load_config(EXAMPLE / "config.yaml", registry=registry)

@@ -195,7 +195,7 @@ def test_without_xgrammar_structured_outputs_are_refused_with_the_reason(llama_p
     asking for structured outputs is refused naming that, instead of failing in the worker."""
     import importlib.util
 
-    from corellm.plugins import load_registry
+    from corellm.plugins.discovery import load_registry
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -20,9 +20,9 @@ from corellm import LLM, SamplingParams
 from corellm.components import ModelSpec
 from corellm.errors import CheckpointError, PluginError
 from corellm.layers import get_rope
-from corellm.model_config import (ConfigReader, LlamaArchConfig, ModelArchConfig, RopeConfig,
+from corellm.checkpoint.reader import (ConfigReader, LlamaArchConfig, ModelArchConfig, RopeConfig,
                                   load_arch_config)
-from corellm.plugins import load_registry
+from corellm.plugins.discovery import load_registry
 from tests.conftest import assert_pool_whole, engine_config
 from tests.test_hf_equivalence import compare, hf_greedy, make_prompts
 
@@ -60,7 +60,7 @@ def test_phi_variants_match_transformers(make_checkpoint):
 def test_phi_plugin_uses_only_public_interfaces():
     """What a third-party author has: corellm's public modules and the plugin's own package."""
     public = {"corellm", "corellm.components", "corellm.errors", "corellm.interfaces",
-              "corellm.layers", "corellm.model_config", "corellm.distributed"}
+              "corellm.layers", "corellm.checkpoint.reader", "corellm.platforms.distributed"}
     for file in (REPO / "plugins" / "models_phi").glob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -236,7 +236,7 @@ def test_a_broken_parser_is_named(llama_path, tmp_path):
 
 def test_config_class_must_be_a_model_arch_config():
     with pytest.raises(PluginError, match="config_class must subclass "
-                                          "corellm.model_config.ModelArchConfig"):
+                                          "corellm.checkpoint.reader.ModelArchConfig"):
         load_registry(plugins=[RenamedPlugin(config_class=dict)])
 
 

@@ -48,7 +48,7 @@ def chunked(ids: list, sizes: list[int]) -> list[list]:
 def demo_tokenizer():
     """The same tokenizer as conftest's session fixture (built once here too, so hypothesis
     strategies can refer to it at collection time)."""
-    from corellm.demo import train_tokenizer
+    from corellm.checkpoint.demo import train_tokenizer
     return train_tokenizer(vocab_size=1024)
 
 

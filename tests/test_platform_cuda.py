@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from corellm.attention import AttentionBuildLimits, CommonAttentionMetadata
-from corellm.config import load_config
+from corellm.config.compose import load_config
 from corellm.errors import ConfigError
-from corellm.platforms import StepInputs
-from corellm.plugins import load_registry
+from corellm.platforms.interface import StepInputs
+from corellm.plugins.discovery import load_registry
 from corellm_plugins import platform_cuda
 from corellm_plugins.platform_cuda import CudaOptions
 from corellm_plugins.platform_cuda.graphs import (DecodeGraphs, capture_sizes, graphs_refused,
@@ -113,7 +113,7 @@ def test_unavailable_here_is_listed_with_its_reason_and_refused_by_name(capsys, 
     assert reason is not None
     assert (reason.startswith("torch was built without CUDA (torch ")
             or reason.startswith("no CUDA device visible"))
-    from corellm.cli import main
+    from corellm.cli.main import main
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["components"]
     cuda = next(r for r in rows if r["kind"] == "platform" and r["name"] == "cuda")
@@ -123,7 +123,7 @@ def test_unavailable_here_is_listed_with_its_reason_and_refused_by_name(capsys, 
     assert {o["name"] for o in cuda["options"]} == {"gpu_memory_utilization", "cuda_graphs",
                                                     "cuda_graph_batch_sizes"}
     registry = load_registry()
-    with caplog.at_level("INFO", logger="corellm.config"):
+    with caplog.at_level("INFO", logger="corellm.config.compose"):
         assert load_config({}, registry=registry).platform.name == "cpu"
     assert f"cuda: {reason}" in caplog.text
     with pytest.raises(ConfigError) as err:
@@ -745,7 +745,7 @@ def test_the_probe_reads_torch_s_build_without_importing_it():
 def test_platform_specs_declare_their_platforms_block_size():
     """The block size a config defaults to without building the platform (the spec's) is the
     one the platform has."""
-    from corellm.plugins import load_registry
+    from corellm.plugins.discovery import load_registry
     from corellm_plugins.platform_cpu.platform import CpuPlatform
     from corellm_plugins.platform_cuda.platform import CudaPlatform
 

@@ -10,7 +10,7 @@ import pytest
 
 import corellm
 from corellm.errors import ConfigError, PluginError
-from corellm.plugins import load_registry
+from corellm.plugins.discovery import load_registry
 from tests.plugin_fixtures import install_fake_dist
 
 SCHED_PLUGIN = """
@@ -51,7 +51,7 @@ def test_broken_import_is_a_warning_until_used(site, caplog, llama_path):
     assert "fake-broken 0.9" in caplog.text and "no_such_module_xyz" in caplog.text
     assert reg.broken and reg.broken[0].info.distribution == "fake-broken"
     # The config does not use it: start-up goes on.
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     load_config({"model": {"path": str(llama_path)}}, registry=reg)
     # The config names a component it might have provided: start-up stops, naming the failure.
     with pytest.raises(ConfigError) as info:
@@ -70,7 +70,7 @@ def test_duplicate_component_names_both_distributions(site, llama_path):
                       {"fake_b": "fake_b"})
     reg = load_registry()
     assert "twin" in reg.choices("scheduler") and "twin" not in reg.components["scheduler"]
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     load_config({"model": {"path": str(llama_path)}}, registry=reg)     # not selected: fine
     with pytest.raises(ConfigError) as info:
         load_config({"scheduler": {"name": "twin"}}, registry=reg)
@@ -98,7 +98,7 @@ def test_installed_plugin_takes_precedence_over_a_builtin_name(site, caplog):
     install_fake_dist(site, "fake-c", "1.0", {"fake_c": SCHED_PLUGIN.format(name="fcfs")},
                       {"fake_c": "fake_c"})
     reg = load_registry()
-    with caplog.at_level(logging.INFO, logger="corellm.plugins"):
+    with caplog.at_level(logging.INFO, logger="corellm.plugins.discovery"):
         entry = reg.get("scheduler", "fcfs")
     assert entry.plugin.distribution == "fake-c"
     assert "scheduler 'fcfs': using scheduler 'fcfs' of plugin 'fake_c'" in caplog.text
@@ -124,7 +124,7 @@ def test_duplicate_architecture_is_chosen_by_model_implementation(site, caplog):
     install_fake_dist(site, "fake-m", "1.0", {"fake_m": src.format(name="my-llama")},
                       {"fake_m": "fake_m"})
     reg = load_registry()
-    with caplog.at_level(logging.INFO, logger="corellm.plugins"):
+    with caplog.at_level(logging.INFO, logger="corellm.plugins.discovery"):
         chosen = reg.model_for(["LlamaForCausalLM"])
     assert chosen.spec.name == "my-llama"
     assert "architecture 'LlamaForCausalLM': using model 'my-llama'" in caplog.text
@@ -210,7 +210,7 @@ def test_a_bad_installed_plugin_is_set_aside(site, llama_path, caplog, source, s
     assert "fake-bad 3.1" in text and stage in text and needle in text, text
     assert "fake_bad" not in reg.plugins and "fake_bad" in caplog.text
     assert "bad_sched" not in reg.choices("scheduler")      # none of its components stay
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     load_config({"model": {"path": str(llama_path)}}, registry=reg)
     with pytest.raises(PluginError, match="CORELLM_STRICT_PLUGINS") as info:
         load_registry(strict=True)
@@ -218,7 +218,7 @@ def test_a_bad_installed_plugin_is_set_aside(site, llama_path, caplog, source, s
 
 
 def test_plugin_api_version_declared_by_a_plugin(site):
-    from corellm.plugins import PLUGIN_API_VERSION, parse_api_version
+    from corellm.plugins.discovery import PLUGIN_API_VERSION, parse_api_version
     major, minor = PLUGIN_API_VERSION
     for declared, ok in [(f"{major}.{minor}", True), (f"{major}.0", True), ((major, minor), True),
                          (major, True), (f"{major}.{minor + 1}", False),
@@ -329,11 +329,14 @@ def test_registration_hook_wrappers_rejected():
 
 
 def test_a_renamed_builtin_entry_point_still_answers_to_its_old_name(monkeypatch):
-    """The sim executor's plugin was the entry point executor_sim; it is bench now. The old
-    name still selects, disables and allows it until 0.5, with a deprecation warning."""
+    """A built-in entry point that is renamed (``RENAMED_BUILTINS``; the sim executor's plugin
+    was executor_sim until 0.5, bench since) keeps answering to its old name for a release:
+    it selects, disables and allows the plugin, with a deprecation warning."""
     from corellm.errors import CorellmDeprecationWarning
+    from corellm.plugins import registry as registry_module
 
-    with pytest.warns(CorellmDeprecationWarning, match="'executor_sim'.*use 'bench'"):
+    monkeypatch.setitem(registry_module.RENAMED_BUILTINS, "executor_sim", ("bench", "9.9"))
+    with pytest.warns(CorellmDeprecationWarning, match="'executor_sim'.*9.9; use 'bench'"):
         assert "sim" not in load_registry(disable=["executor_sim"]).choices("executor")
     with pytest.warns(CorellmDeprecationWarning):
         assert "sim" not in load_registry(disable=["corellm:executor_sim"]).choices("executor")
@@ -343,3 +346,7 @@ def test_a_renamed_builtin_entry_point_still_answers_to_its_old_name(monkeypatch
     monkeypatch.setenv("CORELLM_PLUGINS", "executor_sim,executor_uniproc")
     with pytest.warns(CorellmDeprecationWarning):
         assert load_registry().choices("executor") == ["sim", "uniproc"]
+    monkeypatch.delitem(registry_module.RENAMED_BUILTINS, "executor_sim")
+    monkeypatch.delenv("CORELLM_PLUGINS")
+    with pytest.raises(PluginError, match="executor_sim"):
+        load_registry().get("executor", "executor_sim:sim")

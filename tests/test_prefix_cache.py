@@ -234,7 +234,7 @@ def test_cache_salt_isolates_requests(llama_path):
 
 def test_engine_salt_and_seed_change_the_keys():
     from corellm.request import EngineCoreRequest, Request
-    from corellm.kv_cache import PagedKVCacheManager
+    from corellm.kv.paged import PagedKVCacheManager
 
     request = Request(EngineCoreRequest("r", list(range(40)), SamplingParams(), None, 0.0), 64)
 

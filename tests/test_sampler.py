@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corellm.plugins import load_registry
+from corellm.plugins.discovery import load_registry
 from corellm.sampling import SamplingMetadata
 
 V = 50
@@ -16,7 +16,7 @@ def sampler():
     reg = load_registry()
     entry = reg.get("sampler", "default")
     from corellm.components import BuildContext
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
     return entry.spec.factory(entry.spec.options(),
                               BuildContext(config=load_config({}, registry=reg), registry=reg))
 

@@ -1,6 +1,6 @@
-"""The core's mechanism for work one client must not be able to stretch: ``corellm.sandbox``
-(calls in child processes that a deadline kills), ``corellm.fair`` (the queue they wait in) and
-``corellm.lru.ByteLRU`` (a cache bounded by bytes). In process, with small child functions."""
+"""The core's mechanism for work one client must not be able to stretch: ``corellm.serving.sandbox``
+(calls in child processes that a deadline kills), ``corellm.serving.fair`` (the queue they wait in) and
+``corellm.serving.lru.ByteLRU`` (a cache bounded by bytes). In process, with small child functions."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from corellm.errors import InvalidRequestError
-from corellm.lru import ByteLRU
-from corellm.sandbox import DeadlineExceeded, Sandbox, SandboxError
+from corellm.serving.lru import ByteLRU
+from corellm.serving.sandbox import DeadlineExceeded, Sandbox, SandboxError
 
 _state: dict = {}
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from corellm import LLM, SamplingParams
-from corellm.distributed import free_port
+from corellm.platforms.distributed import free_port
 from corellm.errors import ConfigError
 from corellm.interfaces import ExecutorError
 from tests.conftest import assert_pool_whole, engine_config
@@ -130,9 +130,9 @@ def test_the_platforms_device_count_is_checked():
     import torch
 
     from corellm.components import PlatformOptions
-    from corellm.distributed import check_tensor_parallel
-    from corellm.platforms import Platform
-    from corellm.model_config import LlamaArchConfig
+    from corellm.platforms.distributed import check_tensor_parallel
+    from corellm.platforms.interface import Platform
+    from corellm.checkpoint.reader import LlamaArchConfig
     arch = LlamaArchConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
                                       "hidden_size": 64, "num_hidden_layers": 1,
                                       "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -160,8 +160,8 @@ def test_the_platforms_device_count_is_checked():
 
 
 def test_the_shorthand_and_the_cli_flag_pick_multiproc(make_checkpoint):
-    from corellm.cli import _engine_config, build_parser
-    from corellm.config import load_config
+    from corellm.cli.main import _engine_config, build_parser
+    from corellm.config.compose import load_config
     path = make_checkpoint("llama")
     cfg = load_config({"model": {"path": str(path)}, "executor": {"tensor_parallel_size": 2}})
     assert cfg.parallel.tensor_parallel_size == 2 and cfg.executor.name == "multiproc"

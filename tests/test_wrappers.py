@@ -17,10 +17,10 @@ from corellm.components import (AttentionBackendSpec, AttentionOptions, BuildCon
                                 ExecutorOptions, ExecutorSpec, FrontendOptions, FrontendSpec,
                                 KVCacheManagerSpec, KVCacheOptions, SamplerOptions, SamplerSpec,
                                 SchedulerOptions, SchedulerSpec, delegate_field)
-from corellm.config import load_config
+from corellm.config.compose import load_config
 from corellm.errors import ConfigError, OptionError, PluginError
 from corellm.interfaces import Frontend
-from corellm.plugins import load_registry
+from corellm.plugins.discovery import load_registry
 from corellm.wrappers import (AttentionBackendWrapper, ExecutorWrapper, FrontendWrapper,
                               KVCacheManagerWrapper, SamplerWrapper, SchedulerWrapper)
 from tests.conftest import assert_pool_whole, engine_config
@@ -215,7 +215,7 @@ def test_the_delegates_own_options_are_validated_with_key_paths(llama_path):
 
 
 def test_the_config_schema_points_a_delegate_at_its_section():
-    from corellm.config import config_schema
+    from corellm.config.compose import config_schema
     schema = config_schema(load_registry(plugins=[Counting()]))
     [variant] = [v for v in schema["properties"]["sampler"]["oneOf"]
                  if v["title"] == "sampler: counting"]
@@ -282,7 +282,7 @@ def test_example_timing_executor_wraps_multiproc_under_tensor_parallelism(
 
 
 def test_torchrun_ranks_find_the_launcher_worker_through_a_wrapper(llama_path, timing_module):
-    from corellm.plugins import executor_launcher_worker
+    from corellm.plugins.discovery import executor_launcher_worker
     reg = load_registry(disable=["executor_timing"], plugins=[timing_module])
     cfg = load_config(engine_config(llama_path, executor={"name": "timing"},
                                     parallel={"tensor_parallel_size": 2,
@@ -414,7 +414,7 @@ def test_a_delegate_built_from_python_gets_its_own_options_class(llama_path):
     """An EngineConfig made in code holds the delegate's default as the section's base options;
     building it validates them with the delegate's own model (its defaults included)."""
     from corellm.components import SECTION_OF_OPTIONS
-    from corellm.config import EngineConfig
+    from corellm.config.compose import EngineConfig
     seen = {}
 
     class Plugin(Counting):
@@ -458,7 +458,7 @@ def test_factory_errors_that_name_their_cause_keep_their_type(llama_path, tmp_pa
 
 
 def test_wrapper_attributes_can_be_assigned():
-    from corellm.kv_cache import PagedKVCacheManager
+    from corellm.kv.paged import PagedKVCacheManager
 
     inner = PagedKVCacheManager(8, 4)
     wrapped = KVCacheManagerWrapper(inner)

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from corellm.config import EngineConfig
+from corellm.config.compose import EngineConfig
 from corellm.engine import ipc
 from corellm.engine.core_client import _MPClientBase
 from corellm.engine.core_process import SEND_TIMEOUT_S, STOP_TIMEOUT_S

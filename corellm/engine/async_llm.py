@@ -22,14 +22,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from corellm.config import EngineConfig
+from corellm.config.compose import EngineConfig
 from corellm.engine.async_client import AsyncMPClient
 from corellm.engine.ipc import EngineDeadError
 from corellm.engine.llm import build_config, load_tokenizer
 from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
 from corellm.engine.processor import Processor, PromptType
-from corellm.logits_processors import RequestChecker
-from corellm.model_config import load_generation_eos_ids, model_path
+from corellm.config.logits_processors import RequestChecker
+from corellm.checkpoint.reader import load_generation_eos_ids, model_path
 from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.sampling_params import SamplingParams
 

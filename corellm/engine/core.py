@@ -16,17 +16,16 @@ from typing import Any
 
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
-from corellm.config import EngineConfig
-from corellm.deprecation import warn_deprecated
+from corellm.config.compose import EngineConfig
 from corellm.errors import ConfigError, PluginError
 from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCacheManager,
                                 ModelInfo, Scheduler)
-from corellm.logits_processors import enabled_logits_processors
+from corellm.config.logits_processors import enabled_logits_processors
 from corellm.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput, EngineStats, FinishedRequestStats,
                              ModelRunnerOutput, SchedulerOutput, StepStats)
-from corellm.plugins import Registry
+from corellm.plugins.discovery import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
-from corellm.setup import EngineSetup, resolve_setup
+from corellm.config.setup import EngineSetup, resolve_setup
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,6 @@ class EngineCore:
         self.timings: dict[str, float] = defaultdict(float)
         # Every unfinished request, for the records of StepStats.finished.
         self._requests: dict[str, Request] = {}
-        self._warn_decode_runs()
         # Overlapped steps: the step handed to the executor and not yet updated.
         self.async_scheduling = self._resolve_async_scheduling()
         self._in_flight: _Launched | None = None
@@ -178,22 +176,6 @@ class EngineCore:
             raise ConfigError([("scheduler.max_num_batched_tokens",
                                 f"{sched.max_num_batched_tokens} < model.max_model_len={max_len} "
                                 "with chunked prefill disabled: long prompts could never run")])
-
-    def _warn_decode_runs(self) -> None:
-        """Decode runs (plugin API 1.3) are gone: an executor or scheduler still offering them
-        works, one step per call, and hears that its methods are never called."""
-        executor, scheduler = type(self.executor), type(self.scheduler)
-        runs = getattr(executor, "execute_decode_run", Executor.execute_decode_run)
-        if getattr(self.executor, "fixed_token_id", None) is not None \
-                or runs is not Executor.execute_decode_run:
-            warn_deprecated(f"{executor.__qualname__}.fixed_token_id / execute_decode_run "
-                            "(decode runs, never called since 0.5)",
-                            "one execute_model per step", "0.6")
-        if getattr(scheduler, "schedule_decode_run", Scheduler.schedule_decode_run) \
-                is not Scheduler.schedule_decode_run:
-            warn_deprecated(f"{scheduler.__qualname__}.schedule_decode_run / "
-                            "update_from_decode_run (decode runs, never called since 0.5)",
-                            "schedule() / update_from_output()", "0.6")
 
     def _resolve_async_scheduling(self) -> bool:
         """Overlapped steps when the executor runs two at once (``max_concurrent_batches``,
@@ -406,13 +388,6 @@ class EngineCore:
                 num_prefill_tokens=plan.total_num_scheduled_tokens - decodes,
                 num_decode_reqs=decodes, finished=finished))
         return outputs
-
-    def step_decode_run(self, keep_going: Callable[[], bool]) -> None:
-        """Deprecated in 0.5 (removed in 0.6): decode runs are gone, ``step()`` is the one step
-        path. Returns None, "take one ``step()`` instead", as it did whenever no run was
-        possible."""
-        warn_deprecated("EngineCore.step_decode_run (decode runs)", "EngineCore.step()", "0.6")
-        return None
 
     def _failed(self, plan: SchedulerOutput, exc: BaseException) -> None:
         """A plan's execution or update raised ``exc``: what that ends."""

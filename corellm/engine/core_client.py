@@ -33,14 +33,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from corellm.config import EngineConfig
+from corellm.config.compose import EngineConfig
 from corellm.engine import ipc
 from corellm.engine.core import EngineCore
 from corellm.engine.core_process import SEND_TIMEOUT_S, STOP_TIMEOUT_S, _CoreProcess
 from corellm.engine.ipc import EngineDeadError
 from corellm.interfaces import ModelInfo
 from corellm.outputs import EngineCoreOutputs, StepStats
-from corellm.plugins import Registry
+from corellm.plugins.discovery import Registry
 from corellm.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)

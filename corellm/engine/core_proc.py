@@ -337,7 +337,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     """Entry point of the engine-core process (started with the spawn method). ``ipc_dir``
     holds the two sockets; the core removes it if its parent dies (else the client does).
     ``max_outputs_ahead``: flow control, for a client that credits the batches it processed."""
-    from corellm.logs import configure_logging
+    from corellm.engine.logs import configure_logging
     # The parent's level; the format from CORELLM_LOG_FORMAT, which the spawn inherits.
     configure_logging(level=log_level)
     # Ctrl-C in a terminal and systemd's KillMode=control-group signal the whole process group.
@@ -352,7 +352,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     engine = proc = None
     try:
         from corellm.engine.core import EngineCore
-        from corellm.plugins import load_registry
+        from corellm.plugins.discovery import load_registry
 
         # The config arrives validated (an EngineConfig, pickled by the spawn): the registry is
         # built again, since plugins are imported per process.

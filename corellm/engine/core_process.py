@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from corellm.config import EngineConfig
+from corellm.config.compose import EngineConfig
 from corellm.engine.ipc import EngineStartupError
 from corellm.interfaces import ModelInfo
 

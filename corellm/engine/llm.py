@@ -8,24 +8,24 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from corellm.config import EngineConfig, load_config, read_config_file
-from corellm.engine_config import apply_overrides, engine_arg_overrides
+from corellm.config.compose import EngineConfig, load_config, read_config_file
+from corellm.config.schema import apply_overrides, engine_arg_overrides
 from corellm.engine.core import EngineCore
 from corellm.engine.core_client import InprocClient, SyncMPClient, ThreadedInprocClient
 from corellm.engine.output_processor import OutputProcessor
 from corellm.engine.processor import Processor, PromptType
 from corellm.errors import InvalidRequestError
-from corellm.model_config import (  # noqa: F401  (load_tokenizer: importable here too)
+from corellm.checkpoint.reader import (  # noqa: F401  (load_tokenizer: importable here too)
     load_generation_eos_ids, load_tokenizer, model_path, plain_fast_tokenizer_name,
     tokenizer_path)
 from corellm.outputs import EngineStats, RequestOutput, StepStats
-from corellm.logits_processors import RequestChecker
-from corellm.plugins import Registry, load_registry
+from corellm.config.logits_processors import RequestChecker
+from corellm.plugins.discovery import Registry, load_registry
 from corellm.sampling_params import SamplingParams
 
 
 def _config_eos_ids(path: str) -> list[int]:
-    from corellm.model_config import read_checkpoint_config
+    from corellm.checkpoint.reader import read_checkpoint_config
 
     cfg, _ = read_checkpoint_config(path)
     eos = cfg.get("text_config", cfg).get("eos_token_id", cfg.get("eos_token_id"))
@@ -116,7 +116,7 @@ class LLM:
     demo model is used. vLLM's engine arguments set the config keys their ``corellm serve``
     flags set, over the config: ``LLM(model=PATH, dtype="bfloat16", max_model_len=4096,
     max_num_seqs=64, max_num_batched_tokens=2048, block_size=16, tensor_parallel_size=2,
-    seed=0, enable_prefix_caching=False)`` (``corellm.engine_config.ENGINE_ARGS``); an unknown
+    seed=0, enable_prefix_caching=False)`` (``corellm.config.schema.ENGINE_ARGS``); an unknown
     one is a ``TypeError`` naming the closest. ``plugins`` registers extra in-process plugin
     objects.
 

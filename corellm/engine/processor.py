@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from corellm.errors import InvalidRequestError
 from corellm.interfaces import ModelInfo
-from corellm.logits_processors import RequestChecker
+from corellm.config.logits_processors import RequestChecker
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corellm.distributed import SINGLE, ParallelContext, divide, kv_head_split
+from corellm.platforms.distributed import SINGLE, ParallelContext, divide, kv_head_split
 from corellm.layers.loading import narrow_weight, weight_shape
 from corellm.ops import OpsModule
 

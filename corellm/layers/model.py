@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from corellm.distributed import SINGLE, ParallelContext, kv_head_split
+from corellm.platforms.distributed import SINGLE, ParallelContext, kv_head_split
 from corellm.interfaces import CausalLM
 from corellm.layers.attention import bind_kv_caches
 from corellm.layers.linear import ParallelLMHead

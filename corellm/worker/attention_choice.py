@@ -11,12 +11,12 @@ from typing import Any
 
 from corellm.arch import ModelArchConfig
 from corellm.components import BuildContext
-from corellm.distributed import ParallelContext
-from corellm.engine_config import EngineConfig
+from corellm.platforms.distributed import ParallelContext
+from corellm.config.schema import EngineConfig
 from corellm.errors import ConfigError, PluginError
 from corellm.interfaces import AttentionLayerSpec
-from corellm.registry import RegisteredComponent, Registry
-from corellm.setup import EngineSetup
+from corellm.plugins.registry import RegisteredComponent, Registry
+from corellm.config.setup import EngineSetup
 from corellm.specs import AttentionOptions
 
 

@@ -14,7 +14,7 @@ from corellm.components import BuildContext
 from corellm.errors import PluginError
 from corellm.interfaces import LogitsProcessor, RequestsFailed
 from corellm.outputs import INVALID_REQUEST, SERVER_BUSY
-from corellm.registry import RegisteredComponent, call_factory
+from corellm.plugins.registry import RegisteredComponent, call_factory
 from corellm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)

@@ -21,18 +21,18 @@ import torch
 from corellm.attention import (AttentionBuildLimits, BatchOrder, CommonAttentionMetadata,
                                KVCacheSpec)
 from corellm.components import BuildContext
-from corellm.config import EngineConfig
-from corellm.distributed import SINGLE, ParallelContext
-from corellm.deprecation import acting_plugin
+from corellm.config.compose import EngineConfig
+from corellm.platforms.distributed import SINGLE, ParallelContext
+from corellm.plugins.deprecation import acting_plugin
 from corellm.errors import CheckpointError, ConfigError, CorellmError, PluginError
 from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
-from corellm.model_config import iter_weights
+from corellm.checkpoint.reader import iter_weights
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from corellm.platforms import Platform, StepInputs
-from corellm.plugins import Registry
-from corellm.setup import EngineSetup
+from corellm.platforms.interface import Platform, StepInputs
+from corellm.plugins.discovery import Registry
+from corellm.config.setup import EngineSetup
 from corellm.worker.attention_choice import predicted_attention_layers, select_attention_backend
-from corellm.logits_processors import enabled_logits_processors
+from corellm.config.logits_processors import enabled_logits_processors
 from corellm.worker.input_batch import InputBatch
 from corellm.worker.logits_processing import LogitsProcessorSet
 from corellm.worker.request_state import CachedRequestState

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 
-from corellm.block_pool import num_blocks_for_budget
-from corellm.config import EngineConfig
-from corellm.distributed import SINGLE, ParallelContext
+from corellm.kv.block_pool import num_blocks_for_budget
+from corellm.config.compose import EngineConfig
+from corellm.platforms.distributed import SINGLE, ParallelContext
 from corellm.errors import ConfigError
 from corellm.interfaces import ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
-from corellm.platforms import Platform, build_platform
-from corellm.plugins import Registry, load_registry
-from corellm.setup import EngineSetup, resolve_setup
+from corellm.platforms.interface import Platform, build_platform
+from corellm.plugins.discovery import Registry, load_registry
+from corellm.config.setup import EngineSetup, resolve_setup
 from corellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

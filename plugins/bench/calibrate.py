@@ -211,7 +211,7 @@ def device_description() -> dict[str, Any]:
 
 
 def _model_facts(config: Any, registry: Any) -> tuple[str, Any, ModelShape]:
-    from corellm.model_config import (checkpoint_name, model_path, parse_arch_config,
+    from corellm.checkpoint.reader import (checkpoint_name, model_path, parse_arch_config,
                                       read_checkpoint_config)
     path = model_path(config)
     cfg, source = read_checkpoint_config(path)
@@ -317,7 +317,7 @@ def roofline_profile(config: Any, device_key: str, *, dtype: str | None = None,
     device ``device_key`` of ``corellm_plugins.bench.devices.DEVICES``, priced by a roofline."""
     import corellm
     from corellm.engine.llm import build_config
-    from corellm.model_config import resolve_dtype_name
+    from corellm.checkpoint.reader import resolve_dtype_name
 
     if device_key not in DEVICES:
         raise ValueError(f"unknown device {device_key!r}; known: {', '.join(sorted(DEVICES))}")

@@ -338,7 +338,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from corellm.model_config import checkpoint_name
+    from corellm.checkpoint.reader import checkpoint_name
 
     from .env import environment, loadavg
     from .metrics import parse_goodput

@@ -38,14 +38,14 @@ from concurrent.futures import Future
 from typing import Any
 
 
-from corellm.block_pool import num_blocks_for_budget
+from corellm.kv.block_pool import num_blocks_for_budget
 from corellm.clock import VirtualClock
 from corellm.components import BuildContext
 from corellm.errors import ConfigError
 from corellm.interfaces import Executor, ModelInfo
-from corellm.model_config import checkpoint_name, resolve_dtype_name
+from corellm.checkpoint.reader import checkpoint_name, resolve_dtype_name
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
-from corellm.setup import resolve_setup
+from corellm.config.setup import resolve_setup
 
 from .costmodel import CostModel, OverlappedCostModel, StepShape
 from .model_shape import model_fingerprint

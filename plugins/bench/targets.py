@@ -180,13 +180,13 @@ def config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]
 def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
                      tokenizer: bool = True) -> Path:
     """The tokenizer (or, ``tokenizer=False``, checkpoint) a config names: a directory or a GGUF
-    file; without one, the default model's (``corellm.demo.default_model``: the random demo is
+    file; without one, the default model's (``corellm.checkpoint.demo.default_model``: the random demo is
     built only when it is the model that runs)."""
     model = config_data(config).get("model") or {}
     path = (tokenizer and model.get("tokenizer")) or model.get("path")
     if path:
         return Path(path)
-    from corellm.demo import default_model
+    from corellm.checkpoint.demo import default_model
     return default_model()[0]
 
 
@@ -258,7 +258,7 @@ def _plain_token_space(model_dir: str | Path) -> tuple[int, set[int]] | None:
     tokens its ``tokenizer_config.json`` names (what ``load_tokenizer`` loads directly); None
     for any other kind, which is loaded whole."""
     from corellm.engine.llm import plain_fast_tokenizer_name
-    from corellm.model_config import tokenizer_path
+    from corellm.checkpoint.reader import tokenizer_path
 
     local = tokenizer_path(str(model_dir))
     if not plain_fast_tokenizer_name(local) or (local / "special_tokens_map.json").exists():

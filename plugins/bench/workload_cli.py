@@ -466,7 +466,7 @@ def _describe(args: argparse.Namespace) -> int:
         if args.wl_tokenizer:
             tokenizer = load_tokenizer(args.wl_tokenizer)
         else:
-            from corellm.demo import default_model
+            from corellm.checkpoint.demo import default_model
             tokenizer = load_tokenizer(str(default_model()[0]))
         vocab = max(vocab, len(tokenizer))
     workload = build_workload(spec, vocab_size=vocab, seed=args.wl_seed, tokenizer=tokenizer)

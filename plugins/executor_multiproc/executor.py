@@ -32,12 +32,12 @@ from typing import Any
 
 from corellm.components import BuildContext
 from corellm.config import EngineConfig
-from corellm.distributed import check_tensor_parallel
+from corellm.platforms.distributed import check_tensor_parallel
 from corellm.interfaces import Executor, ExecutorError, ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, build_platform
 from corellm.plugins import Registry
-from corellm.setup import EngineSetup, resolve_setup
+from corellm.config.setup import EngineSetup, resolve_setup
 from corellm_plugins.executor_multiproc.backend import _Backend
 from corellm_plugins.executor_multiproc.launcher import _LauncherBackend
 from corellm_plugins.executor_multiproc.spawn import _SpawnBackend

@@ -10,13 +10,13 @@ import signal
 from typing import Any
 
 from corellm.config import EngineConfig
-from corellm.distributed import destroy_parallel, init_parallel, launcher_env
+from corellm.platforms.distributed import destroy_parallel, init_parallel, launcher_env
 from corellm.errors import ConfigError
 from corellm.interfaces import ExecutorError, ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, build_platform
 from corellm.plugins import Registry
-from corellm.setup import EngineSetup
+from corellm.config.setup import EngineSetup
 from corellm_plugins.executor_multiproc.backend import _Backend, _cpu_threads, _describe
 
 # The executor's logger: the package's records come under one name, the executor's.

@@ -17,13 +17,13 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from corellm.config import EngineConfig
-from corellm.distributed import destroy_parallel, free_port, init_parallel
+from corellm.platforms.distributed import destroy_parallel, free_port, init_parallel
 from corellm.errors import CorellmError
 from corellm.interfaces import ExecutorError, ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, build_platform
 from corellm.plugins import load_registry
-from corellm.setup import EngineSetup
+from corellm.config.setup import EngineSetup
 from corellm_plugins.executor_multiproc.backend import _Backend, _cpu_threads, _describe
 from corellm_plugins.executor_multiproc.shm import (RingClosed, RingReader, RingWriter,
                                                    create_ring, doorbell_pair, unlink_ring)
@@ -53,7 +53,7 @@ def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_metho
     stop (or the engine is gone)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from corellm.logs import configure_logging
+    from corellm.engine.logs import configure_logging
     configure_logging()        # as the corellm command set it: CORELLM_LOG_FORMAT / _LEVEL
     parent = os.getppid()
     os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")

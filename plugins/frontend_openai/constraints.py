@@ -11,11 +11,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from corellm.constraint_shape import constraint_shape, digest, json_depth
+from corellm.serving.constraint_shape import constraint_shape, digest, json_depth
 from corellm.errors import InvalidRequestError
-from corellm.lru import ByteLRU
+from corellm.serving.lru import ByteLRU
 from corellm.sampling_params import SamplingParams, StructuredOutputsParams
-from corellm.sandbox import CallRejected, ChildDied, DeadlineExceeded, Sandbox, StartFailed
+from corellm.serving.sandbox import CallRejected, ChildDied, DeadlineExceeded, Sandbox, StartFailed
 
 from .errors import APIError, _busy, _invalid
 from .options import ConstraintLimits
@@ -101,7 +101,7 @@ def check_constraint_bounds(so: StructuredOutputsParams, limits: ConstraintLimit
 
 
 # --------------------------------------------------------------------------- the check process
-# The server's constraint checks run in child processes (corellm.sandbox): each child builds the
+# The server's constraint checks run in child processes (corellm.serving.sandbox): each child builds the
 # enabled logits processors' checker once, from the server's config.
 _checker: Any = None
 
@@ -110,7 +110,7 @@ def init_checker(config: Any) -> None:
     """A check process's initializer: the checker the engine's ``Processor`` has, built again
     (plugins are imported per process)."""
     global _checker
-    from corellm.logits_processors import RequestChecker
+    from corellm.config.logits_processors import RequestChecker
     from corellm.plugins import load_registry
 
     _checker = RequestChecker.for_config(config, load_registry(disable=config.plugins.disable))
@@ -124,7 +124,7 @@ def check_in_child(params: SamplingParams) -> None:
 def checker_imports(entries: Any) -> list[str]:
     """What the check processes' fork server imports ahead: the checker's modules and the
     enabled processors' ``validate_imports`` (``entries``: their registry entries)."""
-    mods = ["corellm.logits_processors", "corellm.plugins", __name__]
+    mods = ["corellm.config.logits_processors", "corellm.plugins", __name__]
     for entry in entries:
         mods.extend(entry.spec.validate_imports)
     return list(dict.fromkeys(mods))
@@ -146,7 +146,7 @@ STRIKE_TTL_S = 600.0
 
 class ConstraintChecks:
     """A server's checks of output constraints: the bounds (``frontend.limits.constraints``),
-    then the enabled logits processors' checks in two check processes (``corellm.sandbox``),
+    then the enabled logits processors' checks in two check processes (``corellm.serving.sandbox``),
     cheapest first, each killed at ``check_timeout_s``. ``off_loop(fn, *args, cost=...)`` runs
     work on the preprocessing pool."""
 

@@ -4,7 +4,7 @@ its own process, served by uvicorn.
 Nothing a single request asks for may stall the others: what it may ask for is bounded
 (``frontend.limits``, and a text is refused by its length when it cannot fit the context),
 parsing large bodies, chat templates and tokenization run on worker threads that take the
-cheapest job first (``corellm.fair.FairExecutor``), and outputs are processed in short slices
+cheapest job first (``corellm.serving.fair.FairExecutor``), and outputs are processed in short slices
 (``AsyncLLM``), so the event loop answers ``/health`` and other clients while the largest
 allowed request runs. On SIGTERM/SIGINT the server drains: new requests get 503, running ones
 may finish within ``frontend.drain_timeout_s``, the rest end with an error event naming the
@@ -34,8 +34,8 @@ from corellm.components import BuildContext
 from corellm.engine.async_llm import AsyncLLM
 from corellm.errors import CorellmError, RequestAbortedError
 from corellm.interfaces import Frontend
-from corellm.logs import configured as logs_configured
-from corellm.model_config import checkpoint_name
+from corellm.engine.logs import configured as logs_configured
+from corellm.checkpoint.reader import checkpoint_name
 
 from .app import build_app
 from .guard import ServerState
@@ -171,7 +171,7 @@ class OpenAIServer(Frontend):
             app = build_app(engine, opts, self.model_name, state)
             engine.finished_callbacks.append(app.state.metrics.observe_finished)
             await app.state.metrics.start()       # one get_stats: gauges before the first step
-            # Under the corellm command (corellm.logs), uvicorn's loggers write through its
+            # Under the corellm command (corellm.engine.logs), uvicorn's loggers write through its
             # handler, in its format; elsewhere uvicorn installs its own handlers.
             own_logs = {"log_config": None} if logs_configured() else {}
             config = uvicorn.Config(

@@ -16,7 +16,7 @@ from corellm.engine.async_llm import AsyncLLM, RequestStream
 from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat_text
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import InvalidRequestError
-from corellm.fair import FairExecutor
+from corellm.serving.fair import FairExecutor
 from corellm.outputs import INVALID_REQUEST, SERVER_BUSY, CompletionOutput
 from corellm.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ from .streaming import _gather_finals, _merge, _sse, _sse_data
 
 
 # What a chat message costs the template beyond its text, in characters' worth of tokenizing
-# (corellm.fair.FairExecutor's unit: about a microsecond).
+# (corellm.serving.fair.FairExecutor's unit: about a microsecond).
 CHAT_COST_PER_MESSAGE = 16
 
 

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from corellm.components import BuildContext
-from corellm.distributed import ParallelContext
+from corellm.platforms.distributed import ParallelContext
 from corellm.errors import CheckpointError
 from corellm.interfaces import AttentionBackend
 from corellm.layers import (Attention, DecoderForCausalLM, MergedColumnParallelLinear,
                             QKVParallelLinear, RMSNorm, RowParallelLinear, SiluAndMul,
                             VocabParallelEmbedding, get_rope, load_weights, materialize)
-from corellm.model_config import LlamaArchConfig
+from corellm.checkpoint.reader import LlamaArchConfig
 
 
 class LlamaAttention(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from corellm.components import BuildContext
-from corellm.distributed import ParallelContext
+from corellm.platforms.distributed import ParallelContext
 from corellm.interfaces import AttentionBackend
 from corellm.layers import (Attention, ColumnParallelLinear, DecoderForCausalLM,
                             QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,

@@ -15,9 +15,9 @@ import json
 
 import xgrammar as xgr
 
-from corellm.constraint_shape import digest, without_annotations
+from corellm.serving.constraint_shape import digest, without_annotations
 from corellm.errors import InvalidRequestError
-from corellm.lru import ByteLRU
+from corellm.serving.lru import ByteLRU
 from corellm.sampling_params import StructuredOutputsParams
 
 # Kinds of source, and what each becomes.

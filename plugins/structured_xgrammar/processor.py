@@ -5,8 +5,8 @@ A compile runs first in a compile process (``grammars.probe``), where
 ``logits_processors.compile_timeout_s`` can kill it, then, once it is known to finish in time,
 in the worker, whose matchers need the compiled grammar (xgrammar's serialization of a large
 compiled grammar costs more than compiling it again). Compiles are queued cheapest first,
-costed by the constraint's shape (``corellm.constraint_shape``), with one of the two compile
-workers kept for small constraints (``corellm.fair.FairExecutor``'s rules), so constraints
+costed by the constraint's shape (``corellm.serving.constraint_shape``), with one of the two compile
+workers kept for small constraints (``corellm.serving.fair.FairExecutor``'s rules), so constraints
 costed as expensive hold at most one worker, each for at most twice the deadline. A
 constraint past the deadline twice is remembered and refused at once when it comes back. Compiled
 grammars are kept by digest, up to ``logits_processors.cache_bytes``."""
@@ -26,10 +26,10 @@ import xgrammar as xgr
 
 from corellm.components import BuildContext
 from corellm.interfaces import LogitsProcessor, RequestsFailed
-from corellm.lru import ByteLRU
+from corellm.serving.lru import ByteLRU
 from corellm.sampling_params import SamplingParams
-from corellm.constraint_shape import constraint_shape, digest
-from corellm.sandbox import ChildDied, DeadlineExceeded, Sandbox
+from corellm.serving.constraint_shape import constraint_shape, digest
+from corellm.serving.sandbox import ChildDied, DeadlineExceeded, Sandbox
 from corellm_plugins.structured_xgrammar.grammars import (GrammarRefused, compile_with,
                                                           init_compiler, probe, source)
 
@@ -98,7 +98,7 @@ class XGrammarProcessor(LogitsProcessor):
 
     @classmethod
     def for_engine(cls, ctx: BuildContext) -> XGrammarProcessor:
-        from corellm.model_config import load_generation_eos_ids, model_path
+        from corellm.checkpoint.reader import load_generation_eos_ids, model_path
 
         vocab = ctx.setup.arch.vocab_size
 
@@ -153,7 +153,7 @@ class XGrammarProcessor(LogitsProcessor):
     def _submit(self, so: SamplingParams, kind: str, text: str, key: bytes) -> Future:
         """The compiled grammar of (kind, text): from the cache, a compile in progress (shared
         by the requests that wait for it), or a new compile job, costed by the constraint's
-        shape (``corellm.constraint_shape``)."""
+        shape (``corellm.serving.constraint_shape``)."""
         fut: Future = Future()
         if self._failures(key) >= STRIKES:
             fut.set_exception(DeadlineExceeded(self.compile_timeout_s))

@@ -13,9 +13,9 @@ import itertools
 from collections.abc import Iterator
 
 from corellm import hookimpl
-from corellm.block_pool import EvictionPolicy
+from corellm.kv.block_pool import EvictionPolicy
 from corellm.components import BuildContext, KVCacheManagerSpec
-from corellm.kv_cache import PagedKVCacheManager, PagedKVCacheOptions
+from corellm.kv.paged import PagedKVCacheManager, PagedKVCacheOptions
 
 CORELLM_PLUGIN_API = "1.0"
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """A fair queue for work that many clients share: the cheapest job first, with aging, on two
 threads, one of them kept for small jobs. The server's preprocessing (tokenizing prompts,
 rendering chat templates) runs on one; constraint checks and grammar compiles run on others,
-whose threads each drive a child process that a deadline can kill (``corellm.sandbox``)."""
+whose threads each drive a child process that a deadline can kill (``corellm.serving.sandbox``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The component registry: every component the loaded plugins offer, by section and name, and
 how a name resolves when several plugins provide it.
 
-``corellm.plugins.load_registry`` builds one (public as ``corellm.plugins.Registry``);
+``corellm.plugins.discovery.load_registry`` builds one (public as ``corellm.plugins.discovery.Registry``);
 ``call_factory`` runs a registered factory with its errors attributed to the plugin.
 """
 
@@ -16,20 +16,20 @@ from typing import Any
 
 import pluggy
 
-from corellm.deprecation import acting_plugin, warn_deprecated
+from corellm.plugins.deprecation import acting_plugin, warn_deprecated
 from corellm.errors import ConfigError, CorellmError, OptionError, PluginError
 from corellm.interfaces import ExecutorError
 from corellm.specs import ComponentOptions, ComponentSpec, delegate_fields
 
-logger = logging.getLogger("corellm.plugins")
+logger = logging.getLogger("corellm.plugins.discovery")
 
 # The distribution whose plugins are the built-ins: an installed plugin providing the same
 # component name or architecture takes precedence over them (see Registry.get).
 BUILTIN_DISTRIBUTION = "corellm"
 # Built-in entry points that were renamed -> (their name now, the release the old one goes in).
-# The old name keeps selecting (``executor_sim:sim``), disabling and allowing its plugin until
+# The old name keeps selecting (``old:component``), disabling and allowing its plugin until
 # then, with a deprecation warning.
-RENAMED_BUILTINS: dict[str, tuple[str, str]] = {"executor_sim": ("bench", "0.5")}
+RENAMED_BUILTINS: dict[str, tuple[str, str]] = {}
 
 
 def renamed_builtin(name: str, info: PluginInfo) -> bool:

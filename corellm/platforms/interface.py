@@ -11,7 +11,7 @@ Platforms are plugins like any other component (``corellm_platforms`` in
 ``corellm.hookspecs``), selected by the ``platform`` config section; ``platform: {name: auto}``
 (the default) picks the available platform of the highest ``auto_priority`` when the config is
 loaded, and says why the others were passed over. The core never branches on a device type: the
-one function that knows which device is the host's memory is ``corellm.devices.host_visible``
+one function that knows which device is the host's memory is ``corellm.platforms.devices.host_visible``
 (re-exported here), and everything else asks the platform.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from corellm.devices import HOST_DEVICE_TYPE, host_memory_available, host_visible  # noqa: F401
+from corellm.platforms.devices import HOST_DEVICE_TYPE, host_memory_available, host_visible  # noqa: F401
 from corellm.errors import ConfigError, PluginError
 from corellm.specs import PLATFORM_INTERFACE_VERSION  # noqa: F401  (public here)
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from corellm.specs import PlatformOptions
     from corellm.ops import DeviceOps
-    from corellm.registry import Registry
+    from corellm.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -278,10 +278,10 @@ def available_platforms(registry: Registry) -> list[Platform]:
 def build_platform(options: PlatformOptions, registry: Registry) -> Platform:
     """The platform the (validated, resolved) ``platform`` section names, made by its plugin's
     factory; a plugin whose factory returns something else is a PluginError naming it."""
-    from corellm.registry import call_factory
+    from corellm.plugins.registry import call_factory
     entry = registry.get("platform", options.name)
     platform = call_factory(entry, "platform", options)
     if not isinstance(platform, Platform):
         raise PluginError(f"{entry.plugin.describe()}: the platform factory of {options.name!r} "
-                          f"returned {type(platform).__name__}, not a corellm.platforms.Platform")
+                          f"returned {type(platform).__name__}, not a corellm.platforms.interface.Platform")
     return platform

@@ -26,9 +26,9 @@ from corellm.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from corellm.engine_config import ParallelConfig
+    from corellm.config.schema import ParallelConfig
     from corellm.arch import ModelArchConfig
-    from corellm.platforms import Platform
+    from corellm.platforms.interface import Platform
 
 TP_KEY = "parallel.tensor_parallel_size"
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 # The configuration's shape is public here too.
-from corellm.engine_config import (DEPRECATED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
+from corellm.config.schema import (DEPRECATED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
                                    SECTIONS, EngineConfig, LogitsProcessorsConfig, ModelConfig,
                                    ParallelConfig,
                                    PluginsConfig, apply_overrides, did_you_mean,
@@ -28,7 +28,7 @@ from corellm.specs import (SECTION_SPECS, AttentionOptions, ComponentOptions,  #
                            PlatformOptions, SamplerOptions, SchedulerOptions, delegate_fields)
 
 if TYPE_CHECKING:
-    from corellm.plugins import Registry
+    from corellm.plugins.discovery import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     if values["plugins"] is None:
         raise ConfigError(problems, source=origin)
     if registry is None:
-        from corellm.plugins import load_registry
+        from corellm.plugins.discovery import load_registry
         registry = load_registry(disable=values["plugins"].disable)
 
     for section, base in PLUGIN_SECTIONS.items():
@@ -214,7 +214,7 @@ def _platform_block_size(platform: PlatformOptions | None, registry: Registry,
     spec = registry.get("platform", platform.name, usable=False).spec
     if spec.default_block_size is not None:
         return spec.default_block_size
-    from corellm.platforms import build_platform
+    from corellm.platforms.interface import build_platform
     try:
         return build_platform(platform, registry).default_block_size
     except (ConfigError, PluginError):
@@ -268,7 +268,7 @@ def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
     reason), or for ``auto`` the available platform of the highest priority (the others' reasons
     logged). Options moved from the deprecated ``model.cpu_*`` keys join ``raw`` when the result
     is the CPU platform."""
-    from corellm.platforms import choose_platform, platform_availability
+    from corellm.platforms.interface import choose_platform, platform_availability
 
     cpu_only = raw.pop("_cpu_only", {})
     if name == "auto":

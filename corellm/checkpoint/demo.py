@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from corellm.cache import build_once, cache_dir
+from corellm.checkpoint.cache import build_once, cache_dir
 
 DEMO_VERSION = 1
 DEMO_NAME = "corellm-demo"

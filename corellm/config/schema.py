@@ -2,7 +2,7 @@
 ``parallel``, ``plugins``), typed over each plugin section's base options, plus reading config
 files and applying ``--set KEY=VALUE`` overrides.
 
-No plugin is consulted here. ``corellm.config.load_config`` composes a config with the selected
+No plugin is consulted here. ``corellm.config.compose.load_config`` composes a config with the selected
 plugins' options models (it needs the registry) and re-exports everything public in this module.
 """
 
@@ -60,7 +60,7 @@ class ModelConfig(BaseModel):
 
 class ParallelConfig(BaseModel):
     """The ``parallel`` section (owned by the core: the executor, the model factory and the
-    sharded layers all read it, through the workers' ``corellm.distributed.ParallelContext``)."""
+    sharded layers all read it, through the workers' ``corellm.platforms.distributed.ParallelContext``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

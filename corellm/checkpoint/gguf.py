@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from corellm.cache import build_once, cache_dir
+from corellm.checkpoint.cache import build_once, cache_dir
 from corellm.errors import CheckpointError
 
 INDEX_VERSION = 1

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from corellm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from corellm.engine_config import EngineConfig
+    from corellm.config.schema import EngineConfig
     from corellm.arch import ModelArchConfig
-    from corellm.platforms import Platform
-    from corellm.plugins import Registry
+    from corellm.platforms.interface import Platform
+    from corellm.plugins.discovery import Registry
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ class EngineSetup:
 def resolve_setup(config: EngineConfig, registry: Registry,
                   platform: Platform | None = None) -> EngineSetup:
     """Resolve ``config`` against its checkpoint and the installed plugins, once."""
-    from corellm.model_config import (model_path, parse_arch_config, read_checkpoint_config,
+    from corellm.checkpoint.reader import (model_path, parse_arch_config, read_checkpoint_config,
                                       resolve_dtype_name, resolve_max_model_len)
-    from corellm.platforms import build_platform
+    from corellm.platforms.interface import build_platform
 
     path = model_path(config)
     cfg, source = read_checkpoint_config(path)

@@ -1,10 +1,10 @@
-"""The paged KV-cache manager: per-request block tables over a ``corellm.block_pool.BlockPool``,
+"""The paged KV-cache manager: per-request block tables over a ``corellm.kv.block_pool.BlockPool``,
 with automatic prefix caching (on by default). The built-in ``paged`` KV-cache manager is this
 class; a plugin that changes one part of it (which cached block to evict, say) builds on it
 rather than re-implementing it.
 
 Prefix caching, in vLLM's full-block style: every full block of a request is identified by a
-chained hash of all tokens up to its end (``corellm.block_pool.BlockHasher``). When a block has
+chained hash of all tokens up to its end (``corellm.kv.block_pool.BlockHasher``). When a block has
 been computed it is registered under its hash; when its last holder frees it, it stays findable
 until a fresh allocation evicts it, and the pool's ``EvictionPolicy`` (LRU unless given another)
 chooses which cached block that is. A new request takes the longest run of its leading blocks
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from corellm.block_pool import BlockHash, BlockHasher, BlockPool, EvictionPolicy
+from corellm.kv.block_pool import BlockHash, BlockHasher, BlockPool, EvictionPolicy
 from corellm.specs import KVCacheOptions
 from corellm.interfaces import NO_CACHED_PREFIX, CachedPrefix, KVCacheManager
 from corellm.request import Request

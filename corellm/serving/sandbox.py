@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from corellm.errors import CorellmError
-from corellm.fair import FairExecutor
+from corellm.serving.fair import FairExecutor
 
 T = TypeVar("T")
 

@@ -57,7 +57,7 @@ class ConstraintShape:
 
     @property
     def cost(self) -> int:
-        """An estimate of parsing and compiling it, in ``corellm.fair``'s unit (about a
+        """An estimate of parsing and compiling it, in ``corellm.serving.fair``'s unit (about a
         microsecond): its size, its repetitions and properties weighted by what each costs
         xgrammar."""
         return self.size + 64 * self.repetition + 256 * self.properties

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from corellm.engine_config import did_you_mean
+from corellm.config.schema import did_you_mean
 
 
 class Parser(argparse.ArgumentParser):

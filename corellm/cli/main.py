@@ -1,7 +1,7 @@
 """The ``corellm`` command line: the built-in commands (``generate``, ``serve``, ``plugins``,
 ``config validate`` / ``config schema``), the commands plugins add through ``corellm_commands``
 (``bench``, from the bench plugin), the global logging options (``--log-format``,
-``--log-level``). Every parser is a ``corellm.cli_parser.Parser``, which names the closest flag
+``--log-level``). Every parser is a ``corellm.cli.parser.Parser``, which names the closest flag
 or command to a misspelt one."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from corellm.cli_parser import Parser
-from corellm.engine_config import DTYPE_ALIASES, DTYPES, ENGINE_ARGS
+from corellm.cli.parser import Parser
+from corellm.config.schema import DTYPE_ALIASES, DTYPES, ENGINE_ARGS
 from corellm.errors import ConfigError, CorellmError
-from corellm.logs import FORMATS, LEVELS
+from corellm.engine.logs import FORMATS, LEVELS
 
 logger = logging.getLogger("corellm")
 
 DESCRIPTION = "corellm, a pluggable LLM inference engine. Commands: {commands}."
 
 
-# vLLM's flag names for the common engine settings (corellm.engine_config.ENGINE_ARGS), each
+# vLLM's flag names for the common engine settings (corellm.config.schema.ENGINE_ARGS), each
 # mapped onto the config key it sets. (flag, dest, config key, type, help)
 ENGINE_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("--" + name.replace("_", "-"), name, key, typ, text)
@@ -69,7 +69,7 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
 
 def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     """The config file, then the flags, then --set overrides: validated together."""
-    from corellm.config import apply_overrides, parse_override, read_config_file
+    from corellm.config.compose import apply_overrides, parse_override, read_config_file
     from corellm.engine.llm import build_config
     from corellm.errors import ConfigError
 
@@ -95,7 +95,7 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     overrides += [parse_override(text) for text in args.overrides]
     config, registry = build_config(apply_overrides(data, overrides), None, ())
     if config.model.path is None:
-        from corellm.demo import DEMO_HINT, default_model
+        from corellm.checkpoint.demo import DEMO_HINT, default_model
         if not default_model()[1]:
             print(f"corellm: {DEMO_HINT}", file=sys.stderr)
     return config, registry
@@ -104,11 +104,11 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
 def _launched_rank(config: Any, registry: Any) -> int | None:
     """Under ``torchrun`` (``parallel.init_method: env://``), a process of rank > 0 runs the
     executor's worker instead of an engine: its exit status. None on rank 0 and elsewhere."""
-    from corellm.distributed import launcher_env
+    from corellm.platforms.distributed import launcher_env
     env = launcher_env()
     if not config.parallel.external_launcher or env is None or env[0] == 0:
         return None
-    from corellm.plugins import executor_launcher_worker
+    from corellm.plugins.discovery import executor_launcher_worker
     entry = registry.get("executor", config.executor.name)
     run = executor_launcher_worker(config.executor, registry)
     if run is None:
@@ -124,7 +124,7 @@ def _end_launched(config: Any, status: int) -> int:
     torch.distributed's threads (the TCP store rank 0 hosts, the gloo group) can abort
     (std::terminate, SIGABRT) once the other ranks are gone and turn a clean stop into status
     -6 (seen on rank 0 in about 1 of 15 launches). Elsewhere, returns ``status``."""
-    from corellm.distributed import launcher_env
+    from corellm.platforms.distributed import launcher_env
     if not config.parallel.external_launcher or launcher_env() is None:
         return status
     sys.stdout.flush()
@@ -174,12 +174,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from corellm.platforms import choose_platform, platform_availability
-    from corellm.plugins import load_registry
+    from corellm.platforms.interface import choose_platform, platform_availability
+    from corellm.plugins.discovery import load_registry
 
     disable = list(args.disable)
     if args.config:
-        from corellm.config import PluginsConfig, read_config_file
+        from corellm.config.compose import PluginsConfig, read_config_file
         from pydantic import ValidationError
         section = read_config_file(args.config).get("plugins") or {}
         try:
@@ -236,7 +236,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                   "selected": (f"{c.chosen.plugin.distribution or c.chosen.plugin.name}:"
                                f"{c.chosen.spec.name}" if c.chosen else None)}
                  for c in registry.conflicts()]
-    from corellm.plugins import PLUGIN_API_VERSION
+    from corellm.plugins.discovery import PLUGIN_API_VERSION
     status = 1 if args.check and (registry.broken or any(c["selected"] is None
                                                          for c in conflicts)) else 0
     if args.json:
@@ -306,7 +306,7 @@ def _type_name(annotation: object) -> str:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from corellm.config import load_config
+    from corellm.config.compose import load_config
 
     config = load_config(args.file)
     print(f"{args.file}: OK")
@@ -317,8 +317,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
-    from corellm.config import config_schema
-    from corellm.plugins import load_registry
+    from corellm.config.compose import config_schema
+    from corellm.plugins.discovery import load_registry
 
     print(json.dumps(config_schema(load_registry()), indent=2, default=str))
     return 0
@@ -333,13 +333,13 @@ def _add_plugin_commands(sub: Any, plugins: Sequence[object]) -> list[str]:
     so one bad plugin never takes the other commands down. Returns the warnings to log once
     logging is set up."""
     from corellm.errors import PluginError
-    from corellm.plugins import call_factory, load_registry
+    from corellm.plugins.discovery import call_factory, load_registry
 
     # This registry is loaded before logging is configured, and the command loads its own
     # (with the config's plugins.disable), which reports any broken plugin: this load stays
     # quiet, and one that fails altogether (a broken plugin under CORELLM_STRICT_PLUGINS) adds
     # no command rather than taking down --help, --version and `corellm plugins --check`.
-    discovery = logging.getLogger("corellm.plugins")
+    discovery = logging.getLogger("corellm.plugins.discovery")
     quiet, discovery.disabled = discovery.disabled, True
     try:
         registry = load_registry(plugins=plugins)
@@ -489,7 +489,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
     """``--log-format`` and ``--log-level`` for this process and, through the environment, for
     those it starts. The level the user chose travels; a command's own default does not (a
     server that ``corellm bench`` starts still logs the INFO line it waits for)."""
-    from corellm.logs import configure_logging, env_level, export_settings
+    from corellm.engine.logs import configure_logging, env_level, export_settings
 
     export_settings(args.log_format, args.log_level)
     default = logging.INFO if args.command == "serve" else logging.WARNING

@@ -10,8 +10,8 @@ from corellm.errors import InvalidRequestError, PluginError
 from corellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from corellm.engine_config import EngineConfig
-    from corellm.registry import RegisteredComponent, Registry
+    from corellm.config.schema import EngineConfig
+    from corellm.plugins.registry import RegisteredComponent, Registry
 
 SECTION = "logits_processors"
 STRUCTURED_EXTRA = "pip install 'corellm[structured]'"

@@ -1,6 +1,6 @@
 """Reading checkpoints: a Hugging Face directory (its config in both transformers 4 and 5
 spellings, safetensors weights in one file or sharded with an index), or a GGUF file
-(``corellm.gguf``), which is turned into the same config dict and Hugging Face tensor names.
+(``corellm.checkpoint.gguf``), which is turned into the same config dict and Hugging Face tensor names.
 
 The model plugin chosen by the config's ``architectures`` parses the config (its
 ``ModelSpec.config_class``, by default the Llama-family ``LlamaArchConfig``) into a
@@ -21,8 +21,8 @@ from corellm.arch import (ROPE_TYPES, ConfigReader, LlamaArchConfig,  # noqa: F4
 from corellm.errors import CheckpointError, PluginError
 
 if TYPE_CHECKING:
-    from corellm.engine_config import EngineConfig
-    from corellm.plugins import Registry, RegisteredComponent
+    from corellm.config.schema import EngineConfig
+    from corellm.plugins.discovery import Registry, RegisteredComponent
 
 
 def read_checkpoint_config(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -69,7 +69,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str, registry: Registry,
                           f"{exc!r}") from exc
     if not isinstance(arch, ModelArchConfig):
         raise PluginError(f"{owner}: {config_class.__name__}.from_dict returned "
-                          f"{type(arch).__name__}, not a corellm.model_config.ModelArchConfig")
+                          f"{type(arch).__name__}, not a corellm.checkpoint.reader.ModelArchConfig")
     positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings")
     for name in positive:
@@ -95,7 +95,7 @@ def load_arch_config(path: str | Path, registry: Registry | None = None,
     """The checkpoint's config as parsed by the model plugin its ``architectures`` selects
     (with ``registry``, or the installed plugins)."""
     if registry is None:
-        from corellm.plugins import load_registry
+        from corellm.plugins.discovery import load_registry
         registry = load_registry()
     cfg, source = read_checkpoint_config(path)
     return parse_arch_config(cfg, source, registry, implementation)[0]
@@ -128,17 +128,17 @@ def resolve_dtype_name(requested: str, arch: ModelArchConfig) -> str:
 
 
 def model_path(config: EngineConfig) -> str:
-    """The checkpoint the config names, or the default model (``corellm.demo.default_model``)."""
+    """The checkpoint the config names, or the default model (``corellm.checkpoint.demo.default_model``)."""
     if config.model.path is not None:
         return config.model.path
-    from corellm.demo import default_model
+    from corellm.checkpoint.demo import default_model
     return str(default_model()[0])
 
 
 def locate_checkpoint(path: str | Path, key: str = "model.path") -> Path:
     """The checkpoint ``path`` names: a Hugging Face directory, or a ``.gguf`` file (named, or
     the only one in a directory without ``config.json``)."""
-    from corellm.gguf import find_gguf, is_gguf
+    from corellm.checkpoint.gguf import find_gguf, is_gguf
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -164,7 +164,7 @@ def checkpoint_dir(path: str | Path, key: str = "model.path") -> Path:
 
 def open_gguf(path: str | Path) -> Any:
     """The ``GGUFCheckpoint`` for a ``.gguf`` path (its cached index, built on first use)."""
-    from corellm.gguf import GGUFCheckpoint, cache_key
+    from corellm.checkpoint.gguf import GGUFCheckpoint, cache_key
 
     p = Path(path).resolve()
     key = cache_key(p)                 # path, size and mtime: a rewritten file is read again
@@ -180,7 +180,7 @@ def tokenizer_path(path: str | Path, key: str = "model.tokenizer") -> Path:
     """Where to load a tokenizer from: the directory, or a GGUF file's converted tokenizer."""
     p = locate_checkpoint(path, key)
     if p.is_file():
-        from corellm.gguf import gguf_tokenizer_dir
+        from corellm.checkpoint.gguf import gguf_tokenizer_dir
         return gguf_tokenizer_dir(p)
     return p
 
@@ -188,12 +188,12 @@ def tokenizer_path(path: str | Path, key: str = "model.tokenizer") -> Path:
 def checkpoint_name(path: str | Path | None) -> str:
     """A short display name: a directory's name, or a GGUF file's without the quantization
     suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``). ``None`` is the
-    default model (``corellm.demo.default_model``)."""
+    default model (``corellm.checkpoint.demo.default_model``)."""
     if path is None:
-        from corellm.demo import DEMO_NAME, default_model
+        from corellm.checkpoint.demo import DEMO_NAME, default_model
         real_path, real = default_model()
         return checkpoint_name(real_path) if real else DEMO_NAME
-    from corellm.gguf import display_name, is_gguf
+    from corellm.checkpoint.gguf import display_name, is_gguf
     p = Path(path)
     return display_name(p) if is_gguf(p) else p.name
 

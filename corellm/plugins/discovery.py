@@ -28,10 +28,10 @@ from typing import Any
 import pluggy
 
 from corellm import hookspecs
-from corellm.deprecation import acting_plugin
+from corellm.plugins.deprecation import acting_plugin
 from corellm.errors import PluginError
 # The registry's types are public here too.
-from corellm.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Conflict,  # noqa: F401
+from corellm.plugins.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Conflict,  # noqa: F401
                               PluginInfo, RegisteredComponent, Registry, call_factory,
                               canonical_name, executor_launcher_worker, renamed_builtin)
 from corellm.specs import section_of  # noqa: F401  (importable here in 1.1)
@@ -49,7 +49,7 @@ STRICT_ENV = "CORELLM_STRICT_PLUGINS"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 6)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 7)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have
@@ -370,7 +370,7 @@ def _check_model_spec(spec: ModelSpec) -> None:
     cls = spec.config_class
     if cls is not None and not (isinstance(cls, type) and issubclass(cls, ModelArchConfig)):
         raise PluginError(f"ModelSpec {spec.name!r} config_class must "
-                          "subclass corellm.model_config.ModelArchConfig")
+                          "subclass corellm.checkpoint.reader.ModelArchConfig")
 
 
 def _check_platform_spec(spec: PlatformSpec) -> None:

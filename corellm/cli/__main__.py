@@ -1,0 +1,7 @@
+"""``python -m corellm.cli``."""
+
+import sys
+
+from corellm.cli.main import main
+
+sys.exit(main())
