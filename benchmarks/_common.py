@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts: workload parsing, timing with CPU-utilization checks,
-and output agreement. Not part of the corellm package; the environment record and the load
-average come from the ``corellm bench`` harness (``bench.env``), re-exported here."""
+and output agreement. Not part of the corellm package; the environment record, the load
+average and the plot helper (``pyplot``) come from the ``corellm bench`` harness (``bench.env``,
+``bench.report``), re-exported here."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from corellm_plugins.bench.env import environment, loadavg  # noqa: F401  (re-exported)
+# pyplot(path, log): matplotlib.pyplot on the Agg backend, or None (logged with the script's
+# log) when matplotlib is missing: the bench plugin's helper, so there is one.
+from corellm_plugins.bench.report import pyplot_for as pyplot  # noqa: F401  (re-exported)
 from corellm_plugins.bench.workload_cli import parse_range  # noqa: F401  (re-exported)
 from corellm_plugins.bench.targets import prompt_token_space
 
@@ -232,15 +236,3 @@ def report(results: dict[str, Any], args: argparse.Namespace, format_tables, wri
         write_json(results, args.json, log)
     if args.plot and write_plot(results, args.plot):
         log(f"wrote {args.plot}")
-
-
-def pyplot(path: str, log):
-    """matplotlib.pyplot with the Agg backend, or None (logged) when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
-        return None
-    return plt

@@ -299,8 +299,9 @@ QWEN3_TINY = dict(QWEN3_06B, vocab_size=4096, hidden_size=128, intermediate_size
 
 def cmd_make_qwen3(args: argparse.Namespace) -> int:
     """Qwen3-0.6B's config with random weights (initializer_range 0.02, norms perturbed as
-    corellm.checkpoint.demo.write_random_checkpoint does), built directly in bfloat16 on the GPU (seconds,
-    where the CPU in float32 takes a minute and twice the disk), and the tests' tokenizer
+    corellm.checkpoint.demo.write_random_checkpoint does), built directly in bfloat16 on the GPU
+    (seconds, where the CPU in float32 takes a minute and twice the disk), and the tests'
+    tokenizer
     (1024 tokens: prompts are drawn below it; generated ids above it decode to nothing)."""
     import torch
     import transformers as tf

@@ -92,8 +92,8 @@ def _log(msg: str) -> None:
 def make_model(path: str | Path, seed: int = 0) -> Path:
     """Build (once; cached by a marker file) the random-weight float32 benchmark Llama.
 
-    The tokenizer is a byte-level BPE trained locally (corellm.checkpoint.demo.train_tokenizer). The pydoc
-    text it trains on yields only ~6.7k merges, so it is padded with reserved special tokens up to
+    The tokenizer is a byte-level BPE trained locally (corellm.checkpoint.demo.train_tokenizer).
+    The pydoc text it trains on yields only ~6.7k merges, so it is padded with reserved special tokens up to
     the model's 32000-entry vocabulary: every id the model can emit decodes, and engines that
     check prompt ids against the tokenizer (vLLM does) accept any id in the vocabulary.
     """

@@ -1,5 +1,5 @@
 import sys
 
-from corellm.cli.main import main
+from corellm.cli.commands import main
 
 sys.exit(main())

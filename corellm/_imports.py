@@ -53,10 +53,9 @@ def facade(package: str, main: str, submodules: Iterable[str]) -> Callable[[str]
         if name in subs:
             return importlib.import_module(f"{package}.{name}")
         if not name.startswith("__"):
-            try:
-                return getattr(importlib.import_module(f"{package}.{main}"), name)
-            except AttributeError:
-                pass
+            module = importlib.import_module(f"{package}.{main}")   # its own errors propagate
+            if hasattr(module, name):
+                return getattr(module, name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__

@@ -115,7 +115,7 @@ class DeviceArray:
     On a device outside the host's memory (a GPU) the values go through a pinned host buffer
     with a non-blocking copy; before the host buffer is written again, the previous copy out of
     it is waited for (an event of the device's stream), so a step prepared while the last one
-    still runs never races its copy. On the host (``corellm.platforms.interface.host_visible``) ``put``
+    still runs never races its copy. On the host (``corellm.platforms.host_visible``) ``put``
     returns a zero-copy view of the array itself (converted when its dtype differs). The buffer
     grows (doubling) when a step exceeds it, which moves it: ``cuda_graphs`` address stability
     holds only for steps within the limits. Give each array its own ``DeviceArray``: a second

@@ -43,7 +43,7 @@ class BuildContext:
     config: EngineConfig
     registry: Registry
     arch: ModelArchConfig | None = None
-    # The worker's platform (corellm.platforms.interface.Platform), for worker-side components: its ops
+    # The worker's platform (corellm.platforms.Platform), for worker-side components: its ops
     # (a sampler's argmax), its native kernels (an attention backend's), its device facts.
     platform: Platform | None = None
     # What the config and checkpoint resolved to (corellm.config.setup.EngineSetup): set for the
@@ -55,8 +55,8 @@ class BuildContext:
     num_kv_blocks: int | None = None
     attention_backend: AttentionBackend | None = None
     max_model_len: int | None = None
-    # This worker's rank among parallel.tensor_parallel_size (corellm.platforms.distributed); the one-rank
-    # context outside workers and without tensor parallelism.
+    # This worker's rank among parallel.tensor_parallel_size (corellm.platforms.distributed);
+    # the one-rank context outside workers and without tensor parallelism.
     parallel: ParallelContext = field(default_factory=lambda: SINGLE)
     # The key path of the component being built ("executor", "executor.delegate", ...), set
     # while its factory runs: what build_delegate extends and error messages name.

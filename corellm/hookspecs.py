@@ -11,7 +11,7 @@ Registration hooks (``corellm_platforms`` ... ``corellm_commands``) are called o
 plugin registry is built; each returns an iterable of spec objects from ``corellm.components``.
 Every implementation is called and all results are collected (none is "first wins"). Two plugins
 may provide one name: selecting it picks an installed plugin over a built-in, and is an error
-naming both distributions when two installed plugins provide it (``corellm.plugins.discovery.Registry.get``;
+naming both distributions when two installed plugins provide it (``corellm.plugins.Registry.get``;
 ``distribution:name`` selects one).
 
 Observer hooks (``corellm_engine_started``, ``corellm_step_finished``, ``corellm_engine_stopped``)
@@ -46,7 +46,7 @@ def corellm_platforms() -> Iterable[PlatformSpec]:
 
     Called once when the registry is built. Return an iterable of ``PlatformSpec``. The factory
     receives the validated options (a subclass of ``PlatformOptions``) and returns a
-    ``corellm.platforms.interface.Platform``: the device, its memory, its distributed backend, its dtype
+    ``corellm.platforms.Platform``: the device, its memory, its distributed backend, its dtype
     rules, how a step runs (``ModelStepper``) and the kernels it gives models
     (``corellm.ops.DeviceOps``). ``availability()`` says why it cannot run here;
     ``platform.name: auto`` (the default) picks the available one of the highest
@@ -137,6 +137,7 @@ def corellm_logits_processors() -> Iterable[LogitsProcessorSpec]:
         def corellm_logits_processors():
             yield LogitsProcessorSpec(name="banned_words", factory=make_banned_words,
                                       validate=check_banned_words,
+                                      extra_args=("banned_words",),
                                       summary="Never generate the words extra_args names.")
     """
 
@@ -150,7 +151,7 @@ def corellm_models() -> Iterable[ModelSpec]:
     a checkpoint is ``model.implementation`` when set, else the spec listing its architecture
     (an installed plugin's over a built-in's; two installed ones make ``model.implementation``
     necessary). The spec's ``config_class`` (a
-    ``corellm.checkpoint.reader.ModelArchConfig`` subclass; default: the core's Llama-family
+    ``corellm.arch.ModelArchConfig`` subclass; default: the core's Llama-family
     ``LlamaArchConfig``) parses the checkpoint's config. The factory receives that parsed config
     and a ``BuildContext`` with ``device``, ``dtype``, ``attention_backend`` and
     ``max_model_len`` set, and returns a module implementing ``corellm.interfaces.CausalLM``

@@ -288,7 +288,10 @@ class LogitsProcessorSpec(ComponentSpec):
     the processor implements ``SamplingParams.structured_outputs`` (JSON schema, regex,
     choice, grammar); the enabled one of the highest ``priority`` serves them. ``constrains``
     (plugin API 1.6): ``constrains(params) -> bool``, the requests it constrains, which the
-    engine runs without overlapped steps (``constrains_request``).
+    engine runs without overlapped steps (``constrains_request``). ``extra_args`` (plugin API
+    1.7): the keys of ``SamplingParams.extra_args`` it reads; a request that uses one while the
+    processor is installed but not enabled is refused, naming the key and the processor,
+    instead of running unconstrained.
     """
 
     kind: ClassVar[str] = "logits_processor"
@@ -298,6 +301,7 @@ class LogitsProcessorSpec(ComponentSpec):
     structured_outputs: bool = False
     priority: int = 0
     constrains: Callable[[Any], bool] | None = None
+    extra_args: tuple[str, ...] = ()
 
     def constrains_request(self, params: Any) -> bool:
         """Whether this processor may constrain a request with these ``SamplingParams``:
@@ -324,7 +328,7 @@ class FrontendSpec(ComponentSpec):
 class ModelSpec(ComponentSpec):
     """A model implementation, chosen by the checkpoint's ``architectures`` (config.json).
 
-    ``config_class`` parses the checkpoint's config: a ``corellm.checkpoint.reader.ModelArchConfig``
+    ``config_class`` parses the checkpoint's config: a ``corellm.arch.ModelArchConfig``
     subclass (its ``from_dict``), by default the core's Llama-family ``LlamaArchConfig``.
     ``factory(arch, ctx) -> CausalLM`` receives that parsed config; ``ctx.device``,
     ``ctx.dtype``, ``ctx.attention_backend`` and ``ctx.max_model_len`` are set and the factory
@@ -341,7 +345,7 @@ class ModelSpec(ComponentSpec):
 #: platform plugin may declare the version it was written for in its spec
 #: (``PlatformSpec.interface_version``); another major version is refused at start-up with the
 #: plugin's name, rather than failing mid-serving on a missing method.
-PLATFORM_INTERFACE_VERSION: tuple[int, int] = (1, 0)
+PLATFORM_INTERFACE_VERSION: tuple[int, int] = (1, 1)
 
 
 def _available(*_: Any) -> str | None:
@@ -350,14 +354,14 @@ def _available(*_: Any) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class PlatformSpec(ComponentSpec):
-    """A device platform (``corellm.platforms.interface.Platform``): ``factory(options) -> Platform``.
+    """A device platform (``corellm.platforms.Platform``): ``factory(options) -> Platform``.
 
     ``availability() -> reason or None``: why the platform cannot run on this machine (no
     device, no driver), asked lazily (``platform: auto``, ``corellm plugins``), so a probe that
     imports torch costs nothing at discovery. ``auto_priority``: ``platform: auto`` picks the
     available platform of the highest one; None keeps it out of ``auto`` (selected by name
     only, as a reference or test platform should be). ``interface_version``: the major.minor
-    of ``corellm.platforms.interface.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
+    of ``corellm.platforms.PLATFORM_INTERFACE_VERSION`` the plugin was written for.
     ``default_block_size`` (plugin API 1.3): the platform's ``Platform.default_block_size``,
     declared here so that a config is validated without building the platform (building one
     imports torch and its kernels; a run that executes no model, such as the simulator's, never
@@ -382,8 +386,8 @@ class CommandSpec(ComponentSpec):
     --help`` and its description unless the factory sets another) and names the function that
     runs it: ``parser.set_defaults(func=run)`` with ``run(args) -> int``, the exit status. It may
     add nested sub-commands, each setting its own ``func``. The parser is a
-    ``corellm.cli.parser.Parser``, as are the nested ones it makes, so a misspelt flag is answered with
-    the closest one; give every argument a ``help``. Heavy imports belong inside ``run``:
+    ``corellm.cli.parser.Parser``, as are the nested ones it makes, so a misspelt flag is answered
+    with the closest one; give every argument a ``help``. Heavy imports belong inside ``run``:
     every ``corellm`` invocation builds every command's parser. A ``CorellmError`` that ``run``
     raises is printed as ``corellm: error: ...`` with exit status 2, as the built-in commands'
     errors are. The built-in commands' names (``generate``, ``serve``, ``plugins``, ``config``)

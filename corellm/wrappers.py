@@ -29,6 +29,7 @@ from typing import Any
 
 from corellm.interfaces import (AttentionBackend, CachedPrefix, Executor, Frontend,
                                 KVCacheManager, ModelInfo, Sampler, Scheduler)
+from corellm.platforms.interface import ModelStepper, Platform
 from corellm.request import Request, RequestStatus
 
 
@@ -207,3 +208,73 @@ class FrontendWrapper(_Forwarding, Frontend):
 
 __all__ = ["AttentionBackendWrapper", "ExecutorWrapper", "FrontendWrapper",
            "KVCacheManagerWrapper", "SamplerWrapper", "SchedulerWrapper"]
+
+
+class PlatformWrapper(_Forwarding, Platform):
+    """A ``Platform`` that forwards to ``inner``, the platform its ``delegate`` section names
+    (``delegate: PlatformOptions = delegate_field("platform", default="cpu")``): a tracing or
+    measuring platform keeps the built-in's kernels, memory and graphs. Its factory is
+    ``factory(options, inner)``; the class attributes (``device_type``, ``dist_backend``,
+    ``default_block_size``, ``supported_dtypes``, ``async_scheduling``, ``shares_devices``) are
+    the inner platform's."""
+
+    def __init__(self, options: Any, inner: Platform) -> None:
+        super().__init__(options)
+        self.inner = inner
+
+    device_type = property(lambda self: self.inner.device_type)          # type: ignore
+    dist_backend = property(lambda self: self.inner.dist_backend)        # type: ignore
+    default_block_size = property(lambda self: self.inner.default_block_size)  # type: ignore
+    supported_dtypes = property(lambda self: self.inner.supported_dtypes)  # type: ignore
+    async_scheduling = property(lambda self: self.inner.async_scheduling)  # type: ignore
+    shares_devices = property(lambda self: self.inner.shares_devices)    # type: ignore
+
+    def device(self, local_rank: int = 0) -> Any:
+        return self.inner.device(local_rank)
+
+    def device_count(self) -> int:
+        return self.inner.device_count()
+
+    def device_names(self) -> list[str]:
+        return self.inner.device_names()
+
+    def prepare_process(self, local_world_size: int = 1) -> None:
+        self.inner.prepare_process(local_world_size)
+
+    def free_memory(self, device: Any, local_world_size: int = 1) -> int | None:
+        return self.inner.free_memory(device, local_world_size)
+
+    def kv_cache_budget(self, device: Any, local_world_size: int, profile: Any) -> int:
+        return self.inner.kv_cache_budget(device, local_world_size, profile)
+
+    def memory_usage(self, device: Any) -> dict[str, int]:
+        return self.inner.memory_usage(device)
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        return self.inner.zeros(shape, dtype, device)
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: str) -> str:
+        return self.inner.resolve_dtype(requested, checkpoint_dtype)
+
+    @property
+    def ops(self) -> Any:
+        return self.inner.ops
+
+    def prepare_model(self, model: Any) -> None:
+        self.inner.prepare_model(model)
+
+    def make_stepper(self, model: Any, device: Any, limits: Any) -> ModelStepper:
+        return self.inner.make_stepper(model, device, limits)
+
+    def warm_up(self, stepper: ModelStepper) -> None:
+        self.inner.warm_up(stepper)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def native_library(self, name: str, source: Any, flags: tuple[str, ...] = ()) -> Any:
+        return self.inner.native_library(name, source, flags)
+
+    def describe(self) -> str:
+        return f"{self.name} over {self.inner.describe()}"
+

@@ -109,6 +109,13 @@ def _track_engines():
 
 
 @pytest.fixture(autouse=True)
+def _plugin_warnings_per_test():
+    """A plugin warning is logged once per process; each test is a process of its own here."""
+    from corellm.plugins import discovery
+    discovery._warned.clear()
+
+
+@pytest.fixture(autouse=True)
 def _every_kv_block_returns(request):
     """After every test, every live engine is idle and its KV pool is whole: nothing is lost."""
     yield

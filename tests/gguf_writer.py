@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-# Hugging Face name pieces -> llama.cpp's, the inverse of corellm.checkpoint.gguf's table (written out again
+# Hugging Face name pieces -> llama.cpp's, the inverse of corellm.checkpoint.gguf's table (written
+# out again
 # here on purpose: the test must not derive its expectations from the code under test).
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -205,7 +205,7 @@ def test_missing_triton_is_listed_and_refused(tmp_path, llama_path):
     import yaml
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(engine_config(llama_path, attention={"name": "triton"})))
-    hide = "import sys; sys.modules['triton'] = None; from corellm.cli.main import main; "
+    hide = "import sys; sys.modules['triton'] = None; from corellm.cli.commands import main; "
     listing = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['plugins']))"],
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr

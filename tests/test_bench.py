@@ -305,7 +305,7 @@ def test_target_labels():
 
 
 def test_cli_with_vllm_flags(llama_path, tmp_path, capsys):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     cfg = _config_file(tmp_path, "tiny", llama_path, max_num_seqs=4)
     out = tmp_path / "results" / "out.json"
@@ -335,7 +335,7 @@ def test_cli_with_vllm_flags(llama_path, tmp_path, capsys):
 def test_cli_workload_file_and_nested_workload_command(llama_path, tmp_path, capsys):
     """`corellm bench workload` (the nested sub-command) writes a spec that `corellm bench
     --workload` runs, with the per-priority table and the plot."""
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     spec = tmp_path / "w.yaml"
     assert main(["bench", "workload", "--kind", "backlog", "--num-requests", "8",
@@ -357,7 +357,7 @@ def test_cli_without_a_model_runs_the_default_one_and_builds_no_demo(llama_path,
                                                                      monkeypatch, capsys):
     """No --config (or one without model.path): prompts come from the default model's
     vocabulary, and the random demo model is built only when it is that default."""
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     from corellm.checkpoint.demo import demo_model_dir
     from corellm_plugins.bench.targets import config_model_dir
 

@@ -226,7 +226,7 @@ def test_requests_without_ignore_eos_may_stop_early():
 
 # ----------------------------------------------------------------------------- end to end
 def test_cli_runs_sharegpt_on_the_sim_executor(llama_path, tmp_path, capsys):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     from tests.test_sim import make_profile, sim_config
 
     profile = make_profile(llama_path, tmp_path / "profile.json")

@@ -72,7 +72,7 @@ def test_a_sweep_end_to_end_on_the_simulator(llama_path, tmp_path, capsys):
     """One seat against four on the same Poisson workload: with one seat requests queue, so
     TTFT rises; the table, the JSON's sweep section and the plot carry both points, each with
     its two repeats."""
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     cfg = tmp_path / "sim.yaml"
     cfg.write_text(yaml.safe_dump(sim_config(llama_path,
@@ -106,7 +106,7 @@ def test_a_sweep_end_to_end_on_the_simulator(llama_path, tmp_path, capsys):
 
 
 def test_set_overrides_every_config_target(llama_path, tmp_path, capsys):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     cfg = tmp_path / "sim.yaml"
     cfg.write_text(yaml.safe_dump(sim_config(llama_path,

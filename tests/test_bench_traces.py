@@ -141,7 +141,7 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path):
 
 
 def test_cli_replays_a_trace_on_the_sim_executor(llama_path, tmp_path, capsys):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     from tests.test_sim import make_profile, sim_config
 
     profile = make_profile(llama_path, tmp_path / "profile.json")

@@ -347,3 +347,34 @@ def test_host_cost_benchmark(tmp_path, capsys, llama_path, monkeypatch):
     assert run["tokens"] == 8 * 50                     # every running request, every step
     assert 0 < row["this"]["us_per_token"] < 1e4
     assert set(row["this"]["phase_us_per_token"]) == {"schedule", "execute", "update"}
+
+
+def test_the_scripts_plot_with_the_bench_plugins_helper(monkeypatch):
+    """One matplotlib helper: ``_common.pyplot`` is the bench plugin's ``pyplot_for``, every
+    script that plots through it imports it from ``_common``, and without matplotlib the skip
+    is logged with the script's own log."""
+    import ast
+    import sys
+
+    from corellm_plugins.bench.report import pyplot_for
+
+    common = load("_common")
+    assert common.pyplot is pyplot_for
+    callers = []
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id == "pyplot"]
+        if not calls or path.name == "_common.py":
+            continue
+        callers.append(path.stem)
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and any(a.name == "pyplot" for a in n.names)}
+        assert imported and imported <= {"_common", "benchmarks._common"}, path.name
+        assert all(len(c.args) == 2 for c in calls), path.name       # (path, log)
+    assert {"serve", "throughput", "prefix_cache"} <= set(callers)
+    logged: list[str] = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)            # import fails
+    assert common.pyplot("x.png", logged.append) is None
+    assert logged == ["--plot x.png: matplotlib is not installed (pip install matplotlib); "
+                      "skipped"]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from corellm import __version__
-from corellm.cli.main import main
+from corellm.cli.commands import main
 from corellm.checkpoint.demo import smollm2_gguf
 from tests.conftest import engine_config
 
@@ -62,7 +62,7 @@ def test_readme_quickstart_answers_with_the_real_model(tmp_path):
 
 
 def _config(*argv: str):
-    from corellm.cli.main import _engine_config, build_parser
+    from corellm.cli.commands import _engine_config, build_parser
     args = build_parser().parse_args(list(argv))
     return _engine_config(args, frontend=args.command == "serve")[0]
 
@@ -138,6 +138,38 @@ def test_generate_reports_errors_cleanly(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "error: model.path:" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_an_invalid_config_file_is_named_as_config_validate_names_it(command, llama_path,
+                                                                      tmp_path, monkeypatch,
+                                                                      capsys):
+    """``generate`` and ``serve`` validate the file with the flags over it (a dict), and still
+    name the file in the error, word for word as ``corellm config validate`` does; ``serve``
+    fails before it builds a server."""
+    from corellm.components import BuildContext
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a server was built from an invalid config")
+
+    monkeypatch.setattr(BuildContext, "build", no_server)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {{path: {llama_path}}}\nscheduler: {{max_num_seqz: 4}}\n")
+    assert main(["config", "validate", str(bad)]) == 2
+    expected = capsys.readouterr().err
+    assert expected.startswith(f"corellm: error: invalid corellm config ({bad}):\n"
+                               "  scheduler.max_num_seqz: unknown option; did you mean "
+                               "max_num_seqs?"), expected
+    argv = [command, "-c", str(bad)] + (["-p", "x"] if command == "generate" else
+                                        ["--port", "0"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err           # after serve's log lines, if any
+    assert err[err.index("corellm: error: "):] == expected
+    # A problem of the flags is reported under the file too: the config is the file with them.
+    assert main([*argv, "--max-num-seqs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"corellm: error: invalid corellm config ({bad}):\n" in err and \
+        "scheduler.max_num_seqs: Input should be greater than or equal to 1" in err
 
 
 def test_plugins_listing(capsys):
@@ -238,7 +270,7 @@ def test_help_names_every_command_in_plain_text(capsys):
 def test_every_argument_of_every_command_has_help():
     import argparse
 
-    from corellm.cli.main import build_parser
+    from corellm.cli.commands import build_parser
     parsers = list(_parsers(build_parser()))
     progs = {p.prog for p in parsers}
     assert {"corellm generate", "corellm bench workload", "corellm bench calibrate",
@@ -282,7 +314,7 @@ def test_misspelt_flags_and_commands_get_the_closest_match(argv, message, capsys
 
 
 def test_parse_args_suggests_too(capsys):
-    from corellm.cli.main import build_parser
+    from corellm.cli.commands import build_parser
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--top-kk", "3"])
     assert "--top-kk (did you mean --top-k?)" in capsys.readouterr().err
@@ -290,7 +322,7 @@ def test_parse_args_suggests_too(capsys):
 
 def test_no_progress_everywhere_a_progress_bar_is(llama_path):
     """`--no-progress` on every command with a bar; bench also takes vLLM's --disable-tqdm."""
-    from corellm.cli.main import build_parser
+    from corellm.cli.commands import build_parser
     parser = build_parser()
     assert parser.parse_args(["bench", "--no-progress"]).disable_tqdm is True
     assert parser.parse_args(["bench", "--disable-tqdm"]).disable_tqdm is True
@@ -416,3 +448,18 @@ def test_serve_says_where_it_serves_before_answering(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_the_console_script_entry_point_is_the_main_function():
+    """``corellm = corellm.cli:main`` (pyproject) loads the function through the ``corellm.cli``
+    facade, never a module of the same name."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+    from pathlib import Path
+
+    from corellm.cli.commands import main as the_main
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                            .read_text())["project"]["scripts"]
+    loaded = EntryPoint(name="corellm", value=scripts["corellm"], group="console_scripts").load()
+    assert loaded is the_main and callable(loaded)

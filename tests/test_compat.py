@@ -74,16 +74,17 @@ MOVED_IN_1_2 = {
     "corellm.components": ["ComponentOptions", "SchedulerOptions", "PlatformSpec", "CommandSpec",
                            "delegate_field", "delegate_fields", "section_of", "NoOptions",
                            "SECTION_SPECS", "BuildContext"],
-    "corellm.config.compose": ["EngineConfig", "ModelConfig", "ParallelConfig", "PluginsConfig",
+    "corellm.config": ["EngineConfig", "ModelConfig", "ParallelConfig", "PluginsConfig",
                        "load_config", "read_config_file", "parse_override", "apply_overrides",
                        "did_you_mean", "SchedulerOptions", "KVCacheOptions", "ExecutorOptions",
                        "SamplerOptions", "FrontendOptions", "DType"],
-    "corellm.plugins.discovery": ["Registry", "PluginInfo", "RegisteredComponent", "BrokenPlugin",
+    "corellm.plugins": ["Registry", "PluginInfo", "RegisteredComponent", "BrokenPlugin",
                         "Conflict", "call_factory", "executor_launcher_worker", "load_registry",
                         "PLUGIN_API_VERSION", "BUILTIN_DISTRIBUTION", "section_of"],
-    "corellm.checkpoint.reader": ["ModelArchConfig", "LlamaArchConfig", "ConfigReader", "RopeConfig",
-                             "ROPE_TYPES", "parse_arch_config", "checkpoint_name"],
-    "corellm.platforms.interface": ["Platform", "host_visible", "host_memory_available",
+    "corellm.checkpoint.reader": ["ModelArchConfig", "LlamaArchConfig", "ConfigReader",
+                                  "RopeConfig", "ROPE_TYPES", "parse_arch_config",
+                                  "checkpoint_name"],
+    "corellm.platforms": ["Platform", "host_visible", "host_memory_available",
                           "PLATFORM_INTERFACE_VERSION", "build_platform", "choose_platform"],
     "corellm.interfaces": ["CachedPrefix", "NO_CACHED_PREFIX", "SchedulingPolicy",
                            "attention_layer_specs"],
@@ -218,7 +219,7 @@ def _cli(*args: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = main(list(args))

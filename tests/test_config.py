@@ -7,7 +7,7 @@ import json
 import pytest
 
 import corellm
-from corellm.cli.main import main
+from corellm.cli.commands import main
 from corellm.components import SchedulerOptions
 from corellm.config.compose import EngineConfig, config_schema, load_config
 from corellm.errors import ConfigError
@@ -99,31 +99,17 @@ def test_platform_section_errors_name_their_key(registry):
     assert "not available here: no such device here" in msg
 
 
-def test_deprecated_model_keys_move_to_the_platform_with_a_warning(registry):
-    from corellm.errors import ConfigDeprecationWarning
-    with pytest.warns(ConfigDeprecationWarning, match="model.device is deprecated .* use "
-                                                      "platform.name"):
-        cfg = load_config({"model": {"device": "cpu"}}, registry=registry)
-    assert cfg.platform.name == "cpu"
-    with pytest.warns(ConfigDeprecationWarning):     # an explicit auto is the default it overrides
-        cfg = load_config({"model": {"device": "cpu"}, "platform": {"name": "auto"}},
-                          registry=registry)
-    assert cfg.platform.name == "cpu"
-    with pytest.warns(ConfigDeprecationWarning, match="use platform.weight_packing"):
-        cfg = load_config({"model": {"cpu_weight_packing": False}}, registry=registry)
-    assert cfg.platform.weight_packing is False and cfg.platform.fused_ops is True
-    with pytest.warns(ConfigDeprecationWarning, match="use platform.fused_ops"):
-        cfg = load_config({"model": {"cpu_fused_ops": False}, "platform": {"name": "cpu"}},
-                          registry=registry)
-    assert cfg.platform.fused_ops is False
-    with pytest.warns(ConfigDeprecationWarning):
-        bad = problems({"model": {"device": "cpu"}, "platform": {"name": "cuda"}}, registry)
-    assert "contradicts platform.name='cuda'" in bad["model.device"]
-    # On a platform without those options (not the CPU's), the old CPU keys are ignored.
-    with_fake = load_registry(plugins=[_TestPlatforms()])
-    with pytest.warns(ConfigDeprecationWarning):
-        cfg = load_config({"model": {"cpu_fused_ops": False}}, registry=with_fake)
-    assert cfg.platform.name == "fake16"
+def test_the_model_keys_the_platform_section_took_over_are_refused_naming_it(registry):
+    """model.device, model.cpu_weight_packing and model.cpu_fused_ops moved to the platform
+    section in 0.4 and were removed in 0.6: each is an error at its key path naming its
+    replacement, not an unknown option."""
+    bad = problems({"model": {"device": "cpu", "cpu_fused_ops": False,
+                              "cpu_weight_packing": False}}, registry)
+    assert bad["model.device"] == ("removed in corellm 0.6 (the platform section took it "
+                                   "over); use platform.name")
+    assert bad["model.cpu_fused_ops"].endswith("use platform.fused_ops")
+    assert bad["model.cpu_weight_packing"].endswith("use platform.weight_packing")
+    assert len(bad) == 3
 
 
 def test_a_platform_for_another_interface_version_is_refused():
@@ -135,7 +121,7 @@ def test_a_platform_for_another_interface_version_is_refused():
         def corellm_platforms(self):
             yield PlatformSpec(name="old", factory=lambda o: None, interface_version=(0, 9))
     with pytest.raises(PluginError, match="platform 'old' was written for platform interface "
-                                          "0.9; this corellm has 1.0"):
+                                          "0.9; this corellm has 1.1"):
         load_registry(plugins=[Old()])
 
 

@@ -50,7 +50,7 @@ QUOTED = {
     "A KV-cache manager": [REPO / "examples" / "corellm-lfu-kv" / "corellm_lfu_kv"
                            / "__init__.py"],
     "Wrapping a component": [REPO / "examples" / "corellm-timing-executor" / "corellm_timing"
-                             / "__init__.py"],
+                             / "__init__.py", REPO / "tests" / "test_wrappers.py"],
     "An executor": [REPO / "examples" / "corellm-timing-executor" / "corellm_timing"
                     / "__init__.py"],
 }
@@ -90,7 +90,7 @@ def test_guide_quotes_the_code_verbatim(title):
 def test_command_example_runs(capsys):
     """"A command": the guide's plugin, registered in-process, is a `corellm trace` command
     with its help, its flags and its exit status."""
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     blocks = python_blocks(section("A command"))
     assert len(blocks) == 1
@@ -210,7 +210,7 @@ def test_policy_package_is_complete(tmp_path):
     """The page names what a newcomer needs (the Request field with the prompt length, the
     hook), the entry point names the module the page prints, and the printed commands are
     valid for this corellm and name files that exist."""
-    from corellm.cli.main import build_parser
+    from corellm.cli.commands import build_parser
 
     section = policy_section()
     for needed in ("`num_prompt_tokens`", "@hookimpl", "policy_scheduler(",

@@ -42,7 +42,7 @@ PROJECT = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
 REFERENCE = "reference"
 SUMMARY = "The CPU with corellm's plain torch ops only: the starting point of a device port."
 # The corellm modules a third-party package may import (the example's own list, checked below).
-PUBLIC = {"corellm", "corellm.components", "corellm.platforms.interface", "corellm.layers",
+PUBLIC = {"corellm", "corellm.components", "corellm.platforms", "corellm.layers",
           "corellm.ops"}
 
 
@@ -194,7 +194,7 @@ def test_free_memory_is_the_hosts_available_share(reference_module, llama_path):
 
 # --------------------------------------------------------------------------- discovery and config
 def test_corellm_plugins_lists_it_available_under_its_distribution(installed_example, capsys):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     assert main(["plugins", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
@@ -288,7 +288,7 @@ def test_the_example_imports_only_public_names():
                 if name.split(".")[0] in ("corellm", "corellm_plugins"):
                     assert name in PUBLIC, f"{f.name} imports {name}"
                     imported.add(name)
-    assert {"corellm.platforms.interface", "corellm.ops"} <= imported
+    assert {"corellm.platforms", "corellm.ops"} <= imported
 
 
 def test_entry_module_does_not_import_torch():

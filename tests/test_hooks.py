@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,9 @@ class CountingPlatform(Platform):
     def ops(self):
         return self.counting
 
+    def shutdown(self):
+        self.shutdowns = getattr(self, "shutdowns", 0) + 1
+
     def make_stepper(self, model, device, limits):
         platform = self
 
@@ -361,7 +365,18 @@ def test_corellm_platforms(llama_path):
     assert calls["prepare"] == 1 and calls["argmax"] == 8
     assert calls["linear"] > 0 and calls["rms_norm"] > 0 and calls["rotary"] > 0
     assert llm.config.kv_cache.block_size == 32
+    worker = llm.engine.executor.worker
+    model = weakref.ref(worker.runner.model)
+    kv = [weakref.ref(t) for t in worker.runner.kv_caches]
     llm.shutdown()
+    llm.shutdown()
+    # The engine's shutdown released the model and its KV cache (nothing else holds them), and
+    # told the platform once.
+    assert platform.shutdowns == 1
+    assert model() is None and all(r() is None for r in kv)
+    from corellm.engine.ipc import EngineDeadError
+    with pytest.raises(EngineDeadError, match="this engine was shut down"):
+        llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
     with LLM(engine_config(llama_path, platform={"name": "cpu"})) as cpu:
         want = cpu.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
@@ -496,7 +511,7 @@ class CommandPlugin:
 
 
 def test_corellm_commands(capsys, caplog):
-    from corellm.cli.main import build_parser, main
+    from corellm.cli.commands import build_parser, main
     help_text = build_parser([CommandPlugin()]).format_help()
     assert "hello" in help_text and "say hello" in help_text and "bench" in help_text
     assert "serve an OpenAI-compatible API" in help_text       # the built-in kept its name
@@ -527,7 +542,7 @@ def test_a_registry_that_cannot_load_leaves_the_command_line_working(monkeypatch
     """Under CORELLM_STRICT_PLUGINS a bad plugin makes the registry fail: the command line still
     answers --version and --help, and the command that needs the registry says why."""
     from corellm import __version__
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
 
     monkeypatch.setenv("CORELLM_STRICT_PLUGINS", "1")
     with pytest.raises(SystemExit) as exit_:

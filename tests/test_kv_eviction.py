@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import random
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, settings
 import tests.test_kv_cache_manager as paged_tests
 from corellm import LLM, SamplingParams
 from corellm.kv.block_pool import BlockPool, EvictionPolicy, LRUEviction
-from corellm.errors import ConfigError, CorellmDeprecationWarning
+from corellm.errors import ConfigError
 from corellm.kv.paged import PagedKVCacheManager, PagedKVCacheOptions
 from tests.conftest import assert_pool_whole, engine_config
 
@@ -274,21 +273,45 @@ def test_the_lfu_property_test_evicts_and_revives():
 
 
 # --------------------------------------------------------------------------- the deprecated path
-def test_the_old_import_path_warns_once_and_gives_the_core_classes():
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        from corellm_plugins.kv_paged import PagedKVCacheManager as OldManager
-        from corellm_plugins.kv_paged import PagedKVCacheOptions as OldOptions
-    assert OldManager is PagedKVCacheManager and OldOptions is PagedKVCacheOptions
-    message = ("corellm_plugins.kv_paged.{0}, which is deprecated and will be removed in "
-               "corellm 0.5; use corellm.kv.paged.{0}")
-    assert [(w.category, str(w.message)) for w in record] == [
-        (CorellmDeprecationWarning, message.format(name))
-        for name in ("PagedKVCacheManager", "PagedKVCacheOptions")]
-    assert record[0].filename == __file__        # points at the import, not at corellm
-    import corellm_plugins.kv_paged as plugin
-    with pytest.raises(AttributeError, match="has no attribute 'BlockPool'"):
-        _ = plugin.BlockPool
+def test_the_pool_updates_an_inline_order_itself_and_calls_a_changed_policy():
+    """``inline_order`` is a capability any policy may declare: LRU does, so the pool updates
+    its dict inline; a subclass that changes what a method does is called through it; a
+    third-party policy offering its own dict is updated inline like LRU."""
+    pool = BlockPool(4)
+    assert pool._lru is pool.eviction.inline_order() is not None
+
+    class Noisy(LRUEviction):
+        def on_free(self, block: int) -> None:
+            self.freed = getattr(self, "freed", []) + [block]
+            super().on_free(block)
+
+    noisy = Noisy()
+    assert noisy.inline_order() is None
+    pool, (a, b) = cached_pool(noisy, 2)
+    pool.free([a, b])
+    assert noisy.freed == [a, b] and list(noisy) == [a, b]
+
+    class Ordered(EvictionPolicy):          # not an LRUEviction: claims the capability
+        def __init__(self) -> None:
+            self.order: dict[int, None] = {}
+        def on_free(self, block): raise AssertionError("updated inline")
+        def on_revive(self, block): raise AssertionError("updated inline")
+        def evict(self): raise AssertionError("updated inline")
+        def clear(self): self.order.clear()
+        def __iter__(self): return iter(self.order)
+        def inline_order(self):
+            from collections import OrderedDict
+            self.order = OrderedDict()
+            return self.order
+
+    ordered = Ordered()
+    pool, (a, b, c) = cached_pool(ordered, 3)
+    pool.free([c, a, b])
+    assert list(ordered) == [c, a, b]
+    pool.touch([a])                                      # revived: out of the order
+    assert list(ordered) == [c, b]
+    assert pool.allocate(1) == [c] and list(ordered) == [b]
+    pool.check_invariants()
 
 
 # --------------------------------------------------------------------------- the example, run

@@ -55,14 +55,22 @@ def is_facade(init: Path) -> bool:
     return "__getattr__ = facade(" in init.read_text()
 
 
-def module_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module (dotted, under the package's name) -> the package's modules it imports, by every
-    kind of import, plus the packages whose __init__ those imports run. The facade (the
-    package's own __init__) is neither a source nor a target."""
-    top = package_dir.name
+def facade_main(init: Path) -> str | None:
+    """The module a lazy facade reads its names from (``facade(__name__, "main", ...)``)."""
+    m = re.search(r'__getattr__ = facade\(__name__, "(\w+)"', init.read_text())
+    return m[1] if m else None
+
+
+def module_graph(package_dir: Path, name: str | None = None,
+                 with_init: bool = False) -> dict[str, set[str]]:
+    """Module (dotted, under the package's ``name``, by default its folder's) -> the package's
+    modules it imports, by every kind of import, plus the packages whose __init__ those imports
+    run. The facades (the package's own __init__ unless ``with_init``, and lazy ones) are
+    neither sources nor targets."""
+    top = name or package_dir.name
     files = {}
     for f in package_dir.rglob("*.py"):
-        parts = list(f.relative_to(package_dir.parent).with_suffix("").parts)
+        parts = top.split(".") + list(f.relative_to(package_dir).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         files[".".join(parts)] = f
@@ -76,7 +84,7 @@ def module_graph(package_dir: Path) -> dict[str, set[str]]:
     # The facades (the package's own __init__, and those of folders that replaced a module)
     # run no import of their own: neither sources nor targets.
     facades = {mod for mod, f in files.items()
-               if mod == top or (f.name == "__init__.py" and is_facade(f))}
+               if (mod == top and not with_init) or (f.name == "__init__.py" and is_facade(f))}
     graph: dict[str, set[str]] = {}
     for mod, f in files.items():
         if mod in facades:
@@ -100,6 +108,10 @@ def module_graph(package_dir: Path) -> dict[str, set[str]]:
                 target = known(name)
                 if target is None:
                     continue
+                if target in facades and target != top and facade_main(files[target]):
+                    # A name read through a folder's facade (``from corellm.config import X``)
+                    # comes from the facade's main module: that is the import.
+                    target = f"{target}.{facade_main(files[target])}"
                 parts = target.split(".")
                 for k in range(2, len(parts) + 1):   # its packages' __init__ run first
                     enclosing = ".".join(parts[:k])
@@ -129,7 +141,13 @@ def layer_problems(graph: dict[str, set[str]], layers: dict[str, list[str]]) -> 
             there = layer(target)
             if here and there and there[0] > here[0]:
                 problems.append(f"{mod} ({here[1]}) imports {target} ({there[1]}), a layer up")
-    # cycles: the strongly connected components of more than one module
+    return problems + [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one
+    module, each sorted."""
+    found: list[list[str]] = []
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -154,12 +172,12 @@ def layer_problems(graph: dict[str, set[str]], layers: dict[str, list[str]]) -> 
                 if w == v:
                     break
             if len(component) > 1:
-                problems.append("import cycle: " + " -> ".join(sorted(component)))
+                found.append(sorted(component))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return problems
+    return found
 
 
 def test_the_layer_check_catches_upward_imports_and_cycles(tmp_path):
@@ -213,6 +231,20 @@ def lazy_facade_imports(package_dir: Path) -> list[str]:
     return found
 
 
+def test_the_layer_check_sees_names_read_through_a_folders_facade(tmp_path):
+    pkg = tmp_path / "corellm"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text(
+        'from corellm._imports import facade\n'
+        '__getattr__ = facade(__name__, "compose", ("compose",))\n')
+    (pkg / "config" / "compose.py").write_text("from corellm.low import x\n")
+    (pkg / "low.py").write_text("from corellm.config import EngineConfig\n")
+    graph = module_graph(pkg)
+    assert graph["corellm.low"] == {"corellm.config.compose"}
+    assert cycles(graph) == [["corellm.config.compose", "corellm.low"]]
+
+
 def test_the_facade_check_catches_lazy_names(tmp_path):
     pkg = tmp_path / "corellm"
     (pkg / "sub").mkdir(parents=True)
@@ -235,6 +267,18 @@ def test_the_core_imports_no_lazy_name_of_the_facade():
 def test_the_core_imports_only_down_its_layers():
     problems = layer_problems(module_graph(ROOT / "corellm"), CORE_LAYERS)
     assert not problems, "\n".join(problems)
+
+
+def test_no_plugin_has_an_import_cycle():
+    """Within each built-in plugin, no module imports (even lazily, inside a function) one that
+    imports it back: the bench plugin's sub-commands take what they share with its ``cli``
+    from ``cli_common``."""
+    for d in PLUGIN_DIRS:
+        graph = module_graph(d, f"corellm_plugins.{d.name}", with_init=True)
+        assert not cycles(graph), f"{d.name}: {cycles(graph)}"
+    bench = module_graph(ROOT / "plugins" / "bench", "corellm_plugins.bench", with_init=True)
+    assert {"corellm_plugins.bench.calibrate", "corellm_plugins.bench.workload_cli"} <= \
+        bench["corellm_plugins.bench.cli"]                  # the checker sees the lazy imports
 
 
 def test_no_source_file_over_600_lines():
@@ -281,7 +325,8 @@ def test_plugin_modules_import_without_torch_heavy_work():
 
 
 # --------------------------------------------------------------------------- device code
-# The exact rule of "no core module branches on the device type": outside corellm/platforms/devices.py
+# The exact rule of "no core module branches on the device type": outside
+# corellm/platforms/devices.py
 # (whose host_visible() is the one device-type test the core has), no
 # module of corellm/
 #   1. compares the ``.type`` of anything named like a device (``device.type == ...``,
@@ -354,7 +399,8 @@ def test_the_core_holds_no_device_code():
         if f == PLATFORM_INTERFACE:
             continue
         problems += [f"{f.relative_to(ROOT)}:{line}" for line in device_branches(f.read_text())]
-    assert not problems, "device branches outside corellm/platforms/devices.py:\n" + "\n".join(problems)
+    assert not problems, ("device branches outside corellm/platforms/devices.py:\n"
+                          + "\n".join(problems))
 
 
 def test_the_core_imports_no_platform_plugin():
@@ -428,3 +474,102 @@ def test_architecture_doc_lists_every_builtin_plugin():
                 if entry.plugin.name in rows:
                     assert name in rows[entry.plugin.name], \
                         f"{entry.describe()} is missing from its row of docs/architecture.md"
+
+
+# --------------------------------------------------------------------------- no concrete types
+def concrete_type_checks(source: str, concrete: set[str]) -> list[str]:
+    """``type(x) is C`` / ``type(x) == C`` (and their negations) for a class ``C`` (a CamelCase
+    name), and ``isinstance(x, C)`` for ``C`` in ``concrete``: generic code asking which class
+    a component is, instead of a capability its interface declares. Comparing a method
+    (``type(x).forward is Base.forward``: is it overridden?) asks a capability and passes."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and getattr(node.left.func, "id", None) == "type":
+            for op, right in zip(node.ops, node.comparators):
+                name = right.id if isinstance(right, ast.Name) else None
+                if isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) and name \
+                        and name[:1].isupper():
+                    found.append(f"{node.lineno}: type(...) compared with {name}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for c in classes:
+                name = c.id if isinstance(c, ast.Name) else getattr(c, "attr", None)
+                if name in concrete:
+                    found.append(f"{node.lineno}: isinstance(..., {name})")
+    return found
+
+
+def core_component_classes() -> dict[str, str]:
+    """The core's concrete component classes (those that implement a plugin interface and are
+    not abstract) -> the module that defines each."""
+    import importlib
+    import inspect
+
+    from corellm.interfaces import (AttentionBackend, Executor, Frontend, KVCacheManager,
+                                    LogitsProcessor, Sampler, Scheduler, SchedulingPolicy)
+    from corellm.kv.block_pool import EvictionPolicy
+    from corellm.platforms.interface import Platform
+    bases = (AttentionBackend, Executor, Frontend, KVCacheManager, LogitsProcessor, Sampler,
+             Scheduler, SchedulingPolicy, EvictionPolicy, Platform)
+    found = {}
+    for f in sorted((ROOT / "corellm").rglob("*.py")):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__main__":
+            continue
+        if parts[-1] == "__init__":
+            parts.pop()
+        module = importlib.import_module(".".join(parts))
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__ \
+                    and issubclass(obj, bases) and not inspect.isabstract(obj):
+                found[name] = module.__name__
+    return found
+
+
+def test_the_concrete_type_check_catches_both_forms():
+    source = ("if type(kv) is PagedKVCacheManager: pass\n"
+              "if type(e) != LRUEviction: pass\n"
+              "ok = type(x).forward is Base.forward or type(v) is int\n"
+              "if isinstance(s, (int, BatchScheduler)): pass\n")
+    assert concrete_type_checks(source, {"BatchScheduler"}) == [
+        "1: type(...) compared with PagedKVCacheManager", "2: type(...) compared with LRUEviction",
+        "4: isinstance(..., BatchScheduler)"]
+
+
+def test_no_generic_code_checks_a_components_concrete_type():
+    """A fast path that needs a property of a component asks a capability its interface
+    declares (``KVCacheManager.block_calls_only``, ``EvictionPolicy.inline_order``), which a
+    third-party component can claim too; it never tests for the core's own class."""
+    concrete = core_component_classes()
+    assert {"PagedKVCacheManager", "LRUEviction", "BatchScheduler"} <= set(concrete)
+    problems = []
+    for f in sorted((ROOT / "corellm").rglob("*.py")):
+        module = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        own = {name for name, where in concrete.items() if where == module}
+        problems += [f"{f.relative_to(ROOT)}:{p}"
+                     for p in concrete_type_checks(f.read_text(), set(concrete) - own)]
+    assert not problems, "\n".join(problems)
+
+
+def test_architecture_doc_states_every_folder_and_its_size():
+    """docs/architecture.md's folder table names every folder and top-level file of the core
+    once, each row's line count within 10% of the files' (update the table when they drift)."""
+    text = ARCHITECTURE.read_text()
+    table = text.split("| where | what it holds | lines |", 1)[1].split("\n\n", 1)[0]
+    named: list[str] = []
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        entries = re.findall(r"`([\w/.]+)`", cells[0])
+        files = [f for e in entries for f in ((ROOT / "corellm" / e).glob("*.py")
+                                              if e.endswith("/") else [ROOT / "corellm" / e])]
+        lines = sum(len(f.read_text().splitlines()) for f in files)
+        stated = int(cells[-1].replace(",", ""))
+        assert abs(stated - lines) <= 0.1 * lines, f"{cells[0]}: says {stated}, has {lines}"
+        named += entries
+    core = ROOT / "corellm"
+    everything = {f"{d.name}/" for d in core.iterdir() if (d / "__init__.py").exists()} | {
+        f.name for f in core.glob("*.py")
+        if f.name not in ("__init__.py", "__main__.py", "_imports.py")}
+    assert sorted(named) == sorted(everything)

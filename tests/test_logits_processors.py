@@ -69,6 +69,7 @@ class Plugin:
             Plugin.processor = NoRepeat()
             return Plugin.processor
         yield LogitsProcessorSpec(name="no_repeat", factory=make, validate=_check,
+                                  extra_args=("no_repeat",),
                                   summary="test: bans repeated tokens")
 
 
@@ -157,9 +158,15 @@ def test_enable_names_processors_at_its_key_path(llama_path, plain):
                 ] == ["no_repeat"]
     with LLM(engine_config(llama_path, logits_processors={"enable": []}),
              plugins=[Plugin]) as llm:
-        out = _generate(llm, [_params(no_repeat=True)] * len(PROMPTS))
         assert not llm.engine.executor.worker.runner.logits_processors.entries
-        # Served unconstrained: no enabled processor reads the key.
+        # A key that only a processor left out reads is refused, not served unconstrained.
+        with pytest.raises(InvalidRequestError) as refused:
+            _generate(llm, _params(no_repeat=True))
+        assert refused.value.field == "prompts[0].sampling_params.extra_args"
+        assert "no_repeat: read by logits processor 'no_repeat'" in str(refused.value)
+        assert "not enabled (logits_processors.enable)" in str(refused.value)
+        # A key no installed processor declares is the caller's business.
+        out = _generate(llm, [_params(other=True)] * len(PROMPTS))
         assert [o.token_ids for o in out] == plain
 
 
@@ -240,3 +247,27 @@ def test_a_processor_that_raises_ends_only_its_requests(llama_path, plain):
         llm.generate({"prompt_token_ids": [5]}, _params(), use_tqdm=False)
         assert llm.engine.executor.worker.runner.logits_processors.num_constrained == 0
         assert_pool_whole(llm)
+
+
+def test_the_server_refuses_an_extra_args_key_of_a_processor_left_out():
+    """The server's constraint checks refuse such a key at once (a 400 naming vllm_xargs),
+    before deciding whether any enabled processor has checks to run."""
+    import asyncio
+    import types
+
+    from corellm.config.logits_processors import RequestChecker
+    from corellm.plugins.discovery import load_registry
+    from corellm_plugins.frontend_openai.constraints import ConstraintChecks
+    from corellm_plugins.frontend_openai.errors import APIError
+
+    entry = load_registry(plugins=[Plugin]).get("logits_processors", "no_repeat")
+    checker = RequestChecker([], None, [entry])             # installed, not enabled
+    engine = types.SimpleNamespace(processor=types.SimpleNamespace(checker=checker))
+    checks = ConstraintChecks(engine, limits=None, off_loop=None)
+    req = types.SimpleNamespace(structured_outputs=None, response_format=None)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(checks.check(req, _params(no_repeat=True), cost=0))
+    assert refused.value.status == 400 and refused.value.param == "vllm_xargs"
+    assert refused.value.message.startswith("vllm_xargs: no_repeat: read by logits processor "
+                                            "'no_repeat'")
+    asyncio.run(checks.check(req, _params(other=True), cost=0))       # nothing to refuse

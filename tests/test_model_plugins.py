@@ -236,7 +236,7 @@ def test_a_broken_parser_is_named(llama_path, tmp_path):
 
 def test_config_class_must_be_a_model_arch_config():
     with pytest.raises(PluginError, match="config_class must subclass "
-                                          "corellm.checkpoint.reader.ModelArchConfig"):
+                                          "corellm.arch.ModelArchConfig"):
         load_registry(plugins=[RenamedPlugin(config_class=dict)])
 
 

@@ -113,7 +113,7 @@ def test_unavailable_here_is_listed_with_its_reason_and_refused_by_name(capsys, 
     assert reason is not None
     assert (reason.startswith("torch was built without CUDA (torch ")
             or reason.startswith("no CUDA device visible"))
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["components"]
     cuda = next(r for r in rows if r["kind"] == "platform" and r["name"] == "cuda")

@@ -350,3 +350,63 @@ def test_a_renamed_builtin_entry_point_still_answers_to_its_old_name(monkeypatch
     monkeypatch.delenv("CORELLM_PLUGINS")
     with pytest.raises(PluginError, match="executor_sim"):
         load_registry().get("executor", "executor_sim:sim")
+
+
+def test_a_broken_plugin_is_logged_once_per_process_and_named_only_where_it_could_help(
+        site, caplog):
+    """Every registry of a process (an engine's, its workers', a server's) meets the same broken
+    plugin: the warning is logged once. An unknown-name error lists a broken plugin only for
+    the kinds it registers (or any kind, when it failed before corellm could see its hooks)."""
+    install_fake_dist(site, "fake-bad-sampler", "1.0", {"fake_bad_sampler": """
+        from corellm import hookimpl
+        CORELLM_PLUGIN_API = "9.0"
+
+        @hookimpl
+        def corellm_samplers():
+            return []
+    """}, {"fake_bad_sampler": "fake_bad_sampler"})
+    install_fake_dist(site, "fake-unimportable", "1.0", {"fake_unimportable": """
+        import no_such_module_for_this_test
+    """}, {"fake_unimportable": "fake_unimportable"})
+    with caplog.at_level(logging.WARNING, logger="corellm.plugins.discovery"):
+        registry = load_registry()
+        load_registry()
+        load_registry()
+    assert caplog.text.count("fake-bad-sampler 1.0") == 1
+    assert caplog.text.count("fake-unimportable 1.0") == 1
+    with pytest.raises(PluginError) as scheduler_error:
+        registry.get("scheduler", "nope")
+    assert "fake_bad_sampler" not in str(scheduler_error.value)       # registers no scheduler
+    assert "fake_unimportable" in str(scheduler_error.value)          # might have
+    with pytest.raises(PluginError) as sampler_error:
+        registry.get("sampler", "nope")
+    assert "fake_bad_sampler" in str(sampler_error.value)
+
+
+def test_an_empty_allow_list_is_named_by_the_errors_it_causes(monkeypatch):
+    monkeypatch.setenv("CORELLM_PLUGINS", "")
+    registry = load_registry()
+    assert registry.choices("scheduler") == []
+    with pytest.raises(PluginError, match=r"unknown scheduler 'fcfs'; available: \(none\)\n"
+                                          r"  note: CORELLM_PLUGINS='' is set: entry-point "
+                                          r"plugins left out: .*scheduler_fcfs"):
+        registry.get("scheduler", "fcfs")
+    monkeypatch.delenv("CORELLM_PLUGINS")
+    with pytest.raises(PluginError) as error:
+        load_registry().get("scheduler", "nope")
+    assert "CORELLM_PLUGINS" not in str(error.value)
+
+
+def test_a_command_reports_a_broken_plugin_once(site, tmp_path, capsys):
+    """The command line loads a registry before logging is configured, silenced (to list
+    plugin commands); that load must not use up the warning the command's own load gives."""
+    from corellm.cli.commands import main
+
+    install_fake_dist(site, "fake-broken-cli", "0.9",
+                      {"fake_broken_cli": "import no_such_module_for_the_cli\n"},
+                      {"fake_broken_cli": "fake_broken_cli"})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    assert main(["config", "validate", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("fake-broken-cli 0.9") == 1 and "no_such_module_for_the_cli" in err

@@ -1,6 +1,7 @@
-"""The core's mechanism for work one client must not be able to stretch: ``corellm.serving.sandbox``
-(calls in child processes that a deadline kills), ``corellm.serving.fair`` (the queue they wait in) and
-``corellm.serving.lru.ByteLRU`` (a cache bounded by bytes). In process, with small child functions."""
+"""The core's mechanism for work one client must not be able to stretch:
+``corellm.serving.sandbox`` (calls in child processes that a deadline kills),
+``corellm.serving.fair`` (the queue they wait in) and ``corellm.serving.lru.ByteLRU`` (a cache
+bounded by bytes). In process, with small child functions."""
 
 from __future__ import annotations
 

@@ -427,7 +427,7 @@ def test_an_overlapped_run_is_faster_where_the_host_part_is_large(llama_path, tm
 
 # ----------------------------------------------------------------------------- calibration
 def test_calibrate_writes_a_profile_the_sim_runs_on(llama_path, tmp_path):
-    from corellm.cli.main import main
+    from corellm.cli.commands import main
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(engine_config(llama_path, scheduler={"max_num_seqs": 8,
                                                                   "max_num_batched_tokens": 128})))
@@ -546,7 +546,7 @@ _IMPORT_WATCH = """
 import runpy, sys
 sys.argv = ["corellm", *sys.argv[1:]]
 try:
-    runpy.run_module("corellm.cli.main", run_name="__main__")
+    runpy.run_module("corellm.cli.commands", run_name="__main__")
 finally:
     heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers"})
     print("HEAVY IMPORTS:", heavy, file=sys.stderr)

@@ -160,7 +160,7 @@ def test_the_platforms_device_count_is_checked():
 
 
 def test_the_shorthand_and_the_cli_flag_pick_multiproc(make_checkpoint):
-    from corellm.cli.main import _engine_config, build_parser
+    from corellm.cli.commands import _engine_config, build_parser
     from corellm.config.compose import load_config
     path = make_checkpoint("llama")
     cfg = load_config({"model": {"path": str(path)}, "executor": {"tensor_parallel_size": 2}})

@@ -15,14 +15,17 @@ from pydantic import Field
 from corellm import LLM, SamplingParams
 from corellm.components import (AttentionBackendSpec, AttentionOptions, BuildContext,
                                 ExecutorOptions, ExecutorSpec, FrontendOptions, FrontendSpec,
-                                KVCacheManagerSpec, KVCacheOptions, SamplerOptions, SamplerSpec,
-                                SchedulerOptions, SchedulerSpec, delegate_field)
+                                KVCacheManagerSpec, KVCacheOptions, PlatformOptions, PlatformSpec,
+                                SamplerOptions, SamplerSpec, SchedulerOptions, SchedulerSpec,
+                                delegate_field)
 from corellm.config.compose import load_config
 from corellm.errors import ConfigError, OptionError, PluginError
 from corellm.interfaces import Frontend
 from corellm.plugins.discovery import load_registry
+from corellm.platforms import ModelStepper
 from corellm.wrappers import (AttentionBackendWrapper, ExecutorWrapper, FrontendWrapper,
-                              KVCacheManagerWrapper, SamplerWrapper, SchedulerWrapper)
+                              KVCacheManagerWrapper, PlatformWrapper, SamplerWrapper,
+                              SchedulerWrapper)
 from tests.conftest import assert_pool_whole, engine_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -465,3 +468,48 @@ def test_wrapper_attributes_can_be_assigned():
     wrapped.prefix_cache_hits = 5
     assert inner.prefix_cache_hits == wrapped.prefix_cache_hits == 5
     assert wrapped.block_size == 4 and wrapped.num_free_blocks == 8
+
+
+# --------------------------------------------------------------------------- a platform wrapper
+# A third-party platform that extends the built-in CPU platform without its code: it wraps it
+# (``delegate``), keeps its kernels and counts the steps it runs (docs/plugins.md quotes it).
+class CountingStepper(ModelStepper):
+    """Hands every step to the stepper it wraps, counting them."""
+
+    def __init__(self, inner: ModelStepper) -> None:
+        super().__init__(inner.model, inner.device)
+        self.inner, self.steps = inner, 0
+
+    def forward(self, inputs):
+        self.steps += 1
+        return self.inner.forward(inputs)
+
+
+class TracingOptions(PlatformOptions):
+    name: str = "tracing"
+    delegate: PlatformOptions = delegate_field("platform", default="cpu")
+
+
+class Tracing(PlatformWrapper):
+    def make_stepper(self, model, device, limits):
+        return CountingStepper(super().make_stepper(model, device, limits))
+
+
+class TracingPlatformPlugin:
+    def corellm_platforms(self):
+        yield PlatformSpec(name="tracing", factory=Tracing, options=TracingOptions)
+
+
+def test_a_platform_wrapper_keeps_the_platform_it_wraps(llama_path):
+    with LLM(engine_config(llama_path, platform={"name": "cpu"})) as llm:
+        ref = _outputs(llm)
+        cpu_ops = type(llm.engine.executor.worker.platform.ops)
+    cfg = engine_config(llama_path, platform={"name": "tracing", "delegate": {"name": "cpu"}})
+    with LLM(cfg, plugins=[TracingPlatformPlugin()]) as llm:
+        assert _outputs(llm) == ref
+        platform = llm.engine.executor.worker.platform
+        assert platform.name == "tracing" and platform.inner.name == "cpu"
+        assert llm.engine.executor.worker.runner.stepper.steps > 0
+        assert type(platform.ops) is cpu_ops          # the built-in's kernels, not the reference
+        assert platform.device_type == "cpu" and platform.describe().startswith("tracing over cpu")
+        assert llm.config.platform.delegate.name == "cpu"

@@ -1,6 +1,7 @@
 """Reading checkpoints: a Hugging Face directory (its config in both transformers 4 and 5
 spellings, safetensors weights in one file or sharded with an index), or a GGUF file
-(``corellm.checkpoint.gguf``), which is turned into the same config dict and Hugging Face tensor names.
+(``corellm.checkpoint.gguf``), which is turned into the same config dict and Hugging Face
+tensor names.
 
 The model plugin chosen by the config's ``architectures`` parses the config (its
 ``ModelSpec.config_class``, by default the Llama-family ``LlamaArchConfig``) into a
@@ -69,7 +70,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str, registry: Registry,
                           f"{exc!r}") from exc
     if not isinstance(arch, ModelArchConfig):
         raise PluginError(f"{owner}: {config_class.__name__}.from_dict returned "
-                          f"{type(arch).__name__}, not a corellm.checkpoint.reader.ModelArchConfig")
+                          f"{type(arch).__name__}, not a corellm.arch.ModelArchConfig")
     positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings")
     for name in positive:
@@ -128,7 +129,8 @@ def resolve_dtype_name(requested: str, arch: ModelArchConfig) -> str:
 
 
 def model_path(config: EngineConfig) -> str:
-    """The checkpoint the config names, or the default model (``corellm.checkpoint.demo.default_model``)."""
+    """The checkpoint the config names, or the default model
+    (``corellm.checkpoint.demo.default_model``)."""
     if config.model.path is not None:
         return config.model.path
     from corellm.checkpoint.demo import default_model

@@ -2,6 +2,6 @@
 
 import sys
 
-from corellm.cli.main import main
+from corellm.cli.commands import main
 
 sys.exit(main())

@@ -9,7 +9,6 @@ typed options object. Errors name the key path and, for a misspelling, the likel
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 # The configuration's shape is public here too.
-from corellm.config.schema import (DEPRECATED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
+from corellm.config.schema import (REMOVED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
                                    SECTIONS, EngineConfig, LogitsProcessorsConfig, ModelConfig,
                                    ParallelConfig,
                                    PluginsConfig, apply_overrides, did_you_mean,
                                    parse_override, read_config_file)
-from corellm.errors import ConfigDeprecationWarning, ConfigError, PluginError
+from corellm.errors import ConfigError, PluginError
 from corellm.specs import (SECTION_SPECS, AttentionOptions, ComponentOptions,  # noqa: F401
                            DType, ExecutorOptions, FrontendOptions, KVCacheOptions,
                            PlatformOptions, SamplerOptions, SchedulerOptions, delegate_fields)
@@ -58,7 +57,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
         if key not in SECTIONS:
             problems.append((str(key), "unknown section" + did_you_mean(str(key), SECTIONS)))
 
-    data = _move_deprecated_model_keys(data, problems)
+    data = _removed_model_keys(data, problems)
     values: dict[str, Any] = {}
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
     values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
@@ -226,51 +225,27 @@ def _platform_block_size(platform: PlatformOptions | None, registry: Registry,
         return 16
 
 
-def _move_deprecated_model_keys(data: dict[str, Any],
-                                problems: list[tuple[str, str]]) -> dict[str, Any]:
-    """``model.device``, ``model.cpu_weight_packing`` and ``model.cpu_fused_ops`` (before the
-    platform section) become ``platform.name``, ``platform.weight_packing`` and
-    ``platform.fused_ops``, with a ConfigDeprecationWarning naming the new key; giving both
-    spellings with different values is an error. The CPU options move only when the platform
-    is (or resolves to) ``cpu``: elsewhere they never applied."""
+def _removed_model_keys(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """``model.device``, ``model.cpu_weight_packing`` and ``model.cpu_fused_ops`` moved to the
+    ``platform`` section in 0.4 and were removed in 0.6: each is a problem at its key path that
+    names its replacement (not an "unknown option")."""
     model = data.get("model")
-    if not isinstance(model, Mapping) or not set(model) & set(DEPRECATED_MODEL_KEYS):
+    if not isinstance(model, Mapping) or not set(model) & set(REMOVED_MODEL_KEYS):
         return data
-    model = dict(model)
-    platform = data.get("platform")
-    platform = dict(platform) if isinstance(platform, Mapping) else {}
-    for old, new in DEPRECATED_MODEL_KEYS.items():
-        if old not in model:
-            continue
-        value = model.pop(old)
-        target = new or "name"
-        warnings.warn(f"model.{old} is deprecated and will be removed in corellm 0.5; "
-                      f"use platform.{target}", ConfigDeprecationWarning, stacklevel=4)
-        if new is None and value == "auto":
-            continue
-        if target == "name" and platform.get("name") == "auto":
-            platform.pop("name")                 # auto is the default the old key overrides
-        if target in platform and platform[target] != value:
-            problems.append((f"model.{old}", f"{value!r} contradicts platform.{target}="
-                                             f"{platform[target]!r} (the same setting; give "
-                                             f"platform.{target} alone)"))
-            continue
-        if new is None:
-            platform[target] = value
-        else:               # applied once the platform is resolved, if it takes them (cpu)
-            platform.setdefault("_cpu_only", {})[target] = value
-    return {**data, "model": model, "platform": platform}
+    for old, new in REMOVED_MODEL_KEYS.items():
+        if old in model:
+            problems.append((f"model.{old}", f"removed in corellm 0.6 (the platform section "
+                                             f"took it over); use platform.{new}"))
+    return {**data, "model": {k: v for k, v in model.items() if k not in REMOVED_MODEL_KEYS}}
 
 
 def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
                       problems: list[tuple[str, str]]) -> str | None:
     """The platform ``name`` stands for: itself when available here (else a problem with the
     reason), or for ``auto`` the available platform of the highest priority (the others' reasons
-    logged). Options moved from the deprecated ``model.cpu_*`` keys join ``raw`` when the result
-    is the CPU platform."""
+    logged)."""
     from corellm.platforms.interface import choose_platform, platform_availability
 
-    cpu_only = raw.pop("_cpu_only", {})
     if name == "auto":
         try:
             name, skipped = choose_platform(registry)
@@ -290,15 +265,6 @@ def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
             problems.append(("platform.name", f"{name!r} ({entry.plugin.describe()}) is not "
                                               f"available here: {reason}"))
             return None
-    if cpu_only:
-        fields = registry.get("platform", name, usable=False).spec.options.model_fields
-        if all(key in fields for key in cpu_only):        # the CPU platform's options
-            for key, value in cpu_only.items():
-                raw.setdefault(key, value)
-        else:
-            logger.warning("model.%s only ever applied on the CPU; platform %r has no such "
-                           "option, so it is ignored",
-                           ", model.".join(f"cpu_{k}" for k in cpu_only), name)
     return name
 
 

@@ -41,10 +41,14 @@ class RequestChecker:
     ``InvalidRequestError``s naming the field (a 400 from the server)."""
 
     def __init__(self, entries: Sequence[RegisteredComponent], why_none: str | None = None,
-                 ) -> None:
+                 idle: Sequence[RegisteredComponent] = ()) -> None:
         self.entries = list(entries)
         self.backend = structured_outputs_backend(self.entries)
         self.why_none = why_none
+        # extra_args keys only a processor that is installed but not enabled reads -> it
+        served = {key for e in self.entries for key in e.spec.extra_args}
+        self.idle_keys = {key: e for e in idle for key in e.spec.extra_args
+                          if key not in served}
 
     @classmethod
     def for_config(cls, config: EngineConfig, registry: Registry) -> RequestChecker:
@@ -58,17 +62,26 @@ class RequestChecker:
                                 + (e.spec.unavailable or "not in logits_processors.enable")
                                 for e in missing)
                       if missing else f"none is installed: {STRUCTURED_EXTRA}") + ")")
-        return cls(entries, why)
+        idle = [e for e in registry.components.get(SECTION, {}).values() if e not in entries]
+        return cls(entries, why, idle)
 
-    @property
-    def needed(self) -> bool:
-        """Whether any request could need checking (a processor validates, or structured
-        outputs would be refused)."""
-        return bool(self.entries) or self.why_none is not None
+    def check_keys(self, params: SamplingParams) -> None:
+        """Refuse an ``extra_args`` key that only an installed processor left out of
+        ``logits_processors.enable`` reads: the request would run unconstrained. Cheap: no
+        processor code runs."""
+        if params.extra_args and self.idle_keys:
+            for key in params.extra_args:
+                entry = self.idle_keys.get(key)
+                if entry is not None:
+                    raise InvalidRequestError(
+                        "extra_args", f"{key}: read by {entry.describe()}, which is not enabled "
+                        "(logits_processors.enable)" + (f": {entry.spec.unavailable}"
+                                                        if entry.spec.unavailable else ""))
 
     def check(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None and self.backend is None:
             raise InvalidRequestError("structured_outputs", self.why_none or "unsupported")
+        self.check_keys(params)
         for entry in self.entries:
             try:
                 entry.spec.validate(params)

@@ -2,7 +2,7 @@
 ``parallel``, ``plugins``), typed over each plugin section's base options, plus reading config
 files and applying ``--set KEY=VALUE`` overrides.
 
-No plugin is consulted here. ``corellm.config.compose.load_config`` composes a config with the selected
+No plugin is consulted here. ``corellm.config.load_config`` composes a config with the selected
 plugins' options models (it needs the registry) and re-exports everything public in this module.
 """
 
@@ -25,10 +25,10 @@ from corellm.specs import (AttentionOptions, ComponentOptions, DType, ExecutorOp
                            FrontendOptions, KVCacheOptions, PlatformOptions, SamplerOptions,
                            SchedulerOptions)
 
-# Keys of the model section that moved to the platform section: old key -> new option (None:
-# the platform's name). They keep working for one release, with a ConfigDeprecationWarning.
-DEPRECATED_MODEL_KEYS: dict[str, str | None] = {
-    "device": None, "cpu_weight_packing": "weight_packing", "cpu_fused_ops": "fused_ops"}
+# Keys of the model section that moved to the platform section in 0.4 and were removed in 0.6:
+# old key -> the platform option that replaced it (refused naming it).
+REMOVED_MODEL_KEYS: dict[str, str] = {
+    "device": "name", "cpu_weight_packing": "weight_packing", "cpu_fused_ops": "fused_ops"}
 
 
 class ModelConfig(BaseModel):
@@ -60,7 +60,8 @@ class ModelConfig(BaseModel):
 
 class ParallelConfig(BaseModel):
     """The ``parallel`` section (owned by the core: the executor, the model factory and the
-    sharded layers all read it, through the workers' ``corellm.platforms.distributed.ParallelContext``)."""
+    sharded layers all read it, through the workers'
+    ``corellm.platforms.distributed.ParallelContext``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

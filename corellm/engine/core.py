@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import os
@@ -18,31 +17,18 @@ from corellm.clock import WALL_CLOCK, Clock
 from corellm.components import BuildContext
 from corellm.config.compose import EngineConfig
 from corellm.errors import ConfigError, PluginError
-from corellm.interfaces import (NO_CACHED_PREFIX, Executor, ExecutorError, KVCacheManager,
+from corellm.interfaces import (Executor, ExecutorError, KVCacheManager,
                                 ModelInfo, Scheduler)
 from corellm.config.logits_processors import enabled_logits_processors
 from corellm.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput, EngineStats, FinishedRequestStats,
                              ModelRunnerOutput, SchedulerOutput, StepStats)
+from corellm.engine.ipc import EngineDeadError
+from corellm.plugins.conformance import check_kv_cache_manager
 from corellm.plugins.discovery import Registry
 from corellm.request import EngineCoreRequest, Request, RequestStatus
 from corellm.config.setup import EngineSetup, resolve_setup
 
 logger = logging.getLogger(__name__)
-
-
-def _check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
-    """Fail at start-up, naming the plugin, rather than at the first step."""
-    if not isinstance(kv, KVCacheManager):
-        raise PluginError(f"{owner}: the kv_cache factory returned {type(kv).__name__}, which "
-                          "does not implement corellm.interfaces.KVCacheManager")
-    try:
-        inspect.signature(kv.allocate_slots).bind(None, 1, NO_CACHED_PREFIX)
-    except TypeError:
-        raise PluginError(
-            f"{owner}: {type(kv).__name__}.allocate_slots"
-            f"{inspect.signature(kv.allocate_slots)} does not accept the `prefix` argument the "
-            "scheduler passes at admission since corellm 0.2; add `prefix: CachedPrefix | None "
-            "= None` (see docs/plugins.md, 'A KV-cache manager')") from None
 
 
 _ENGINE_SEQ = itertools.count()
@@ -116,7 +102,7 @@ class EngineCore:
             self.executor.initialize_kv_cache(num_blocks)
             ctx.num_kv_blocks = num_blocks
             self.kv_cache_manager: KVCacheManager = ctx.build(config.kv_cache)
-            _check_kv_cache_manager(self.kv_cache_manager,
+            check_kv_cache_manager(self.kv_cache_manager,
                                     registry.get("kv_cache", config.kv_cache.name).describe())
             ctx.kv_cache_manager = self.kv_cache_manager
             self.scheduler: Scheduler = ctx.build(config.scheduler)
@@ -251,6 +237,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
+        if not self._stopped.alive:
+            raise EngineDeadError("this engine was shut down (its model and KV cache are "
+                                  "released): build a new one")
         r = Request(request, self.model_info.max_model_len)
         rid = r.request_id
         constrained = bool(self._processors) and any(

@@ -47,7 +47,8 @@ class Processor:
         that does not compile, say): an ``InvalidRequestError`` naming the field. The server
         runs the checker in its check processes instead (parsing a schema may take a while:
         there a deadline can stop it), then ``process`` with ``params_checked``."""
-        if params.structured_outputs is not None or self.checker.entries:
+        if params.structured_outputs is not None or self.checker.entries \
+                or (params.extra_args and self.checker.idle_keys):
             try:
                 self.checker.check(params)
             except InvalidRequestError as exc:

@@ -150,6 +150,13 @@ class EvictionPolicy(ABC):
     def __contains__(self, block: object) -> bool:
         return any(b == block for b in self)
 
+    def inline_order(self) -> OrderedDict[int, None] | None:
+        """A capability the pool may use: the evictable blocks as an insertion-ordered dict, first
+        evicted first, that the pool updates itself (a freed block appended, a revived one
+        deleted, the first one evicted) instead of calling ``on_free``, ``on_revive`` and
+        ``evict`` for each block in every step. None (the default): the pool calls them."""
+        return None
+
 
 class LRUEviction(EvictionPolicy):
     """Evicts the least recently freed block. When a request finishes its blocks are freed tail
@@ -179,6 +186,15 @@ class LRUEviction(EvictionPolicy):
 
     def __contains__(self, block: object) -> bool:
         return block in self._blocks
+
+    def inline_order(self) -> OrderedDict[int, None] | None:
+        # Its methods are the dict's own operations; a subclass that changes one of them is
+        # called through them.
+        cls = type(self)
+        if (cls.on_free, cls.on_revive, cls.evict) != (LRUEviction.on_free, LRUEviction.on_revive,
+                                                       LRUEviction.evict):
+            return None
+        return self._blocks
 
 
 class BlockPool:
@@ -215,10 +231,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}                      # hash -> block
         self.num_evictions = 0
         # allocate, free and touch loop over blocks in every scheduler step, and a method call
-        # per block would cost as much as the rest of the loop: the default policy's set
-        # (exactly LRUEviction, not a subclass, whose methods may differ) is updated inline, and
-        # another policy's methods are bound once.
-        self._lru = eviction._blocks if type(eviction) is LRUEviction else None
+        # per block would cost as much as the rest of the loop: a policy that offers its order
+        # (inline_order, as LRUEviction does) is updated inline, another's methods are bound once.
+        self._lru = eviction.inline_order()
         self._on_free = eviction.on_free
         self._on_revive = eviction.on_revive
         self._on_hit = (None if type(eviction).on_hit is EvictionPolicy.on_hit

@@ -1,6 +1,6 @@
 """The host and its devices: the one device-type test of the core, and the host's free memory.
 
-Everything else in the core asks these or the selected platform (``corellm.platforms.interface``); it
+Everything else in the core asks these or the selected platform (``corellm.platforms``); it
 lives below every other module so the attention data, the platform interface and the
 platforms themselves can all use it.
 """

@@ -11,7 +11,8 @@ Platforms are plugins like any other component (``corellm_platforms`` in
 ``corellm.hookspecs``), selected by the ``platform`` config section; ``platform: {name: auto}``
 (the default) picks the available platform of the highest ``auto_priority`` when the config is
 loaded, and says why the others were passed over. The core never branches on a device type: the
-one function that knows which device is the host's memory is ``corellm.platforms.devices.host_visible``
+one function that knows which device is the host's memory is
+``corellm.platforms.devices.host_visible``
 (re-exported here), and everything else asks the platform.
 """
 
@@ -23,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from corellm.platforms.devices import HOST_DEVICE_TYPE, host_memory_available, host_visible  # noqa: F401
+from corellm.platforms.devices import (HOST_DEVICE_TYPE, host_memory_available,  # noqa: F401
+                                       host_visible)
 from corellm.errors import ConfigError, PluginError
 from corellm.specs import PLATFORM_INTERFACE_VERSION  # noqa: F401  (public here)
 
@@ -210,6 +212,11 @@ class Platform(ABC):
         """Called once after the KV cache is bound, before serving (a CUDA platform captures
         its graphs here)."""
 
+    def shutdown(self) -> None:
+        """Called once when the worker that built this platform shuts down, after it dropped
+        its model, KV cache and stepper: release what the platform holds for the process (a
+        CUDA platform returns its cached device memory). The reference holds nothing."""
+
     # ------------------------------------------------------------------ native kernels
     def native_library(self, name: str, source: str | Path, flags: tuple[str, ...] = ()
                        ) -> ctypes.CDLL:
@@ -277,11 +284,17 @@ def available_platforms(registry: Registry) -> list[Platform]:
 
 def build_platform(options: PlatformOptions, registry: Registry) -> Platform:
     """The platform the (validated, resolved) ``platform`` section names, made by its plugin's
-    factory; a plugin whose factory returns something else is a PluginError naming it."""
+    factory (``factory(options)``, or for a wrapper ``factory(options, inner)``, ``inner`` the
+    platform its ``delegate`` section names); a plugin whose factory returns something else is
+    a PluginError naming it."""
     from corellm.plugins.registry import call_factory
+    from corellm.specs import delegate_fields
     entry = registry.get("platform", options.name)
-    platform = call_factory(entry, "platform", options)
+    # A wrapper (``corellm.wrappers.PlatformWrapper``) gets the platform it wraps, built first.
+    inner = [build_platform(getattr(options, key), registry)
+             for key in delegate_fields(type(options))]
+    platform = call_factory(entry, "platform", options, *inner)
     if not isinstance(platform, Platform):
         raise PluginError(f"{entry.plugin.describe()}: the platform factory of {options.name!r} "
-                          f"returned {type(platform).__name__}, not a corellm.platforms.interface.Platform")
+                          f"returned {type(platform).__name__}, not a corellm.platforms.Platform")
     return platform

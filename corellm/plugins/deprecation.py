@@ -22,7 +22,7 @@ _acting: ContextVar[Any] = ContextVar("corellm_acting_plugin", default=None)
 
 @contextlib.contextmanager
 def acting_plugin(info: Any) -> Iterator[None]:
-    """Within the block, deprecation warnings name ``info`` (a ``corellm.plugins.discovery.PluginInfo``)."""
+    """Within the block, deprecation warnings name ``info`` (a ``corellm.plugins.PluginInfo``)."""
     token = _acting.set(info)
     try:
         yield

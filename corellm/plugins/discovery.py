@@ -212,14 +212,15 @@ def load_registry(disable: Iterable[str] = (), plugins: Sequence[object] = (),
     disabled = set(disable)
     allowed = _allow_list()
     infos: dict[str, PluginInfo] = {}
+    objects: dict[str, object] = {}
     broken: list[BrokenPlugin] = []
 
-    def set_aside(info: PluginInfo, error: str, stage: str) -> None:
-        entry = BrokenPlugin(info, error, stage)
+    def set_aside(info: PluginInfo, error: str, stage: str, obj: object = None) -> None:
+        entry = BrokenPlugin(info, error, stage, None if obj is None else _sections_of(obj))
         if strict:
             raise PluginError(f"{entry.describe()} ({STRICT_ENV} is set)")
         broken.append(entry)
-        logger.warning("%s; it is left out", entry.describe())
+        _warn_once(f"{entry.describe()}; it is left out")
 
     if entry_points is None:
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
@@ -251,20 +252,21 @@ def load_registry(disable: Iterable[str] = (), plugins: Sequence[object] = (),
         try:
             _register(pm, obj, info)
         except _Refused as exc:
-            set_aside(info, exc.error, exc.stage)
+            set_aside(info, exc.error, exc.stage, obj)
             continue
         except PluginError as exc:
-            set_aside(info, str(exc), "hooks")
+            set_aside(info, str(exc), "hooks", obj)
             continue
         infos[info.name] = info
+        objects[info.name] = obj
         loaded.append((obj, info))
 
     installed = {i.entry_point for group in seen.values() for i in group}
     for label, names in (("plugins.disable", disabled), (ALLOW_ENV, allowed or set())):
         for name in sorted(names):
             if not any(_named_by(i, {name}) for group in seen.values() for i in group):
-                logger.warning("%s names %r, but no installed plugin has that entry-point name "
-                               "(installed: %s)", label, name, ", ".join(sorted(installed)))
+                _warn_once(f"{label} names {name!r}, but no installed plugin has that "
+                           f"entry-point name (installed: {', '.join(sorted(installed))})")
 
     in_process = set()
     for obj in plugins:
@@ -277,14 +279,43 @@ def load_registry(disable: Iterable[str] = (), plugins: Sequence[object] = (),
         infos[info.name] = info
         in_process.add(info.name)
 
-    registry = Registry(pm=pm, plugins=infos, broken=broken)
+    limited_by = None
+    if allowed is not None:
+        left_out = sorted(installed - {i.entry_point for i in infos.values()})
+        limited_by = (f"{ALLOW_ENV}={os.environ.get(ALLOW_ENV, '')!r} is set: "
+                      + (f"entry-point plugins left out: {', '.join(left_out)}" if left_out
+                         else "it leaves out no entry-point plugin"))
+    registry = Registry(pm=pm, plugins=infos, broken=broken, limited_by=limited_by)
     for name, error in _collect(registry).items():
         info = infos.pop(name)
         pm.unregister(name=name)
         if name in in_process:
             raise PluginError(f"{info.describe()}: {error}")
-        set_aside(info, error, "specs")
+        set_aside(info, error, "specs", objects.get(name))
     return registry
+
+
+# Warnings about installed plugins, each logged once per process however many registries are
+# built (an engine, its worker processes' and a server's each build one).
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    # A load made with the logger silenced (the command line's, before logging is configured)
+    # does not use up the warning: the command's own load reports it.
+    if message not in _warned and not logger.disabled and logger.isEnabledFor(logging.WARNING):
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+def _sections_of(obj: object) -> frozenset[str] | None:
+    """The config sections whose registration hooks ``obj`` implements (None when reading its
+    attributes raises: a lazy module's ``__getattr__``)."""
+    try:
+        return frozenset(spec.section for hook, spec in REGISTRATION_HOOKS.items()
+                         if callable(getattr(obj, hook, None)))
+    except Exception:
+        return None
 
 
 def _hook_names() -> list[str]:
@@ -370,7 +401,7 @@ def _check_model_spec(spec: ModelSpec) -> None:
     cls = spec.config_class
     if cls is not None and not (isinstance(cls, type) and issubclass(cls, ModelArchConfig)):
         raise PluginError(f"ModelSpec {spec.name!r} config_class must "
-                          "subclass corellm.checkpoint.reader.ModelArchConfig")
+                          "subclass corellm.arch.ModelArchConfig")
 
 
 def _check_platform_spec(spec: PlatformSpec) -> None:

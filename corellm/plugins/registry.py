@@ -1,7 +1,7 @@
 """The component registry: every component the loaded plugins offer, by section and name, and
 how a name resolves when several plugins provide it.
 
-``corellm.plugins.discovery.load_registry`` builds one (public as ``corellm.plugins.discovery.Registry``);
+``corellm.plugins.load_registry`` builds one (public as ``corellm.plugins.Registry``);
 ``call_factory`` runs a registered factory with its errors attributed to the plugin.
 """
 
@@ -89,6 +89,9 @@ class BrokenPlugin:
     info: PluginInfo
     error: str
     stage: str = "import"        # import, api, hooks, specs
+    # The sections its registration hooks would have filled; None when it is not known (a
+    # plugin that failed to import might have provided anything).
+    sections: frozenset[str] | None = None
 
     def describe(self) -> str:
         what = {"import": "failed to import", "api": "was not loaded",
@@ -148,6 +151,9 @@ class Registry:
     broken: list[BrokenPlugin]
     providers: dict[str, dict[str, list[RegisteredComponent]]] = field(default_factory=dict)
     architectures: dict[str, list[RegisteredComponent]] = field(default_factory=dict)
+    # What kept installed plugins out, said with every "unknown name" error: the allow-list
+    # variable when it is set (an empty one loads no entry-point plugin at all).
+    limited_by: str | None = None
     _announced: set[tuple[str, str]] = field(default_factory=set, repr=False)
 
     @property
@@ -202,7 +208,7 @@ class Registry:
                     f"{section} {name!r}: "
                     + (f"no plugin or distribution {qualifier!r} provides {short!r}"
                        if not matching else f"{qualifier!r} provides {short!r} more than once")
-                    + f"; it is provided by {have}" + self._broken_notes())
+                    + f"; it is provided by {have}" + self._broken_notes(section))
             found = matching[0]
         elif providers:
             chosen = _resolve(providers)
@@ -224,11 +230,17 @@ class Registry:
         close = difflib.get_close_matches(name, choices, n=1)
         if close:
             msg += f"; did you mean {close[0]!r}?"
-        msg += self._broken_notes()
+        msg += self._broken_notes(section)
         raise PluginError(msg)
 
-    def _broken_notes(self) -> str:
-        return "".join(f"\n  note: {b.describe()}" for b in self.broken)
+    def _broken_notes(self, section: str | None = None) -> str:
+        """The broken plugins that might have provided a component of ``section``, and what
+        kept installed plugins out."""
+        notes = "".join(f"\n  note: {b.describe()}" for b in self.broken
+                        if section is None or b.sections is None or section in b.sections)
+        if self.limited_by:
+            notes += f"\n  note: {self.limited_by}"
+        return notes
 
     @staticmethod
     def _ambiguous(section: str, name: str, providers: Sequence[RegisteredComponent],
@@ -283,7 +295,7 @@ class Registry:
             return chosen
         msg = (f"no model plugin implements architecture {', '.join(architectures) or '(none)'}; "
                f"supported: {', '.join(sorted(self.architectures)) or '(none)'}")
-        raise PluginError(msg + self._broken_notes())
+        raise PluginError(msg + self._broken_notes("model"))
 
     def implements(self, hook_name: str) -> bool:
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())

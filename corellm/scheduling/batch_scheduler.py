@@ -44,7 +44,7 @@ from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
 from corellm.policy_view import SchedulingContext, WaitingQueue
-from corellm.scheduling.policy_check import check_policy, overrides
+from corellm.plugins.conformance import check_policy, overrides
 
 
 class _Plan:

@@ -36,7 +36,7 @@ from corellm.config.logits_processors import enabled_logits_processors
 from corellm.worker.input_batch import InputBatch
 from corellm.worker.logits_processing import LogitsProcessorSet
 from corellm.worker.request_state import CachedRequestState
-from corellm.sampling import find_banned
+from corellm.sampling import SamplingMetadata, find_banned
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,16 @@ class ModelRunner:
                           for spec in self.kv_cache_specs(num_blocks)]
         self.model.bind_kv_caches(self.kv_caches)
 
+    def release(self) -> None:
+        """Drop what this runner holds on its device: the model and its weights, the KV cache,
+        the stepper (a platform's captured graphs), the attention builder's and the batch's
+        buffers. It runs no step after this."""
+        self.requests.clear()
+        self.kv_caches = []
+        self._pending = None
+        self.stepper = self.attn_builder = None     # type: ignore[assignment]
+        self.batch = self.model = None              # type: ignore[assignment]
+
     def warm_up(self) -> None:
         """After the KV cache is bound: the platform's warm-up (graph capture on CUDA)."""
         self.platform.warm_up(self.stepper)
@@ -278,63 +288,81 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Sample the rows the last forward pass computed: logits processors constrain theirs,
+        the sampler samples, the tokens join the batch."""
         if self._pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits, rows, timings = self._pending
         self._pending = None
         t0 = time.perf_counter()
+        states, rows, logits, deferred = self._ready_rows(logits, rows)
         if not len(rows):
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings)
-        batch = self.batch
-        # The rows' states only where a logits processor constrains some request.
-        processors = self.logits_processors
-        states = batch.states[rows].tolist() if processors.num_constrained else None
-        # A row a logits processor is not ready for (its grammar still compiling) is not
-        # sampled: the request computes its last token again next step, the batch goes on.
-        waiting = processors.deferred(states) if states is not None else []
-        deferred = [states[i].req_id for i in waiting]
-        if waiting:
-            skip = set(waiting)
-            keep = [i for i in range(len(states)) if i not in skip]
-            if not keep:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings,
-                                         deferred=deferred)
-            states, rows = [states[i] for i in keep], rows[keep]
-            logits = batch.select(logits, keep)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], timings=timings,
+                                     deferred=deferred)
         # Logits processors constrain their rows in place before the sampler sees them; a
         # request one of them cannot serve ends alone (its row is sampled, then dropped).
-        failed = processors.apply(logits, states) if states is not None else {}
-        md = batch.sampling_metadata(rows, self.generator)
+        failed = self.logits_processors.apply(logits, states) if states is not None else {}
+        md = self.batch.sampling_metadata(rows, self.generator)
         # The bans as the engine made them (a sampler may change its metadata): usually none.
-        bans = ({row: list(ids) for row, ids in md.banned_token_ids.items()}
-                if md.banned_token_ids else None)
+        bans = md.banned_token_ids and {row: list(ids) for row, ids in
+                                        md.banned_token_ids.items()}
         out = self.sampler(logits, md)
         sampled = self.stepper.to_host(out.sampled_token_ids)
-        banned = None if bans is None else find_banned(sampled, replace(md, banned_token_ids=bans))
-        if banned is not None:          # min_tokens would be broken: the plugin is at fault
-            row, token = banned
-            entry = self.sampler_entry
-            raise PluginError(
-                f"{entry.describe()} sampled token {token} for request "
-                f"{batch.req_ids[rows[row]]!r}, which is banned for it "
-                "(SamplingMetadata.banned_token_ids: its min_tokens is not reached); a sampler "
-                "must apply banned_token_ids (docs/plugins.md, 'A sampler')")
-        logprobs = None
-        if out.logprobs is not None:
-            lp = out.logprobs
-            logprobs = LogprobsLists(lp.token_ids.tolist(), lp.logprobs.tolist(),
-                                     lp.sampled_ranks.tolist())
+        if bans:
+            self._check_bans(sampled, replace(md, banned_token_ids=bans), rows)
+        lp = out.logprobs
+        logprobs = None if lp is None else LogprobsLists(
+            lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist())
         if failed:
-            keep = [i for i, s in enumerate(states) if s.req_id not in failed]
-            states, sampled, rows = [states[i] for i in keep], [sampled[i] for i in keep], \
-                rows[keep]
-            if logprobs is not None:
-                logprobs = LogprobsLists(*([lists[i] for i in keep] for lists in (
-                    logprobs.token_ids, logprobs.logprobs, logprobs.sampled_ranks)))
-        batch.append_tokens(rows, sampled)
+            states, sampled, rows, logprobs = _without(failed, states, sampled, rows, logprobs)
+        self.batch.append_tokens(rows, sampled)
         if states is not None:
-            processors.accept(states, sampled)
+            self.logits_processors.accept(states, sampled)
         timings["sample"] = time.perf_counter() - t0
-        return ModelRunnerOutput(req_ids=batch.req_ids[rows].tolist(),
+        return ModelRunnerOutput(req_ids=self.batch.req_ids[rows].tolist(),
                                  sampled_token_ids=sampled, logprobs=logprobs, timings=timings,
                                  failed=failed, deferred=deferred)
+
+    def _ready_rows(self, logits: torch.Tensor, rows: np.ndarray,
+                    ) -> tuple[list[CachedRequestState] | None, np.ndarray, torch.Tensor,
+                               list[str]]:
+        """The rows to sample, their request states where a logits processor constrains some
+        request (else None), their logits, and the requests deferred: a row a processor is not
+        ready for (its grammar still compiling) is not sampled, and its request computes its
+        last token again next step while the batch goes on."""
+        processors = self.logits_processors
+        if not len(rows) or not processors.num_constrained:
+            return None, rows, logits, []
+        states = self.batch.states[rows].tolist()
+        waiting = processors.deferred(states)
+        if not waiting:
+            return states, rows, logits, []
+        skip = set(waiting)
+        keep = [i for i in range(len(states)) if i not in skip]
+        deferred = [states[i].req_id for i in waiting]
+        if not keep:
+            return [], rows[keep], logits, deferred
+        return ([states[i] for i in keep], rows[keep], self.batch.select(logits, keep),
+                deferred)
+
+    def _check_bans(self, sampled: list[int], md: SamplingMetadata, rows: np.ndarray) -> None:
+        """A sampler must honour ``banned_token_ids`` (``min_tokens`` not yet reached): one that
+        sampled a banned token is at fault, and named."""
+        banned = find_banned(sampled, md)
+        if banned is not None:
+            row, token = banned
+            raise PluginError(
+                f"{self.sampler_entry.describe()} sampled token {token} for request "
+                f"{self.batch.req_ids[rows[row]]!r}, which is banned for it "
+                "(SamplingMetadata.banned_token_ids: its min_tokens is not reached); a sampler "
+                "must apply banned_token_ids (docs/plugins.md, 'A sampler')")
+
+
+def _without(failed: dict[str, str], states: list[CachedRequestState], sampled: list[int],
+             rows: np.ndarray, logprobs: LogprobsLists | None) -> tuple:
+    """The sampled rows less those of requests a logits processor failed."""
+    keep = [i for i, s in enumerate(states) if s.req_id not in failed]
+    if logprobs is not None:
+        logprobs = LogprobsLists(*([lists[i] for i in keep] for lists in (
+            logprobs.token_ids, logprobs.logprobs, logprobs.sampled_ranks)))
+    return [states[i] for i in keep], [sampled[i] for i in keep], rows[keep], logprobs

@@ -9,6 +9,7 @@ executor.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 from corellm.kv.block_pool import num_blocks_for_budget
@@ -96,6 +97,15 @@ class Worker:
         """On ranks > 0: record the tokens rank 0 sampled last step, so the next step's inputs
         are the same on every rank."""
         self.runner.add_sampled_tokens(output.req_ids, output.sampled_token_ids)
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache and the platform's per-process state, so that the
+        device memory they took is free for the next engine of this process. Idempotent."""
+        if self.runner.model is None:
+            return
+        self.runner.release()
+        gc.collect()                # reference cycles of the model's modules hold tensors
+        self.platform.shutdown()
 
     def memory_usage(self) -> dict[str, int]:
         """This worker process's memory (bytes, from /proc/self/status): ``peak_rss`` (VmHWM,

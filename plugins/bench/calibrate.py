@@ -400,7 +400,7 @@ examples:
 
 
 def add_calibrate_subcommand(subparsers: Any) -> Any:
-    from .cli import HelpFormatter, plain
+    from .cli_common import HelpFormatter, plain
     p = subparsers.add_parser(
         "calibrate", help="measure step times and fit the sim executor's cost model",
         description=plain(__doc__), epilog=CLI_EPILOG, formatter_class=HelpFormatter)

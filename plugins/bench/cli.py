@@ -22,6 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# HelpFormatter is re-exported: benchmarks/serve.py imports it from here.
+from .cli_common import HelpFormatter, plain
+
 EPILOG = """\
 targets (each repeatable; NAME=VALUE names a column, default: the file's stem / host:port):
   --config fcfs=a.yaml --config priority=b.yaml   in-process engines (A/B)
@@ -43,22 +46,6 @@ examples:
   corellm bench --dataset-name trace --dataset-path azure_conv.csv --trace-window 0:300 \\
       --trace-speedup 2
 """
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None/False/[] (those options' help says what happens without
-    them); descriptions and epilogs keep their line breaks. Also used by benchmarks/serve.py."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def plain(doc: str | None) -> str:
-    """A module docstring as a ``--help`` description: without its reST markup for literals
-    (double backquotes) and bold (double asterisks)."""
-    return (doc or "").replace("``", "").replace("**", "")
 
 
 def checked(cast: Callable[[str], Any], ok: Callable[[Any], bool], expected: str,
@@ -281,7 +268,12 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- running
 def build_targets(args: argparse.Namespace) -> list[Any]:
-    from .targets import Target, default_label, parse_target, unique_labels
+    """The targets of the command line, every config read, with ``--set`` applied, and
+    validated (with ``--sweep``: every point's) before anything runs; an invalid one is a
+    ``ConfigError`` naming the target, its file and the key path."""
+    from corellm.config import parse_override
+
+    from .targets import Target, default_label, parse_target, prepare_configs, unique_labels
 
     specs = []
     for text in args.config:
@@ -295,28 +287,12 @@ def build_targets(args: argparse.Namespace) -> list[Any]:
         specs.append(("demo", {"config": None, "start_server": args.start_server}))
     labels = unique_labels([label for label, _ in specs])
     targets = [Target(label, **kw) for label, (_, kw) in zip(labels, specs)]
-    if args.overrides:
-        targets = [with_overrides(t, args.overrides) for t in targets]
+    targets = prepare_configs(targets, [parse_override(t) for t in args.overrides],
+                              validate=not args.sweep)
     if args.sweep:
         from .sweep import expand_targets, parse_sweep
         targets, args.sweep_points = expand_targets(targets, [parse_sweep(s) for s in args.sweep])
     return targets
-
-
-def with_overrides(target: Any, overrides: list[str]) -> Any:
-    """The target with ``--set`` overrides applied to its config (a dict from then on);
-    a running server (``--url``) has no config to change and is refused."""
-    from corellm.config import apply_overrides, parse_override
-    from corellm.errors import ConfigError
-
-    from .targets import Target, config_data
-
-    if target.url is not None:
-        raise ConfigError([("--set", f"target {target.label!r} is a running server (--url), "
-                                     "whose config cannot be changed from here")])
-    return Target(target.label, config=apply_overrides(config_data(target.config),
-                                                       [parse_override(t) for t in overrides]),
-                  start_server=target.start_server)
 
 
 def result_path(args: argparse.Namespace, model_name: str, date: _dt.datetime) -> Path | None:

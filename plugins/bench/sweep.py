@@ -7,8 +7,8 @@ reads them. Several ``--sweep`` flags make a grid (their product). Each base tar
 ``--config``, or the default config) is run at every point, so the sweep's targets are
 ``len(bases) x len(grid)`` configs that all see the same seeded workloads, interleaved as in any
 A/B run. Every point's config is validated before anything runs, so a misspelt key or a value
-out of range stops the sweep at once with the key path, not at its tenth target. A ``--url``
-target has no config to change and is refused.
+out of range stops the sweep at once with the key path (and the point, the target and its file),
+not at its tenth target. A ``--url`` target has no config to change and is refused.
 
 The table has one row per point and one column per metric, each ``mean ± std`` over the
 repeats (the run-to-run noise); the plot puts the first swept key on the x axis, one line per
@@ -133,6 +133,8 @@ def expand_targets(bases: Sequence[Target], axes: Sequence[SweepAxis]) -> tuple[
     grid = list(itertools.product(*[range(len(a.values)) for a in axes]))
     for base in bases:
         data = config_data(base.config)
+        # Errors name the point, the base target and its file: --sweep x=0 (b, b.yaml): key
+        where = f"{base.label}, {base.config_file}" if base.config_file else base.label
         for combo in grid:
             values = tuple((a.key, a.values[i]) for a, i in zip(axes, combo))
             name = ",".join(f"{short[a.key]}={a.texts[i]}" for a, i in zip(axes, combo))
@@ -141,11 +143,12 @@ def expand_targets(bases: Sequence[Target], axes: Sequence[SweepAxis]) -> tuple[
             try:
                 load_config(config)
             except ConfigError as exc:
-                problems += [(f"--sweep {name} ({base.label}): {path}" if path
-                              else f"--sweep {name} ({base.label})", msg)
+                problems += [(f"--sweep {name} ({where}): {path}" if path
+                              else f"--sweep {name} ({where})", msg)
                              for path, msg in exc.problems]
                 continue
-            targets.append(Target(label, config=config, start_server=base.start_server))
+            targets.append(Target(label, config=config, start_server=base.start_server,
+                                  source=base.config_file))
             points.append(SweepPoint(label, base.label, values))
     if problems:
         raise ConfigError(problems)

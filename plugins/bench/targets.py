@@ -3,8 +3,9 @@
 ``Target`` names what a run measures (an in-process engine from a config, a running server, or a
 server started here), ``RunOptions`` how, and ``RunResult`` what one run of one workload against
 one target recorded, with ``COUNTERS``, the engine counters under one name whichever target
-reported them. Also the model a target's config names: its tokenizer directory, context length
-and the token ids random prompts are drawn from.
+reported them. ``prepare_configs`` reads every target's config and validates it before the
+first run. Also the model a target's config names: its tokenizer directory, context length and
+the token ids random prompts are drawn from.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
 @dataclass
 class Target:
     """What a run measures. ``config``: a config file path (or a dict) for an in-process
-    engine, or for the server started here when ``start_server``; ``url``: a running server."""
+    engine, or for the server started here when ``start_server``; ``url``: a running server.
+    ``source``: the file a dict ``config`` was read from before ``--set`` or ``--sweep``
+    changed it, named in its errors (``named``)."""
 
     label: str
     config: str | Path | Mapping[str, Any] | None = None
     url: str | None = None
     start_server: bool = False
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if self.url is not None and (self.config is not None or self.start_server):
@@ -54,6 +58,21 @@ class Target:
         if self.url is not None:
             return "server"
         return "started-server" if self.start_server else "engine"
+
+    @property
+    def config_file(self) -> str | None:
+        """The file this target's config comes from: the path it was given, or ``source``;
+        None for a dict given as it is, the default config and a server."""
+        if self.config is None or isinstance(self.config, Mapping):
+            return self.source
+        return str(self.config)
+
+    def named(self) -> str:
+        """The target as its errors name it: ``target 'b' (b.yaml)``, ``target 'demo' (the
+        default config)``, ``target 'x'`` for a config given as a dict."""
+        where = self.config_file or ("the default config" if self.config is None and
+                                     self.url is None else None)
+        return f"target {self.label!r}" + (f" ({where})" if where else "")
 
     def describe(self) -> dict[str, Any]:
         """The target for result files: its label, kind and the config it ran with."""
@@ -177,11 +196,53 @@ def config_data(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]
     return read_config_file(config) if config is not None else {}
 
 
+def prepare_configs(targets: Sequence[Target], overrides: Sequence[tuple[str, Any]] = (), *,
+                    validate: bool = True) -> list[Target]:
+    """The targets with their configs read, ``overrides`` (``--set``, parsed) applied (a dict
+    from then on, its file kept as ``source``) and, with ``validate``, each validated as its
+    engine will validate it, before anything runs: a misspelt key in the last config stops the
+    benchmark at once, not after every other target's runs. Every problem of every target is
+    reported in one ``ConfigError``, each at ``target 'b' (b.yaml): key.path``. A running server
+    (``--url``) has no config here and is left as it is, or refused when there are overrides.
+    ``validate=False`` for a sweep, which validates each of its points instead (a base config
+    may be valid only with the swept key set), but still reads every file here."""
+    from corellm.config import apply_overrides, load_config
+    from corellm.errors import ConfigError
+
+    if overrides:
+        urls = [t.label for t in targets if t.url is not None]
+        if urls:
+            raise ConfigError([("--set", f"target {urls[0]!r} is a running server (--url), "
+                                         "whose config cannot be changed from here")])
+    out: list[Target] = []
+    problems: list[tuple[str, str]] = []
+    for target in targets:
+        if target.url is not None:
+            out.append(target)
+            continue
+        where = target.named()          # before --set makes the default config a dict
+        try:
+            data = config_data(target.config)
+            if overrides:
+                data = apply_overrides(data, list(overrides))
+                target = Target(target.label, config=data, start_server=target.start_server,
+                                source=target.config_file)
+            if validate:
+                load_config(data)
+        except ConfigError as exc:
+            problems += [(f"{where}: {path}" if path else where, msg)
+                         for path, msg in exc.problems]
+        out.append(target)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
 def config_model_dir(config: str | Path | Mapping[str, Any] | None, *,
                      tokenizer: bool = True) -> Path:
     """The tokenizer (or, ``tokenizer=False``, checkpoint) a config names: a directory or a GGUF
-    file; without one, the default model's (``corellm.checkpoint.demo.default_model``: the random demo is
-    built only when it is the model that runs)."""
+    file; without one, the default model's (``corellm.checkpoint.demo.default_model``: the random
+    demo is built only when it is the model that runs)."""
     model = config_data(config).get("model") or {}
     path = (tokenizer and model.get("tokenizer")) or model.get("path")
     if path:

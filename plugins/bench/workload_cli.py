@@ -181,7 +181,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``workload`` on ``subparsers`` (``corellm bench``'s). Its options use dests
     prefixed ``wl_`` so they cannot clash with ``corellm bench``'s own (``--seed``, ...)."""
-    from .cli import plain
+    from .cli_common import plain
     p = subparsers.add_parser(
         "workload", help="write a workload file (--kind ...) or summarize one (--describe)",
         description=plain(__doc__), epilog=EPILOG, formatter_class=_Help)

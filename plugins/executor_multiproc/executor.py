@@ -68,7 +68,7 @@ class MultiprocExecutor(Executor):
         setup = ctx.setup or resolve_setup(config, ctx.registry)
         platform = _check_config(config, ctx.registry, setup)
         wanted = config.scheduler.async_scheduling
-        self._overlap = type(platform).async_scheduling if wanted is None else wanted
+        self._overlap = platform.async_scheduling if wanted is None else wanted
         if config.parallel.external_launcher:
             self._impl: _Backend = _LauncherBackend(config, ctx.registry, setup, platform)
         else:

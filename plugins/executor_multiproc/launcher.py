@@ -133,6 +133,8 @@ class _LauncherBackend(_Backend):
                 destroy_parallel(self.parallel)
             except Exception:
                 pass
+        if self.worker is not None:
+            self.worker.shutdown()          # rank 0's worker lives in the engine's process
 
 
 def launcher_worker(config: EngineConfig, registry: Registry) -> int:

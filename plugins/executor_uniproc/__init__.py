@@ -27,7 +27,7 @@ class UniprocExecutor(Executor):
         from corellm.worker.worker import Worker
         self.worker = Worker(ctx.config, ctx.registry, setup=ctx.setup)
         wanted = ctx.config.scheduler.async_scheduling
-        overlap = type(self.worker.platform).async_scheduling if wanted is None else wanted
+        overlap = self.worker.platform.async_scheduling if wanted is None else wanted
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="corellm-worker")
                         if overlap else None)
 
@@ -55,6 +55,7 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)
+        self.worker.shutdown()
 
 
 @hookimpl

@@ -101,8 +101,8 @@ def check_constraint_bounds(so: StructuredOutputsParams, limits: ConstraintLimit
 
 
 # --------------------------------------------------------------------------- the check process
-# The server's constraint checks run in child processes (corellm.serving.sandbox): each child builds the
-# enabled logits processors' checker once, from the server's config.
+# The server's constraint checks run in child processes (corellm.serving.sandbox): each child
+# builds the enabled logits processors' checker once, from the server's config.
 _checker: Any = None
 
 
@@ -124,7 +124,7 @@ def check_in_child(params: SamplingParams) -> None:
 def checker_imports(entries: Any) -> list[str]:
     """What the check processes' fork server imports ahead: the checker's modules and the
     enabled processors' ``validate_imports`` (``entries``: their registry entries)."""
-    mods = ["corellm.config.logits_processors", "corellm.plugins", __name__]
+    mods = ["corellm.config.logits_processors", "corellm.plugins.discovery", __name__]
     for entry in entries:
         mods.extend(entry.spec.validate_imports)
     return list(dict.fromkeys(mods))
@@ -190,9 +190,13 @@ class ConstraintChecks:
         for ``STRIKE_TTL_S``)."""
         so, xargs = params.structured_outputs, params.extra_args
         checker = self.engine.processor.checker
+        fields = constraint_fields(req)
+        try:
+            checker.check_keys(params)          # a key of a processor left out: at once
+        except InvalidRequestError as exc:
+            raise _invalid(exc, fields) from None
         if (so is None and xargs is None) or (so is None and not checker.entries):
             return
-        fields = constraint_fields(req)
         field = "vllm_xargs" if so is None else fields.get(
             f"structured_outputs.{so.kind}", f"structured_outputs.{so.kind}")
         limits = self.limits

@@ -7,8 +7,8 @@ Two things keep one client's bodies from holding up everyone else's:
   ``max_model_len`` tokens can stand for is refused before it is tokenized. Tokenizing a long
   text is the costliest thing a request does here (figures: docs/server.md); refused by its
   length, it costs nothing.
-- **A fair queue** (``corellm.serving.fair.FairExecutor``): the cheapest job first, with aging, and a
-  worker kept for small jobs.
+- **A fair queue** (``corellm.serving.fair.FairExecutor``): the cheapest job first, with aging,
+  and a worker kept for small jobs.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ its own process, served by uvicorn.
 Nothing a single request asks for may stall the others: what it may ask for is bounded
 (``frontend.limits``, and a text is refused by its length when it cannot fit the context),
 parsing large bodies, chat templates and tokenization run on worker threads that take the
-cheapest job first (``corellm.serving.fair.FairExecutor``), and outputs are processed in short slices
-(``AsyncLLM``), so the event loop answers ``/health`` and other clients while the largest
+cheapest job first (``corellm.serving.fair.FairExecutor``), and outputs are processed in short
+slices (``AsyncLLM``), so the event loop answers ``/health`` and other clients while the largest
 allowed request runs. On SIGTERM/SIGINT the server drains: new requests get 503, running ones
 may finish within ``frontend.drain_timeout_s``, the rest end with an error event naming the
 shutdown, then every process exits.

@@ -1,6 +1,7 @@
 """Phi-1/1.5/2 (``PhiForCausalLM``): a decoder that is not Llama-shaped, added through the same
 public interfaces a third-party model plugin has (``corellm.components``, ``corellm.layers``,
-``corellm.checkpoint.reader``, ``corellm.interfaces``): LayerNorm with biases, a parallel attention and
+``corellm.checkpoint.reader``, ``corellm.interfaces``): LayerNorm with biases, a parallel attention
+and
 MLP block, a GELU MLP, partial rotary embeddings, an optional per-head QK LayerNorm, and a biased
 LM head. The plugin parses its own config.json (``PhiArchConfig``)."""
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # Which library runs a small fp32 matmul fastest depends on the CPU (its vector units, matrix
 # extensions and caches), not on its vendor string: MKL's packed GEMM beats the plain one on
 # some CPUs, oneDNN's prepacked linear beats both on others, and the ranking can change with the
-# row count (per-machine figures: docs/benchmarks.md and docs/architecture.md, "GEMM plans").
+# row count (per-machine figures: docs/benchmarks.md and docs/platform-cpu.md, "GEMM plans").
 # So each weight shape gets a plan, measured at start-up: one preferred path, and for a row
 # bucket where another is clearly faster, that one.
 #   dense   F.linear on the weight as loaded

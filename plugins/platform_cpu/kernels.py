@@ -79,7 +79,7 @@ class CpuOps:
         """The index of each row's first maximum of a float32 [rows, n] CPU tensor (NaN counts
         as the maximum), as ``x.max(dim=-1).indices``: one pass, rows split over the threads
         (with weight packing on, torch's own ops run on one thread, so its reduction would read
-        a step's whole [rows, vocab] logits on one core; figures in docs/architecture.md, "Fused
+        a step's whole [rows, vocab] logits on one core; figures in docs/platform-cpu.md, "Fused
         element-wise kernels"). None for other inputs."""
         if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
                 or x.stride(1) != 1 or x.shape[1] == 0

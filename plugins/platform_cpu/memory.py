@@ -67,7 +67,7 @@ def zeroed_cpu_tensor(shape: tuple[int, ...] | int, dtype: torch.dtype,
     (``MADV_HUGEPAGE``, honoured where THP is ``always`` or ``madvise``), for data streamed
     from memory in full at every step: packed weights. Their TLB misses drop 512-fold, which
     matters most to a GEMM over cold weights at few rows, where reading the weights is the
-    whole cost (figures: docs/architecture.md, "Huge pages"). The KV pool does not ask: a
+    whole cost (figures: docs/platform-cpu.md, "Huge pages"). The KV pool does not ask: a
     decode reads only its requests' blocks, and end to end huge pages showed no gain there."""
     import mmap
 

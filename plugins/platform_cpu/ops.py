@@ -114,6 +114,7 @@ class CpuDeviceOps(DeviceOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """One native pass over the rows, split over the threads (torch's reduction would run
-        on the one thread weight packing leaves torch; figures in docs/architecture.md)."""
+        on the one thread weight packing leaves torch; figures in docs/platform-cpu.md, "Fused
+        element-wise kernels")."""
         out = self.kernels.argmax(logits) if self.kernels is not None else None
         return out if out is not None else super().argmax(logits)

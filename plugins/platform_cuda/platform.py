@@ -161,6 +161,12 @@ class CudaPlatform(Platform):
     def memory_usage(self, device: torch.device) -> dict[str, int]:
         return {"cuda_peak_allocated": torch.cuda.max_memory_allocated(device)}
 
+    def shutdown(self) -> None:
+        """The worker dropped its model, KV cache and graphs: return the memory the caching
+        allocator keeps, so the next engine of this process (or another process) can take it."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ models
     def make_stepper(self, model: Any, device: torch.device,
                      limits: AttentionBuildLimits) -> CudaStepper:

@@ -19,7 +19,7 @@ from corellm.errors import OptionError, PluginError
 from corellm.sampling import SamplingMetadata, find_banned
 from corellm.wrappers import SamplerWrapper
 
-CORELLM_PLUGIN_API = "1.0"
+CORELLM_PLUGIN_API = "1.7"
 
 
 class BanOptions(SamplerOptions):

@@ -18,7 +18,7 @@ from corellm import hookimpl
 from corellm.components import BuildContext, LogitsProcessorSpec, NoOptions
 from corellm.interfaces import LogitsProcessor
 
-CORELLM_PLUGIN_API = "1.4"
+CORELLM_PLUGIN_API = "1.7"
 KEY = "banned_words"
 
 
@@ -85,6 +85,6 @@ def make_banned_words(options: NoOptions, ctx: BuildContext) -> BannedWords:
 @hookimpl
 def corellm_logits_processors() -> Iterator[LogitsProcessorSpec]:
     yield LogitsProcessorSpec(name="banned_words", factory=make_banned_words,
-                              validate=validate, constrains=constrains,
+                              validate=validate, constrains=constrains, extra_args=(KEY,),
                               summary="Keeps the words of extra_args['banned_words'] out of "
                                       "a request's output.")

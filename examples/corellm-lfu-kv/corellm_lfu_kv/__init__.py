@@ -17,7 +17,7 @@ from corellm.kv.block_pool import EvictionPolicy
 from corellm.components import BuildContext, KVCacheManagerSpec
 from corellm.kv.paged import PagedKVCacheManager, PagedKVCacheOptions
 
-CORELLM_PLUGIN_API = "1.0"
+CORELLM_PLUGIN_API = "1.7"
 __version__ = "0.1.0"
 
 

@@ -31,7 +31,7 @@ from corellm.interfaces import Frontend
 if TYPE_CHECKING:
     from corellm import AsyncLLM
 
-CORELLM_PLUGIN_API = "1.0"
+CORELLM_PLUGIN_API = "1.7"
 
 logger = logging.getLogger(__name__)
 

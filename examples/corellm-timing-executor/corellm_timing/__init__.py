@@ -16,7 +16,7 @@ from corellm import hookimpl
 from corellm.components import BuildContext, ExecutorOptions, ExecutorSpec, delegate_field
 from corellm.wrappers import ExecutorWrapper
 
-CORELLM_PLUGIN_API = "1.0"
+CORELLM_PLUGIN_API = "1.7"
 
 
 class TimingOptions(ExecutorOptions):

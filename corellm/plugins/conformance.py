@@ -1,13 +1,14 @@
-"""A scheduling policy's conformance, checked once when the scheduler is built: the interface it
-implements, the arguments its decisions take, and which optional decisions it makes (the
-scheduler skips the others on its step path)."""
+"""Plugin components' conformance, checked once when a component is built (not on the step
+path): the interface it implements, the arguments its methods take, and which optional
+decisions a scheduling policy makes (the scheduler skips the others on its step path). A
+mismatch is a ``PluginError`` naming the component and what to change."""
 
 from __future__ import annotations
 
 import inspect
 
 from corellm.errors import PluginError
-from corellm.interfaces import SchedulingPolicy
+from corellm.interfaces import NO_CACHED_PREFIX, KVCacheManager, SchedulingPolicy
 
 
 def overrides(policy: SchedulingPolicy, name: str) -> bool:
@@ -35,3 +36,18 @@ def check_policy(policy: SchedulingPolicy) -> None:
                 f"arguments corellm passes: {name}{expected} (the policy interface changed in "
                 "corellm 0.3: every decision receives a SchedulingContext; see docs/plugins.md, "
                 "'A scheduling policy')") from None
+
+
+def check_kv_cache_manager(kv: KVCacheManager, owner: str) -> None:
+    """Fail at start-up, naming the plugin, rather than at the first step."""
+    if not isinstance(kv, KVCacheManager):
+        raise PluginError(f"{owner}: the kv_cache factory returned {type(kv).__name__}, which "
+                          "does not implement corellm.interfaces.KVCacheManager")
+    try:
+        inspect.signature(kv.allocate_slots).bind(None, 1, NO_CACHED_PREFIX)
+    except TypeError:
+        raise PluginError(
+            f"{owner}: {type(kv).__name__}.allocate_slots"
+            f"{inspect.signature(kv.allocate_slots)} does not accept the `prefix` argument the "
+            "scheduler passes at admission since corellm 0.2; add `prefix: CachedPrefix | None "
+            "= None` (see docs/plugins.md, 'A KV-cache manager')") from None

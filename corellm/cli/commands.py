@@ -68,7 +68,9 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
 
 
 def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
-    """The config file, then the flags, then --set overrides: validated together."""
+    """The config file, then the flags, then --set overrides: validated together. An invalid
+    config's error names the file (``invalid corellm config (FILE):``), as ``corellm config
+    validate``'s does."""
     from corellm.config.compose import apply_overrides, parse_override, read_config_file
     from corellm.engine.llm import build_config
     from corellm.errors import ConfigError
@@ -93,7 +95,15 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
         if isinstance(frontend_section, dict) and "name" not in frontend_section:
             overrides.insert(0, ("frontend.name", "openai"))
     overrides += [parse_override(text) for text in args.overrides]
-    config, registry = build_config(apply_overrides(data, overrides), None, ())
+    data = apply_overrides(data, overrides)
+    try:
+        config, registry = build_config(data, None, ())
+    except ConfigError as exc:
+        # Validated as a dict (the file with the flags over it), so the error names no file:
+        # name it, as `corellm config validate` does (docs/config.md, "Errors").
+        if exc.source is not None or not args.config:
+            raise
+        raise ConfigError(exc.problems, source=args.config) from None
     if config.model.path is None:
         from corellm.checkpoint.demo import DEMO_HINT, default_model
         if not default_model()[1]:
