@@ -121,7 +121,7 @@ def test_unavailable_here_is_listed_with_its_reason_and_refused_by_name(capsys, 
     assert cuda["unavailable"] == reason and not cuda["auto_selected"]
     assert cuda["auto_priority"] == 20
     assert {o["name"] for o in cuda["options"]} == {"gpu_memory_utilization", "cuda_graphs",
-                                                    "cuda_graph_batch_sizes"}
+                                                    "triton_ops", "cuda_graph_batch_sizes"}
     registry = load_registry()
     with caplog.at_level("INFO", logger="corellm.config.compose"):
         assert load_config({}, registry=registry).platform.name == "cpu"

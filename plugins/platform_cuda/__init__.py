@@ -39,6 +39,12 @@ class CudaOptions(PlatformOptions):
             "nearest captured size): one launch per step instead of one per kernel. Only with "
             "an attention backend whose metadata builder declares cuda_graphs (triton); "
             "steps with prefills, and larger batches, run eagerly."))
+    triton_ops: bool = Field(
+        False, description=(
+            "Run RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each "
+            "(corellm_plugins.platform_cuda.ops) instead of the reference's several torch "
+            "kernels per call. Checked against the reference under Triton's interpreter; off "
+            "until measured on a GPU."))
     cuda_graph_batch_sizes: list[int] | None = Field(
         None, description=(
             "Decode batch sizes to capture, increasing. Left out: 1, 2, 4, 8, then multiples of "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from corellm.attention import AttentionBuildLimits
+from corellm.ops import DeviceOps
 from corellm.errors import ConfigError
 from corellm.platforms import ModelStepper, Platform, StepInputs
 from corellm_plugins.platform_cuda.graphs import (DecodeGraphs, capture_sizes, graphs_refused,
@@ -128,6 +129,14 @@ class CudaPlatform(Platform):
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
+
+    @property
+    def ops(self) -> DeviceOps:
+        """The reference's, with ``triton_ops`` the element-wise ops as Triton kernels."""
+        if self.options.triton_ops:
+            from corellm_plugins.platform_cuda.ops import TRITON_OPS
+            return TRITON_OPS
+        return super().ops
 
     def device_names(self) -> list[str]:
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -1,0 +1,166 @@
+"""The CUDA platform's Triton element-wise kernels (``platform.triton_ops``), against the
+reference ops on small shapes, in float32 and bfloat16: on the GPU where one is visible, else on
+the CPU under Triton's interpreter (slow: the shapes stay small)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before triton is first imported: its library functions are made then.
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="the kernels need the 'triton' package")
+
+from corellm.ops import REFERENCE_OPS  # noqa: E402
+from corellm_plugins.platform_cuda.ops import TRITON_OPS  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_can_run():
+    if DEVICE.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+
+
+def _tol(dtype):
+    # float32: rounding only. bfloat16: the kernels round once where the reference rounds after
+    # each step, and Triton's interpreter rounds float32 to bfloat16 toward zero where a GPU
+    # rounds to nearest: two units in the last place (2^-7 relative) apart at most.
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2,
+                                                                        "atol": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 48)])      # 48: a partial tile, masked
+def test_rms_norm(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    got = TRITON_OPS.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, REFERENCE_OPS.rms_norm(x, w, 1e-6), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(2, 3, 2 * 40, generator=g)).to(dtype).to(DEVICE)
+    got = TRITON_OPS.silu_and_mul(x)
+    assert got.shape == (2, 3, 40) and got.dtype == dtype
+    torch.testing.assert_close(got, REFERENCE_OPS.silu_and_mul(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (64, 32)])   # whole and partial
+def test_rotary(dtype, head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(2)
+    positions = torch.tensor([0, 7, 3, 30], device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    angles = torch.arange(32).float()[:, None] * inv[None, :]
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    q = torch.randn(4, 3, head_dim, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(4, 2, head_dim, generator=g).to(dtype).to(DEVICE)
+    want_q, want_k = REFERENCE_OPS.rotary(positions, q.clone(), k.clone(), cos, sin, rotary_dim)
+    got_q, got_k = TRITON_OPS.rotary(positions, q, k, cos, sin, rotary_dim)
+    assert got_q is q and got_k is k                    # in place, as the interface allows
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+
+
+def test_what_the_kernels_do_not_take_falls_back_to_the_reference():
+    x = torch.randn(4, 64, device=DEVICE)
+    strided = x.t()                                      # last dimension not contiguous
+    w = torch.ones(4, device=DEVICE)
+    torch.testing.assert_close(TRITON_OPS.rms_norm(strided, w, 1e-6),
+                               REFERENCE_OPS.rms_norm(strided, w, 1e-6))
+    odd = torch.randn(3, 5, device=DEVICE)               # no even split into gate | up
+    with pytest.raises(Exception):
+        REFERENCE_OPS.silu_and_mul(odd) + 0              # the reference's own answer
+    assert TRITON_OPS.silu_and_mul(torch.randn(0, 8, device=DEVICE)).shape == (0, 4)
+
+
+def test_the_cuda_platform_gives_the_kernels_with_triton_ops():
+    from corellm_plugins.platform_cuda import CudaOptions
+    from corellm_plugins.platform_cuda.platform import CudaPlatform
+    assert CudaPlatform(CudaOptions(triton_ops=True)).ops is TRITON_OPS
+    assert CudaPlatform(CudaOptions()).ops is REFERENCE_OPS
+
+
+class _Counted(type(TRITON_OPS)):
+    """The Triton ops, counting the calls that reach a kernel."""
+
+    calls: dict[str, int] = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def rms_norm(self, x, weight, eps):
+        self._count("rms_norm")
+        return super().rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, x):
+        self._count("silu_and_mul")
+        return super().silu_and_mul(x)
+
+    def rotary(self, positions, q, k, cos, sin, rotary_dim):
+        self._count("rotary")
+        return super().rotary(positions, q, k, cos, sin, rotary_dim)
+
+
+COUNTED = _Counted()
+
+
+class _TritonOnHost:
+    """A platform for this test: the host, with the Triton ops (under the interpreter there)."""
+
+    def corellm_platforms(self):
+        from corellm.components import PlatformSpec
+        from corellm.platforms import Platform, host_memory_available
+
+        class TritonHost(Platform):
+            device_type = "cpu"
+
+            def device(self, local_rank=0):
+                return torch.device("cpu")
+
+            def free_memory(self, device, local_world_size=1):
+                return host_memory_available() // local_world_size
+
+            @property
+            def ops(self):
+                return COUNTED
+
+        yield PlatformSpec(name="triton_host", factory=TritonHost)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the host run of the interpreter")
+def test_a_model_on_the_kernels_generates_what_the_reference_does(llama_path, monkeypatch):
+    """Every RMSNorm, SiLU-and-multiply and RoPE of a Llama model through the kernels (none
+    falls back to the reference): the greedy tokens are the CPU platform's (float32)."""
+    import corellm.ops
+    from corellm import LLM, SamplingParams
+    from tests.conftest import engine_config
+
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2, 40]}, {"prompt_token_ids": [7, 3]}]
+
+    def run(platform, plugins=()):
+        with LLM(engine_config(llama_path, platform={"name": platform}),
+                 plugins=list(plugins)) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                 use_tqdm=False)]
+    want = run("cpu")
+    fallbacks = []
+    for name in ("rms_norm", "silu_and_mul", "rotary"):
+        monkeypatch.setattr(corellm.ops.DeviceOps, name,
+                            lambda self, *args, _name=name: fallbacks.append(_name))
+    assert run("triton_host", [_TritonOnHost()]) == want
+    assert set(COUNTED.calls) == {"rms_norm", "silu_and_mul", "rotary"}, COUNTED.calls
+    assert not fallbacks
