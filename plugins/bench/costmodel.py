@@ -81,27 +81,18 @@ class StepShape(NamedTuple):
                 ptok += n
                 pattn += n * c + n * (n + 1) // 2
                 pkv += c + n
-        return cls(num_reqs, tokens, decodes, ptok, pattn, pkv, dkv, num_sampled)
+        # (tuple.__new__: the named tuple's own __new__ adds a call per simulated step)
+        return tuple.__new__(cls, (num_reqs, tokens, decodes, ptok, pattn, pkv, dkv,
+                                   num_sampled))
 
     @classmethod
     def from_plan(cls, plan: Any) -> StepShape:
         """From a ``SchedulerOutput``: ``num_scheduled_tokens``, ``num_computed_tokens`` (the
         context of every scheduled request) and ``sampling_req_ids``. One pass, no numpy."""
         scheduled = plan.num_scheduled_tokens
-        # _from_pairs inlined (once per simulated step), the pairs straight from the dicts
-        # (same keys in the same order, as the plan says).
-        tokens = decodes = ptok = pattn = pkv = dkv = 0
-        for n, c in zip(scheduled.values(), plan.num_computed_tokens.values()):
-            tokens += n
-            if n == 1:
-                decodes += 1
-                dkv += c + 1
-            else:
-                ptok += n
-                pattn += n * c + n * (n + 1) // 2
-                pkv += c + n
-        return tuple.__new__(cls, (len(scheduled), tokens, decodes, ptok, pattn, pkv, dkv,
-                                   len(plan.sampling_req_ids)))
+        # The pairs straight from the dicts (same keys in the same order, as the plan says).
+        return cls._from_pairs(zip(scheduled.values(), plan.num_computed_tokens.values()),
+                               len(scheduled), len(plan.sampling_req_ids))
 
     def to_row(self) -> tuple[int, ...]:
         """The fields in ``STEP_FIELDS`` order (a profile's sample row, before the seconds)."""
