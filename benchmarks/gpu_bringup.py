@@ -11,6 +11,10 @@ own timeout, so one failing step hides nothing of the others).
                    the tests' tokenizer (corellm.checkpoint.demo.train_tokenizer)
     tp-corellm     benchmarks/throughput.py, its engine config amended (``--platform`` JSON:
                    e.g. cuda_graphs off), the rest of the arguments passed through
+    profile        where a decode step's time goes: ``EngineCore.step()`` at a fixed batch and
+                   context, per step: device time (CUDA events), host phases, kernels and host
+                   syncs (torch.profiler), against the step's HBM floor (weights + the batch's
+                   KV read once at the measured copy bandwidth); greedy and temperature 0.6
     hf-throughput  transformers ``generate`` on the same workload as benchmarks/throughput.py
                    (same seed, same prompts), on the GPU: the peer of corellm's figure
     summarize      the step table, the test counts, the parity and throughput figures
@@ -98,19 +102,13 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parity
-def release_device_memory(llm) -> None:
-    """Drop an engine's KV cache and captured graphs now: ``LLM.shutdown()`` leaves the uniproc
-    executor's worker, and the device memory it holds, alive while the engine is referenced."""
+def free_device_memory() -> None:
+    """What a shut-down engine's last references held goes back to the device."""
+    import gc
+
     import torch
-    runner = llm.engine.executor.worker.runner
-    runner.kv_caches = []
-    runner.model.bind_kv_caches([torch.empty(0, dtype=runner.dtype, device=runner.device)
-                                 for _ in runner.attn_layers])
-    captured = getattr(runner.stepper, "captured", None)
-    if captured:
-        captured.clear()
-        runner.stepper.graphs.enable([])
-    if runner.device.type == "cuda":
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
@@ -245,8 +243,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
                     row["kv_blocks_whole"] = stats.kv_blocks_free == stats.kv_blocks_total
                     row["num_steps"] = stats.num_steps
                     ours = [o.outputs[0].token_ids for o in outs]
-                    release_device_memory(llm)
-                del llm, runner, stepper
+                del llm, runner, stepper       # shut down on leaving the block: memory freed
+                free_device_memory()
             except Exception as exc:          # noqa: BLE001 -- recorded, the next one runs
                 import traceback
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -331,6 +329,183 @@ def cmd_make_qwen3(args: argparse.Namespace) -> int:
     (out / ".complete").write_text(json.dumps(sizes))
     log(f"{out}: Qwen3 {'tiny' if args.tiny else '0.6B'} shape, {params / 1e6:.1f}M parameters "
         f"(tied embeddings), bfloat16, in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+# --------------------------------------------------------------------------- decode-step profile
+# CUDA runtime calls that make the host wait for the device.
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+               "cudaMemcpy", "cudaStreamWaitEvent_host")
+
+
+def _copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    import torch
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            b.copy_(a)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            b.copy_(a)
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
+
+
+def _checkpoint_bytes(path: Path) -> int:
+    """The weights' bytes as stored (safetensors headers: what a decode step reads once)."""
+    total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0]
+                     for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def _profile_case(args: argparse.Namespace, device: str, temperature: float,
+                  bandwidth: float) -> dict[str, Any]:
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from corellm import LLM
+    from corellm.request import EngineCoreRequest
+    from corellm.sampling_params import SamplingParams
+    batch, context, steps = args.batch, args.context, args.steps
+    bs = 16
+    platform = {"name": device}
+    if args.platform:
+        platform.update(json.loads(args.platform))
+    max_len = context + args.warmup + 2 * steps + 64
+    cfg = {"model": {"path": args.model, "dtype": args.dtype, "max_model_len": max_len},
+           "platform": platform,
+           "scheduler": {"max_num_seqs": batch,
+                         "max_num_batched_tokens": max(args.max_num_batched_tokens, context)},
+           "kv_cache": {"block_size": bs, "num_blocks": batch * (max_len // bs + 1)}}
+    llm = LLM(cfg, skip_tokenizer_init=True)
+    engine = llm.engine
+    arch = json.loads((Path(args.model) / "config.json").read_text())
+    layers = int(arch["num_hidden_layers"])
+    kv_heads = int(arch.get("num_key_value_heads", arch["num_attention_heads"]))
+    head_dim = int(arch.get("head_dim")
+                   or arch["hidden_size"] // arch["num_attention_heads"])
+    elem = 2 if args.dtype in ("bfloat16", "float16") else 4
+    params = SamplingParams(max_tokens=args.warmup + 2 * steps + 32, ignore_eos=True,
+                            temperature=temperature, seed=None)
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(100, 900, (context,), generator=g).tolist()
+        engine.add_request(EngineCoreRequest(f"p{i}", ids, params, eos_token_id=None,
+                                             arrival_time=0.0))
+    decoding: set[str] = set()
+    prefill_steps = 0
+    while len(decoding) < batch:           # every request prefilled, each has a first token
+        for o in engine.step():
+            if o.new_token_ids:
+                decoding.add(o.request_id)
+        prefill_steps += 1
+        if prefill_steps > 10 * batch + 100:
+            raise RuntimeError("the batch never reached its decode steps")
+    for _ in range(args.warmup):
+        engine.step()
+    cuda = device == "cuda"
+    host_ms, device_ms, tokens = [], [], 0
+    t_phase = dict(engine.timings)
+    for _ in range(steps):
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = engine.step()
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_ms.append(start.elapsed_time(end))
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+        tokens += sum(len(o.new_token_ids) for o in out)
+    phases = {k: (engine.timings[k] - t_phase.get(k, 0.0)) / steps * 1e3
+              for k in ("schedule", "execute", "update") if k in engine.timings}
+    # The profiled steps: kernels and host syncs per step (one step at a time is enough
+    # for counts; the time figures above are unprofiled).
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof_steps = min(steps, args.profile_steps)
+    with profile(activities=activities) as prof:
+        for _ in range(prof_steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = syncs = 0
+    kernel_us = 0.0
+    names: dict[str, int] = {}
+    for evt in prof.events():
+        if cuda and evt.device_type == torch.autograd.DeviceType.CUDA:
+            if not evt.name.startswith(("Memcpy", "Memset", "[memory]")):
+                kernels += 1
+                kernel_us += evt.device_time
+                names[evt.name] = names.get(evt.name, 0) + 1
+        elif evt.name in _SYNC_CALLS or evt.name.startswith("cudaMemcpy") and "Async" not in \
+                evt.name:
+            syncs += 1
+    mean_context = context + args.warmup + steps // 2 + 1
+    kv_bytes = 2 * layers * kv_heads * head_dim * elem * mean_context * batch
+    weight_bytes = _checkpoint_bytes(Path(args.model))
+    floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    step_ms = statistics.median(device_ms) if device_ms else statistics.median(host_ms)
+    engine.abort_requests([f"p{i}" for i in range(batch)])
+    llm.shutdown()
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "temperature": temperature, "batch": batch, "mean_context": mean_context,
+        "step_ms_device": statistics.median(device_ms) if device_ms else None,
+        "step_ms_host": statistics.median(host_ms), "phase_ms": phases,
+        "tok_s": tokens / (sum(host_ms) / 1e3),
+        "floor_ms": floor_ms, "vs_floor": step_ms / floor_ms,
+        "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+        "kernels_per_step": kernels / prof_steps if cuda else None,
+        "kernels_per_layer": kernels / prof_steps / layers if cuda else None,
+        "kernel_ms_per_step": kernel_us / prof_steps / 1e3 if cuda else None,
+        "host_syncs_per_step": syncs / prof_steps, "top_kernels": top,
+    }
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """A decode step at ``--batch`` sequences of ``--context`` tokens, measured: the table
+    and ``--json``. On a CPU (the dry run) the device columns are empty and the floor is the
+    host's copy bandwidth."""
+    import torch
+    device = args.device or default_device()
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = _copy_bandwidth(device)
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({device})")
+    rows = []
+    for t in args.temperature:
+        log(f"profile: batch {args.batch}, context {args.context}, temperature {t}")
+        rows.append(_profile_case(args, device, t, bandwidth))
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print("| temperature | batch | context | step ms (device) | step ms (host) | floor ms | "
+          "vs floor | kernels/step | kernels/layer | syncs/step | tok/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['temperature']} | {r['batch']} | {r['mean_context']} | "
+              f"{fmt(r['step_ms_device'], '.2f')} | {r['step_ms_host']:.2f} | "
+              f"{r['floor_ms']:.2f} | {r['vs_floor']:.2f}x | "
+              f"{fmt(r['kernels_per_step'], '.0f')} | {fmt(r['kernels_per_layer'], '.1f')} | "
+              f"{r['host_syncs_per_step']:.1f} | {r['tok_s']:.0f} |")
+    write_json(args.json, {"device": device, "copy_bandwidth_Bps": bandwidth,
+                           "model": args.model, "dtype": args.dtype, "rows": rows})
     return 0
 
 
@@ -497,6 +672,11 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     summary["throughput_transformers"] = {k: hf.get(k) for k in (
         "output_tokens", "generated_tokens_incl_padding", "wall_s", "output_tok_s",
         "batch_size", "transformers_attn", "peak_gib", "workload", "missing")}
+    summary["profile"] = {}
+    for f in sorted(out.glob("profile*.json")):
+        prof = load(f.name)
+        summary["profile"][f.name] = [{k: v for k, v in r.items() if k != "top_kernels"}
+                                      for r in prof.get("rows", [])] or prof
     write_json(str(out / "summary.json"), summary)
 
     lines = [f"== corellm CUDA bring-up, {summary['date_utc']} UTC, "
@@ -521,6 +701,13 @@ def cmd_summarize(args: argparse.Namespace) -> int:
                      f"{r['output_tokens']} tokens in "
                      f"{(r['wall_s'] or 0):.2f}s = {(r['output_tok_s'] or 0):.0f} tok/s "
                      f"(steps {r['num_steps']}, mean step {(r['mean_step_ms'] or 0):.2f} ms)")
+    for name, rows in summary["profile"].items():
+        for r in rows if isinstance(rows, list) else []:
+            lines.append(f"decode step ({name}, T={r['temperature']}, batch {r['batch']}, "
+                         f"context {r['mean_context']}): {r['step_ms_device']} ms device, "
+                         f"{r['step_ms_host']:.2f} ms host, floor {r['floor_ms']:.2f} ms "
+                         f"({r['vs_floor']:.2f}x), kernels/layer {r['kernels_per_layer']}, "
+                         f"syncs/step {r['host_syncs_per_step']}")
     if hf.get("output_tok_s"):
         lines.append(f"transformers generate: {hf['output_tokens']} tokens in "
                      f"{hf['wall_s']:.2f}s = {hf['output_tok_s']:.0f} tok/s (batch "
@@ -596,6 +783,22 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--batch-size", type=int, default=128)
     h.add_argument("--json")
+    f = sub.add_parser("profile")
+    f.add_argument("--model", required=True)
+    f.add_argument("--device", choices=["cuda", "cpu"])
+    f.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    f.add_argument("--batch", type=int, default=256)
+    f.add_argument("--context", type=int, default=768,
+                   help="prompt tokens of every sequence (nano-vllm's workload: 100..1024 in, "
+                        "100..1024 out, so ~830 on average while decoding)")
+    f.add_argument("--steps", type=int, default=30, help="timed decode steps")
+    f.add_argument("--warmup", type=int, default=5)
+    f.add_argument("--profile-steps", type=int, default=3)
+    f.add_argument("--temperature", type=lambda t: [float(x) for x in t.split(",")],
+                   default=[0.0, 0.6])
+    f.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    f.add_argument("--platform", help="JSON merged into the platform section")
+    f.add_argument("--json")
     s = sub.add_parser("summarize")
     s.add_argument("out")
     s.add_argument("--steps")
@@ -615,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_tp_corellm(args, rest)
     return {"register-source": cmd_register_source, "env": cmd_env, "parity": cmd_parity,
             "make-qwen3": cmd_make_qwen3, "hf-throughput": cmd_hf_throughput,
+            "profile": cmd_profile,
             "summarize": cmd_summarize}[args.cmd](args)
 
 

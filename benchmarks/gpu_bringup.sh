@@ -8,18 +8,22 @@
 #             it sets TRITON_INTERPRET=1 at import)
 #   parity    greedy tokens vs transformers on the same GPU, float32, with and without CUDA graphs
 #   qwen3     a random-weight Qwen3-0.6B-shaped checkpoint (bfloat16)
+#   profile   a decode step at batch 256 (Qwen3-0.6B shape): device time, host phases, kernels
+#             and host syncs per step against its HBM floor, greedy and at temperature 0.6, with
+#             the platform's defaults and with triton_ops on
 #   tp_*      output tok/s: corellm (benchmarks/throughput.py) and transformers generate (peer)
 #   extras    if time is left: corellm without CUDA graphs, corellm on nano-vllm's whole workload
 #             (256 sequences), the attention kernels' micro-benchmark, tests/test_hf_equivalence.py
 #             on CUDA (its float32 tests: the bfloat16 ones assert the CPU platform's ops)
 # Each step runs under its own timeout (and all of them under BRINGUP_BUDGET_S), logs to its own
 # section of $OUT/bringup.log and writes its own JSON, so one failing step hides no other one.
-# At most 8 files land in $OUT (what the device tool brings back).
+# $OUT ends with 4 files (the device tool brings back 8 at most): bringup.log, summary.json,
+# pytest_cuda.xml and steps_json.tar.gz (every step's JSON).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_bringup.sh            # on the GPU machine
 #   BRINGUP_CPU=1 OUT=/tmp/dry bash benchmarks/gpu_bringup.sh   # dry run on a CPU: tiny sizes
 #   BRINGUP_STEPS="pytest parity" ...   # only these steps (install and the summary always run)
-#   BRINGUP_BUDGET_S=330                # seconds for all the steps together (default 330)
+#   BRINGUP_BUDGET_S=450                # seconds for all the steps together (default 450)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -29,7 +33,7 @@ OUT=${OUT:-/tmp/gpu-bringup}
 WORK=${BRINGUP_WORK:-/tmp/bringup-work}
 export PY=${PY:-python3}
 export CPU=${BRINGUP_CPU:-0}
-DEADLINE=$(( SECONDS + ${BRINGUP_BUDGET_S:-330} ))
+DEADLINE=$(( SECONDS + ${BRINGUP_BUDGET_S:-450} ))
 ONLY=" ${BRINGUP_STEPS:-} "
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/bringup.log
@@ -77,13 +81,16 @@ do_install() {
   if [[ "$CPU" == 1 ]]; then echo "dry run: nothing installed"; return 0; fi
   nvidia-smi -L
   # Wheels first, typing_extensions only where the image's is too old for pydantic.
+  shopt -s nullglob             # an empty .whl/ gives no literal '.whl/*.whl'
   local w=(); for f in .whl/*.whl; do [[ $f == *typing_extensions* ]] || w+=("$f"); done
   if (( ${#w[@]} )); then
     $PY -m pip install -q --no-index --no-deps --no-compile "${w[@]}" || return 1
   fi
   if ! $PY -c "import pydantic" 2>/dev/null; then
     echo "pydantic needs a newer typing_extensions: installing the carried one"
-    $PY -m pip install -q --no-index --no-deps --no-compile .whl/typing_extensions-*.whl || return 1
+    local te=(.whl/typing_extensions-*.whl)
+    (( ${#te[@]} )) || { echo "no typing_extensions wheel carried in .whl/"; return 1; }
+    $PY -m pip install -q --no-index --no-deps --no-compile "${te[@]}" || return 1
   fi
   # Offline: no build isolation (it would fetch setuptools), no dependency resolution.
   if ! $PY -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
@@ -117,6 +124,13 @@ step parity 150 $PY benchmarks/gpu_bringup.py parity "${PARITY[@]}" --json "$OUT
 
 MODEL=$WORK/qwen3-0.6b-random
 step qwen3 120 $PY benchmarks/gpu_bringup.py make-qwen3 "$MODEL" "${QWEN[@]}"
+if [[ "$CPU" == 1 ]]; then PROF=(--device cpu --dtype float32 --batch 8 --context 64 --steps 5)
+  TRITON='{}'   # the CPU platform has no triton_ops: the dry run checks the script only
+else PROF=(--batch 256 --context 768); TRITON='{"triton_ops": true}'; fi
+step profile 150 $PY benchmarks/gpu_bringup.py profile --model "$MODEL" "${PROF[@]}" \
+  --json "$OUT/profile.json"
+step profile_triton 120 $PY benchmarks/gpu_bringup.py profile --model "$MODEL" "${PROF[@]}" \
+  --platform "$TRITON" --json "$OUT/profile_triton.json"
 # corellm through the benchmark harness: platform auto (cuda where visible), graphs on, all
 # requests admitted at once, the KV pool sized for the whole workload; transformers is skipped
 # there (its runner is CPU-only) and timed on the GPU by the next step, on the same requests.
@@ -137,6 +151,8 @@ step tp_corellm_eager 120 $PY benchmarks/gpu_bringup.py tp-corellm \
 if [[ "$CPU" != 1 ]]; then
   step tp_corellm_256 120 $PY benchmarks/throughput.py "${TP_ARGS[@]}" --num-requests 256 \
     --max-num-seqs 256 --json "$OUT/tp_corellm_256.json"
+  step tp_corellm_256_t06 120 $PY benchmarks/throughput.py "${TP_ARGS[@]}" --num-requests 256 \
+    --max-num-seqs 256 --temperature 0.6 --json "$OUT/tp_corellm_256_t06.json"
 fi
 if [[ "$CPU" != 1 ]]; then
   step attn_bench 60 $PY benchmarks/attention.py --batch 1,8,64 --context 1024,4096 --iters 10
@@ -146,4 +162,9 @@ fi
 
 $PY benchmarks/gpu_bringup.py summarize "$OUT" --steps "$STEPS" --gpu-tests "$WORK/gpu_tests.txt" \
   2>&1 | tee -a "$LOG"
+# The device tool brings back 8 files at most: every step's JSON goes into one archive beside
+# the summary, the log and the junit file.
+(cd "$OUT" && shopt -s nullglob && j=(*.json) && j=("${j[@]/summary.json}") \
+  && tar czf steps_json.tar.gz ${j[@]} && rm -f ${j[@]})
+ls "$OUT" | tee -a "$LOG"
 date -u +"end %F %T UTC" | tee -a "$LOG"

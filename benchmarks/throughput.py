@@ -301,7 +301,7 @@ def run_corellm(args: argparse.Namespace, model: Path, requests: list[dict],
     load_s = time.perf_counter() - t0
 
     def params(r: dict) -> SamplingParams:
-        return SamplingParams(max_tokens=r["output_len"], temperature=0.0,
+        return SamplingParams(max_tokens=r["output_len"], temperature=args.temperature,
                               ignore_eos=args.ignore_eos)
 
     def prompts(rs: list[dict]) -> list[dict]:
@@ -465,7 +465,8 @@ VLLM_SCRIPT = textwrap.dedent('''\
                   **spec["llm_kwargs"])
 
         def params(r):
-            return SamplingParams(max_tokens=r["output_len"], temperature=0.0,
+            return SamplingParams(max_tokens=r["output_len"],
+                                  temperature=spec.get("temperature", 0.0),
                                   ignore_eos=spec["ignore_eos"])
 
         def prompts(rs):
@@ -537,7 +538,8 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: list[dict], warmup
         script.write_text(VLLM_SCRIPT)
         spec_f.write_text(json.dumps({
             "model": str(model), "dtype": args.dtype, "seed": args.seed,
-            "ignore_eos": args.ignore_eos, "tqdm": not args.no_tqdm, "llm_kwargs": llm_kwargs,
+            "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "tqdm": not args.no_tqdm, "llm_kwargs": llm_kwargs,
             "requests": [{"prompt_token_ids": r["prompt_token_ids"],
                           "output_len": r["output_len"]} for r in requests],
             "warmup": warmup,
@@ -805,6 +807,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len", type=parse_range, default=(64, 256), metavar="LO:HI")
     w.add_argument("--output-len", type=parse_range, default=(64, 256), metavar="LO:HI")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of corellm and vllm (0: greedy; nano-vllm's own "
+                        "benchmark samples at 0.6); transformers stays greedy")
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly each request's output length")
     w.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
@@ -921,7 +926,9 @@ def run_benchmark(argv: list[str] | argparse.Namespace | None = None) -> dict[st
         "workload": {"num_requests": args.num_requests,
                      "input_len": f"{args.input_len[0]}:{args.input_len[1]}",
                      "output_len": f"{args.output_len[0]}:{args.output_len[1]}",
-                     "seed": args.seed, "ignore_eos": args.ignore_eos, "sampling": "greedy",
+                     "seed": args.seed, "ignore_eos": args.ignore_eos,
+                     "sampling": ("greedy" if args.temperature == 0
+                                  else f"temperature {args.temperature}"),
                      "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
                      "requested_output_tokens": sum(r["output_len"] for r in requests),
                      "warmup_requests": len(warmup)},

@@ -9,11 +9,17 @@ overrides what it runs faster; what it does not override stays the reference.
 
 Two kinds of methods:
 
-* **ops** (``linear``, ``rms_norm``, ``silu_and_mul``, ``rotary``, ``argmax``) always return
-  their result: a subclass that cannot take an input falls back to ``super()``.
-* **fusions** (``linear_normed``, ``linear_silu_mul``) return None where the platform has no
-  fused kernel for the inputs; the layer then runs the unfused layers one by one (their
-  ``forward``, hooks included). The reference fuses nothing.
+* **ops** (``linear``, ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``,
+  ``argmax``) always return their result: a subclass that cannot take an input falls back to
+  ``super()``.
+* **fusions** (``linear_normed``, ``linear_silu_mul``, ``rotary_normed``) return None where the
+  platform has no fused kernel for the inputs; the layer then runs the unfused layers one by
+  one (their ``forward``, hooks included). The reference fuses nothing.
+
+Where a residual add meets an RMSNorm, a platform fuses one of two ways, and ``fuses_norm``
+says which for each linear layer: the norm inside the following GEMM (the CPU platform: the add
+stays a torch add), or the add inside the norm (``add_rms_norm``: the CUDA platform's Triton
+kernel), the GEMM then reading normalized rows. ``RMSNorm.add`` asks and takes the right one.
 
 Per-layer state a platform prepares (the CPU platform's packed weight copies and GEMM plan) is
 kept in the layer's ``kernel`` attribute, declared by the layer classes, set by ``prepare``.
@@ -60,6 +66,13 @@ class DeviceOps:
         is given) for a merged [gate; up] layer of two equal halves, in one kernel, or None."""
         return None
 
+    def fuses_norm(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether ``linear_normed`` and ``linear_silu_mul`` with a norm run as one kernel for
+        ``layer`` and an input shaped like ``x``: then an RMSNorm is best left to the GEMM and a
+        residual add before it stays a plain add (``corellm.layers.RMSNorm.add``). False in
+        the reference, which fuses nothing."""
+        return False
+
     # ------------------------------------------------------------------ element-wise
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMS normalization computed in float32, then scaled by ``weight`` (the Llama
@@ -69,6 +82,14 @@ class DeviceOps:
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + eps)
         return weight * x.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``: a decoder's residual add and the
+        RMSNorm after it, the sum rounded to ``x``'s dtype before it is normalized (the
+        reference's order). Neither input is modified."""
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2*I] (gate | up) -> [..., I]: silu(gate) * up."""
@@ -88,6 +109,15 @@ class DeviceOps:
             return (torch.cat((_rotate(q[..., :r], c, s), q[..., r:]), dim=-1),
                     torch.cat((_rotate(k[..., :r], c, s), k[..., r:]), dim=-1))
         return _rotate(q, c, s), _rotate(k, c, s)
+
+    def rotary_normed(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                      cos: torch.Tensor, sin: torch.Tensor,
+                      rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``rotary(positions, rms_norm(q, q_weight), rms_norm(k, k_weight), ...)``: an
+        RMSNorm over each head of q and k, then RoPE (Qwen3's attention), in one kernel, or None
+        (not fused here). May write q and k in place and return them."""
+        return None
 
     # ------------------------------------------------------------------ sampling
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

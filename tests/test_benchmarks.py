@@ -349,6 +349,29 @@ def test_host_cost_benchmark(tmp_path, capsys, llama_path, monkeypatch):
     assert set(row["this"]["phase_us_per_token"]) == {"schedule", "execute", "update"}
 
 
+def test_gpu_bringup_decode_profile_dry_run(make_checkpoint, tmp_path, capsys):
+    """``gpu_bringup.py profile`` on the CPU (its dry run): a decode step at a fixed batch and
+    context, greedy and sampled, with its floor; the device columns stay empty off a GPU."""
+    bench = load("gpu_bringup")
+    out = tmp_path / "profile.json"
+    model = make_checkpoint("qwen3")
+    assert bench.main(["profile", "--model", str(model), "--device", "cpu", "--dtype",
+                       "float32", "--batch", "4", "--context", "24", "--steps", "4",
+                       "--warmup", "2", "--profile-steps", "2", "--temperature", "0,0.6",
+                       "--json", str(out)]) == 0
+    assert "| temperature | batch |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["temperature"] for r in rows] == [0.0, 0.6]
+    for r in rows:
+        assert r["batch"] == 4 and r["mean_context"] == 24 + 2 + 4 // 2 + 1
+        assert r["step_ms_device"] is None and r["kernels_per_step"] is None
+        assert r["step_ms_host"] > 0 and r["floor_ms"] > 0 and r["tok_s"] > 0
+        # the tensors' bytes: each file less its 8-byte length and JSON header
+        files = list(model.glob("*.safetensors"))
+        headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+        assert r["weight_bytes"] == sum(f.stat().st_size for f in files) - headers
+
+
 def test_the_scripts_plot_with_the_bench_plugins_helper(monkeypatch):
     """One matplotlib helper: ``_common.pyplot`` is the bench plugin's ``pyplot_for``, every
     script that plots through it imports it from ``_common``, and without matplotlib the skip

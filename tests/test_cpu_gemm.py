@@ -360,6 +360,18 @@ def test_a_merged_gate_up_layer_takes_the_fused_path_only_on_native_rows(monkeyp
                 fused = fused_ops and native_rows
                 assert (ops.linear_silu_mul(layer, x) is not None) == fused
                 assert (ops.linear_normed(layer, x, norm.weight, norm.eps) is not None) == fused
+                assert ops.fuses_norm(layer, x) == fused
+                # A residual add before the norm: a plain add, the norm left to the GEMM where
+                # it fuses; else the add and the norm (ops.add_rms_norm) before the GEMM.
+                r = torch.randn(m, 16)
+                given, left, summed = norm.add(x, r, layer)
+                torch.testing.assert_close(summed, x + r)
+                if fused:
+                    assert left is norm and given is summed
+                else:
+                    assert left is None
+                    torch.testing.assert_close(given, norm(x + r))
+                assert norm.add(x, None, layer)[2] is x
                 silu_calls.clear(), normed_calls.clear()
                 out = act.after(layer, x)
                 normed = act.after(layer, x, norm)

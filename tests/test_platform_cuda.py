@@ -662,18 +662,6 @@ def test_graph_replay_gives_the_tokens_of_eager_steps(llama_path):
     assert tokens[True] == tokens[False]
 
 
-def _release_device_memory(llm) -> None:
-    """Drop an engine's KV cache and captured graphs: ``LLM.shutdown()`` leaves the uniproc
-    executor's worker, and the device memory it holds, alive as long as the engine is
-    referenced, and the conftest keeps every engine of a test until the test's end."""
-    runner = llm.engine.executor.worker.runner
-    runner.kv_caches = []
-    runner.model.bind_kv_caches([torch.empty(0, dtype=runner.dtype, device=runner.device)
-                                 for _ in runner.attn_layers])
-    runner.stepper.captured.clear()
-    runner.stepper.graphs.enable([])
-
-
 @pytest.mark.gpu
 @no_cuda
 def test_kv_cache_sized_from_gpu_memory_utilization(llama_path):
@@ -698,9 +686,33 @@ def test_kv_cache_sized_from_gpu_memory_utilization(llama_path):
             # the weights and a profiling step of a tiny model are well under 0.3 of a GPU
             assert sizes[util] * per_block > (util - 0.1) * total
             assert sizes[util] * per_block <= util * total
-            _release_device_memory(llm)
         del llm, runner
     assert sizes[0.6] > 1.9 * sizes[0.3]
+
+
+@pytest.mark.gpu
+@no_cuda
+def test_shut_down_engines_give_their_device_memory_back(llama_path):
+    """Two engines that each size their KV cache to 0.6 of the GPU: one after the other in one
+    process, each shut down before the next starts, they fit where two at once would not
+    (the second would find less than 0.6 free). ``shutdown()`` frees the weights, the KV cache
+    and the graphs at once, while the engine object is still referenced."""
+    from corellm import LLM, SamplingParams
+    cfg = engine_config(llama_path, platform={"name": "cuda", "gpu_memory_utilization": 0.6})
+    del cfg["kv_cache"]["num_blocks"]
+    cfg["kv_cache"]["block_size"] = 256
+    engines, used = [], []
+    for _ in range(2):
+        llm = LLM(cfg)
+        engines.append(llm)                       # kept referenced on purpose
+        out = llm.generate([{"prompt_token_ids": [5, 9, 13]}],
+                           SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        used.append(torch.cuda.memory_allocated())
+        llm.shutdown()
+        assert torch.cuda.memory_allocated() < GIB, "the shut-down engine still holds memory"
+    total = torch.cuda.mem_get_info()[1]
+    assert min(used) > 0.5 * total
 
 
 @pytest.mark.gpu

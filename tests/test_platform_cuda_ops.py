@@ -48,6 +48,52 @@ def test_rms_norm(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 48, generator=g).to(dtype).to(DEVICE)
+    r = (4 * torch.randn(2, 3, 48, generator=g)).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype).to(DEVICE)
+    x0, r0 = x.clone(), r.clone()
+    normed, summed = TRITON_OPS.add_rms_norm(x, r, w, 1e-6)
+    want_normed, want_summed = REFERENCE_OPS.add_rms_norm(x, r, w, 1e-6)
+    if dtype == torch.float32 or DEVICE.type == "cuda":  # the interpreter rounds bf16 down
+        assert torch.equal(summed, want_summed)          # the sum rounds as the reference's
+    torch.testing.assert_close(summed, want_summed, **_tol(dtype))
+    torch.testing.assert_close(normed, want_normed, **_tol(dtype))
+    assert torch.equal(x, x0) and torch.equal(r, r0)     # the inputs are left as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_normed(dtype):
+    """Qwen3's per-head RMSNorms then RoPE in one kernel, on q and k that are views into a
+    fused QKV output (rows strided), as the model passes them."""
+    g = torch.Generator().manual_seed(4)
+    d, heads, kv_heads, eps = 32, 3, 2, 1e-6
+    positions = torch.tensor([0, 5, 2], device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(8).float()[:, None] * inv[None, :]
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g).to(dtype).to(DEVICE)
+    wq = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    wk = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+
+    def views(t):
+        q, k, _ = t.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        return q.view(3, heads, d), k.view(3, kv_heads, d)
+    q, k = views(qkv.clone())
+    want_q, want_k = REFERENCE_OPS.rotary(positions, REFERENCE_OPS.rms_norm(q, wq, eps),
+                                          REFERENCE_OPS.rms_norm(k, wk, eps), cos, sin, d)
+    assert REFERENCE_OPS.rotary_normed(positions, q, k, wq, wk, eps, cos, sin, d) is None
+    got_q, got_k = TRITON_OPS.rotary_normed(positions, q, k, wq, wk, eps, cos, sin, d)
+    assert got_q is q and got_k is k
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    # Partial rotary embeddings are not fused (the layer runs the norms and RoPE instead).
+    assert TRITON_OPS.rotary_normed(positions, q, k, wq, wk, eps, cos[:, :8], sin[:, :8],
+                                    16) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(1)
     x = (3 * torch.randn(2, 3, 2 * 40, generator=g)).to(dtype).to(DEVICE)
@@ -104,6 +150,16 @@ class _Counted(type(TRITON_OPS)):
         self._count("rms_norm")
         return super().rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x, residual, weight, eps):
+        self._count("add_rms_norm")
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary_normed(self, *args):
+        out = super().rotary_normed(*args)
+        if out is not None:
+            self._count("rotary_normed")
+        return out
+
     def silu_and_mul(self, x):
         self._count("silu_and_mul")
         return super().silu_and_mul(x)
@@ -140,27 +196,34 @@ class _TritonOnHost:
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the host run of the interpreter")
-def test_a_model_on_the_kernels_generates_what_the_reference_does(llama_path, monkeypatch):
-    """Every RMSNorm, SiLU-and-multiply and RoPE of a Llama model through the kernels (none
-    falls back to the reference): the greedy tokens are the CPU platform's (float32)."""
+@pytest.mark.parametrize("arch, kernels", [
+    ("llama", {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary"}),
+    ("qwen3", {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_normed"}),
+])
+def test_a_model_on_the_kernels_generates_what_the_reference_does(make_checkpoint, monkeypatch,
+                                                                  arch, kernels):
+    """Every RMSNorm (the residual's add fused with it after the first layer's), SiLU-and-
+    multiply and RoPE (Qwen3: with its q/k norms) of a model through the kernels, none falling
+    back to the reference: the greedy tokens are the CPU platform's (float32)."""
     import corellm.ops
     from corellm import LLM, SamplingParams
     from tests.conftest import engine_config
 
-
+    path = make_checkpoint(arch)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 13, 2, 40]}, {"prompt_token_ids": [7, 3]}]
 
     def run(platform, plugins=()):
-        with LLM(engine_config(llama_path, platform={"name": platform}),
+        with LLM(engine_config(path, platform={"name": platform}),
                  plugins=list(plugins)) as llm:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
                                                                  use_tqdm=False)]
     want = run("cpu")
     fallbacks = []
-    for name in ("rms_norm", "silu_and_mul", "rotary"):
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary"):
         monkeypatch.setattr(corellm.ops.DeviceOps, name,
                             lambda self, *args, _name=name: fallbacks.append(_name))
+    COUNTED.calls.clear()
     assert run("triton_host", [_TritonOnHost()]) == want
-    assert set(COUNTED.calls) == {"rms_norm", "silu_and_mul", "rotary"}, COUNTED.calls
+    assert set(COUNTED.calls) == kernels, COUNTED.calls
     assert not fallbacks

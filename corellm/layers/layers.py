@@ -16,15 +16,28 @@ from corellm.ops import OpsModule
 
 
 class RMSNorm(OpsModule, nn.Module):
-    """RMS normalization computed in float32, as the Llama reference does (``ops.rms_norm``)."""
+    """RMS normalization computed in float32, as the Llama reference does (``ops.rms_norm``).
+
+    ``self(x, residual)`` adds the residual first and returns ``(normed, summed)``
+    (``ops.add_rms_norm``: one kernel where the platform has it), as vLLM's norms do."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _fuses_into(self, linear: nn.Module) -> bool:
+        """Whether the norm may run inside ``linear``'s GEMM: a core linear layer whose output
+        needs no collective, and a norm whose ``forward`` is this class's (a subclass's or a
+        hook's arithmetic would be skipped)."""
+        return (isinstance(linear, LinearBase) and linear.local_output
+                and type(self).forward is RMSNorm.forward)
 
     def into(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``linear(self(x))``: one kernel where the platform fuses them
@@ -32,12 +45,28 @@ class RMSNorm(OpsModule, nn.Module):
         of its own call before its tiles read them), else the two layers. Fused only for a
         core linear layer whose output needs no collective and a norm whose ``forward`` is
         this class's; on the fused path neither module's ``forward`` (nor a hook on it) runs."""
-        if (isinstance(linear, LinearBase) and linear.local_output
-                and type(self).forward is RMSNorm.forward):
+        if self._fuses_into(linear):
             out = linear.ops.linear_normed(linear, x, self.weight, self.eps)
             if out is not None:
                 return out
         return linear(self(x))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module
+            ) -> tuple[torch.Tensor, RMSNorm | None, torch.Tensor]:
+        """The residual add before this norm, and the norm, for the input of ``linear``, fused
+        the way the platform fuses best (``ops.fuses_norm``). Returns ``(x', norm, summed)``:
+        ``summed`` is ``x + residual`` (``x`` itself when ``residual`` is None: the first
+        layer), the next residual; ``norm`` is this norm where it is left to ``linear``'s GEMM
+        (pass ``x'``, the sum, to ``into`` or ``SiluAndMul.after``), or None where ``x'`` is
+        already normalized (by ``ops.add_rms_norm``: on CUDA one kernel for the add and the
+        norm)."""
+        if self._fuses_into(linear) and linear.ops.fuses_norm(linear, x):
+            summed = x if residual is None else x + residual
+            return summed, self, summed
+        if residual is None:
+            return self(x), None, x
+        normed, summed = self(x, residual)
+        return normed, None, summed
 
 
 class SiluAndMul(OpsModule, nn.Module):

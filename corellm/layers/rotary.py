@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
+from corellm.layers.layers import RMSNorm
 from corellm.ops import OpsModule
 from corellm.arch import ROPE_TYPES
 
@@ -74,6 +75,21 @@ class RotaryEmbedding(OpsModule, nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
+
+    def normed(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               q_norm: nn.Module, k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(positions, q_norm(q), k_norm(k))``, the per-head RMSNorms of Qwen3's
+        attention then RoPE: one kernel where the platform fuses them (``ops.rotary_normed``)
+        and both norms are core ``RMSNorm``s with one eps and their class's ``forward``; else
+        the three layers. May write q and k in place."""
+        if (all(isinstance(n, RMSNorm) and type(n).forward is RMSNorm.forward
+                    for n in (q_norm, k_norm))
+                and q_norm.eps == k_norm.eps and type(self).forward is RotaryEmbedding.forward):
+            out = self.ops.rotary_normed(positions, q, k, q_norm.weight, k_norm.weight,
+                                         q_norm.eps, self.cos, self.sin, self.rotary_dim)
+            if out is not None:
+                return out
+        return self(positions, q_norm(q), k_norm(k))
 
 
 def get_rope(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,

@@ -50,8 +50,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any,
                 norm: RMSNorm | None = None) -> torch.Tensor:
-        """``norm``: the RMSNorm before this layer, applied here (inside the QKV GEMM where the
-        worker fuses the two)."""
+        """``norm``: an RMSNorm not yet applied to ``h``, applied here (inside the QKV GEMM where
+        the platform fuses the two)."""
         t = h.shape[0]
         qkv = self.qkv_proj(h) if norm is None else norm.into(self.qkv_proj, h)  # [T, (H+2Hkv)*D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -59,8 +59,9 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)                # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q, k = self.rope.normed(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rope(positions, q, k)
         o = self.attn(q, k, v, md)                                     # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -91,9 +92,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, md: Any) -> torch.Tensor:
-        h = h + self.self_attn(positions, h, md, norm=self.input_layernorm)
-        return h + self.mlp(h, norm=self.post_attention_layernorm)
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                md: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the previous layer's output, not yet added to ``residual``, the residual
+        stream (None at the first layer, whose ``h`` is the embedding). Returns this layer's
+        output and the residual, so each add fuses with the norm after it where the platform
+        fuses so (``RMSNorm.add``)."""
+        x, norm, residual = self.input_layernorm.add(h, residual, self.self_attn.qkv_proj)
+        h = self.self_attn(positions, x, md, norm=norm)
+        x, norm, residual = self.post_attention_layernorm.add(h, residual,
+                                                              self.mlp.gate_up_proj)
+        return self.mlp(x, norm=norm), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,10 +116,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)                               # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None             # [T, hidden]
         for layer in self.layers:
-            h = layer(positions, h, md)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, md)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
 # checkpoint name part -> (fused parameter name part, shard_id its weight_loader takes)

@@ -78,6 +78,9 @@ class CpuDeviceOps(DeviceOps):
             return None
         return kernel.packed["native"]
 
+    def fuses_norm(self, layer: torch.nn.Module, x: torch.Tensor) -> bool:
+        return self._native_packed(layer, x) is not None
+
     def linear_normed(self, layer: torch.nn.Module, x: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:
         packed = self._native_packed(layer, x)
