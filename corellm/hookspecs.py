@@ -29,7 +29,8 @@ import pluggy
 if TYPE_CHECKING:
     from corellm.specs import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
                                KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec, PlatformSpec,
-                               SamplerSpec, SchedulerSpec)
+                               ReasoningParserSpec, SamplerSpec, SchedulerSpec,
+                               ToolParserSpec)
     from corellm.config.schema import EngineConfig
     from corellm.outputs import StepStats
 
@@ -140,6 +141,28 @@ def corellm_logits_processors() -> Iterable[LogitsProcessorSpec]:
                                       extra_args=("banned_words",),
                                       summary="Never generate the words extra_args names.")
     """
+
+
+@hookspec
+def corellm_tool_parsers() -> Iterable[ToolParserSpec]:
+    """Register tool-call formats (plugin API 1.8): how a model family writes tool calls in
+    its output. Called once when the registry is built. Return an iterable of
+    ``ToolParserSpec``; the factory makes one ``corellm.interfaces.ToolParser`` for each choice
+    of a chat request with ``tools``::
+
+        @hookimpl
+        def corellm_tool_parsers():
+            yield ToolParserSpec(name="hermes", factory=HermesToolParser,
+                                 summary="<tool_call>{json}</tool_call> (Qwen2.5, Qwen3)")
+    """
+
+
+@hookspec
+def corellm_reasoning_parsers() -> Iterable[ReasoningParserSpec]:
+    """Register reasoning formats (plugin API 1.8): where a reasoning model's thinking ends and
+    its answer starts. Called once when the registry is built. Return an iterable of
+    ``ReasoningParserSpec``; the factory makes one ``corellm.interfaces.ReasoningParser`` for
+    each choice of a chat request."""
 
 
 @hookspec

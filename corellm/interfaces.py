@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from corellm.policy_view import SchedulingContext, WaitingQueue
     from corellm.sampling import SamplerOutput, SamplingMetadata
     from corellm.sampling_params import SamplingParams
+    from corellm.tool_calls import ParsedReasoning, ParsedToolCalls
 
 
 class Scheduler(ABC):
@@ -463,6 +464,46 @@ class Frontend(ABC):
     def run(self) -> int | None:
         """Serve until asked to stop; return the process's exit status (None: 0). A front end
         whose engine died returns non-zero, so a restart-on-exit supervisor recovers it."""
+
+
+class ToolParser(ABC):
+    """Plugin API 1.8: turns a model's generated text into tool calls, in the model family's
+    format (``<tool_call>`` JSON, ``[TOOL_CALLS]``, Python calls...). One instance per choice,
+    made by the spec's ``factory(tools)`` with the request's ``tools`` (OpenAI's list of
+    ``{"type": "function", "function": {name, description, parameters}}``).
+
+    ``parse`` is all a parser implements: the core calls it on the whole text so far, each time
+    the text grows while streaming and once at the end (``final``), and makes OpenAI's deltas
+    and message of the results (``corellm.serving.chat_output``), so the streamed deltas
+    concatenate to the message. The prefix rule (``corellm.tool_calls.ParsedToolCalls``) is
+    the parser's one obligation; ``corellm.serving.partial_json`` reads JSON that is still
+    being generated.
+    """
+
+    def __init__(self, tools: Sequence[dict] | None = None) -> None:
+        self.tools = list(tools or ())
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedToolCalls:
+        """The calls and the content in ``text``. While not ``final``, ``content`` leaves out
+        a trailing part that could still become a call (a partial start tag) and a call's
+        ``arguments`` hold its JSON text so far. When ``final``, raise
+        ``corellm.tool_calls.ToolParseError`` saying why for text with a malformed call."""
+
+
+class ReasoningParser(ABC):
+    """Plugin API 1.8: splits a reasoning model's thinking from its answer (``<think>`` ...
+    ``</think>``). One instance per choice, made by the spec's ``factory()``. ``parse`` as
+    ``ToolParser.parse``: called on the whole text so far, prefix-stable while not final.
+
+    ``end_marker``: the text that ends the reasoning (``"</think>"``), for structured outputs
+    and tool calls that apply to the answer only."""
+
+    end_marker: str = ""
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        """The reasoning and the answer in ``text``."""
 
 
 class CausalLM(ABC):

@@ -17,13 +17,18 @@ class StructuredOutputsParams:
     """A constraint on the output's text, vLLM's ``StructuredOutputsParams``: exactly one of
     ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
     ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, GBNF-style). Served by
-    the enabled logits processor that implements them (``corellm[structured]``: xgrammar)."""
+    the enabled logits processor that implements them (``corellm[structured]``: xgrammar).
+
+    ``start_after``: token ids that open the constrained part: the output is free until they
+    are generated (consecutively), then constrained. A reasoning model's end-of-thinking marker
+    (Qwen3's ``</think>``), so that the schema applies to the answer only."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    start_after: list[int] | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -52,6 +57,13 @@ class StructuredOutputsParams:
             raise bad("json_object", f"must be a boolean, got {self.json_object!r}")
         if self.choice is not None:
             self.choice = list(self.choice)
+        if self.start_after is not None:
+            if not isinstance(self.start_after, (list, tuple)) or not self.start_after or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in self.start_after):
+                raise bad("start_after", f"must be a non-empty list of token ids, got "
+                                         f"{self.start_after!r}")
+            self.start_after = list(self.start_after)
 
     @property
     def kind(self) -> str:

@@ -341,6 +341,32 @@ class ModelSpec(ComponentSpec):
     config_class: type[ModelArchConfig] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ToolParserSpec(ComponentSpec):
+    """A tool-call format (plugin API 1.8): ``factory(tools) -> ToolParser``, called once for
+    each choice (of ``n``) of a chat request that may call tools
+    (``corellm.interfaces.ToolParser``), with the request's ``tools``. Selected by name
+    (``frontend.tool_call_parser``, vLLM's ``--tool-call-parser``). ``special_tokens``: the
+    format's tags are special tokens (Mistral's ``[TOOL_CALLS]``), so requests it parses are
+    detokenized with ``skip_special_tokens`` off."""
+
+    kind: ClassVar[str] = "tool_parser"
+    section: ClassVar[str] = "tool_parser"
+    special_tokens: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReasoningParserSpec(ComponentSpec):
+    """A reasoning format (plugin API 1.8): ``factory() -> ReasoningParser``, once for each
+    choice of a chat request (``corellm.interfaces.ReasoningParser``). Selected by name
+    (``frontend.reasoning_parser``, vLLM's ``--reasoning-parser``). ``special_tokens`` as
+    ``ToolParserSpec``'s."""
+
+    kind: ClassVar[str] = "reasoning_parser"
+    section: ClassVar[str] = "reasoning_parser"
+    special_tokens: bool = False
+
+
 #: The version of the platform interface (``Platform``, ``DeviceOps``, ``ModelStepper``). A
 #: platform plugin may declare the version it was written for in its spec
 #: (``PlatformSpec.interface_version``); another major version is refused at start-up with the

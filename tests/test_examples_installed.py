@@ -9,10 +9,16 @@ promise. The per-example tests (test_example_*.py) check behaviour in detail."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import signal
+import subprocess
+import threading
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -52,6 +58,87 @@ def _copy_tree(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst, ignore=ignore)
     return dst
+
+
+XML_TOOLS_OUTPUT = ('<thought>\nhm\n</thought>\n'
+                    '<function=get_weather>{"city": "Oslo"}</function>')
+_READY = re.compile(r"serving '(?P<model>[^']+)' on (?P<url>http://\S+) ")
+
+
+def _check_xml_tools(run, tmp_path: Path, overrides: list[str]) -> None:
+    """`corellm serve` with corellm-xml-tools' config in the fresh venv (its python and
+    environment, as ``run`` uses them), on a free port: a chat request with tools whose output
+    a regular expression makes the example's format comes back as reasoning and a call, whole
+    and streamed; SIGINT stops the server."""
+    python, env = json.loads(run("-c", "import json, os, sys; "
+                                       "print(json.dumps([sys.executable, dict(os.environ)]))"
+                                 ).stdout)
+    config = REPO / "examples" / "corellm-xml-tools" / "config.yaml"
+    proc = subprocess.Popen([python, "-m", "corellm", "serve", "-c", str(config), *overrides,
+                             "--port", "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    ready = threading.Event()
+    found: dict[str, str] = {}
+
+    def read() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if not found and (m := _READY.search(line)):
+                found.update(m.groupdict())
+                ready.set()
+        ready.set()                     # the server exited
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300) and found, "the server did not start:\n" + "".join(log)
+        url, model = found["url"], found["model"]
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        body = {"model": model, "tools": tools, "max_tokens": 120, "temperature": 0,
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+        if importlib.util.find_spec("xgrammar") is None:
+            # No structured outputs here: the random model's text, whatever it is, is read.
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        else:
+            body["structured_outputs"] = {"regex": re.escape(XML_TOOLS_OUTPUT)}
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            message = choice["message"]
+            assert choice["finish_reason"] == "tool_calls", choice
+            assert message["reasoning_content"] == "hm" and message["content"] is None
+            call, = message["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            assert call["function"]["name"] == "get_weather"
+            assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+            # Streamed: the reasoning, then the call's id and name once, then its arguments.
+            reasoning, names, arguments, finish = "", [], "", None
+            with httpx.stream("POST", url + "/v1/chat/completions",
+                              json={**body, "stream": True}, timeout=120) as s:
+                assert s.status_code == 200
+                for line in s.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for c in json.loads(line[len("data: "):])["choices"]:
+                        delta = c["delta"]
+                        reasoning += delta.get("reasoning_content") or ""
+                        assert not delta.get("content"), delta
+                        for t in delta.get("tool_calls") or ():
+                            names += [t["function"]["name"]] if "id" in t else []
+                            arguments += t.get("function", {}).get("arguments") or ""
+                        finish = c["finish_reason"] or finish
+            assert (reasoning, names, finish) == ("hm", ["get_weather"], "tool_calls")
+            assert arguments == call["function"]["arguments"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(log[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow
@@ -132,5 +219,10 @@ def test_every_example_installs_and_runs_from_the_command_line(tmp_path, llama_p
         (1, PROMPT, "length"), (3, "Once upon a time", "length")]
     assert answers[0]["text"] + "\n" == reference
     checked.add("corellm-line-frontend")
+
+    # The parsers: the OpenAI server of the example's config reads the output (driven by a
+    # regular expression into the example's formats) as reasoning and a call of a tool.
+    _check_xml_tools(run, tmp_path, overrides)
+    checked.add("corellm-xml-tools")
 
     assert checked == {example.name for example in EXAMPLES}, "an example nothing ran"

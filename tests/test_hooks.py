@@ -788,3 +788,64 @@ def test_stats_listeners_see_the_hooks_records_in_either_process(llama_path):
         assert last.scheduler.kv_blocks_free == stats.kv_blocks_free
     finally:
         remote.shutdown()
+
+
+class ParserPlugin:
+    """A tool parser for ``CALL name {json}`` and a reasoning parser for ``...|`` ahead of the
+    answer, each one class, registered in-process."""
+
+    def corellm_tool_parsers(self):
+        from corellm.components import ToolParserSpec
+        from corellm.interfaces import ToolParser
+        from corellm.serving.partial_json import partial_suffix
+        from corellm.tool_calls import ParsedToolCalls, PartialToolCall
+
+        class Call(ToolParser):
+            def parse(self, text, final):
+                head, sep, rest = text.partition("CALL ")
+                if not sep:
+                    # (held back: an end that may still become "CALL ")
+                    return ParsedToolCalls(
+                        content=text[:len(text) - partial_suffix(text, "CALL ")])
+                name, space, args = rest.partition(" ")     # the name is whole at its space
+                return ParsedToolCalls(content=head, calls=[
+                    PartialToolCall(name if space else None, args)])
+        yield ToolParserSpec(name="call", factory=Call, summary="CALL name {json}")
+
+    def corellm_reasoning_parsers(self):
+        from corellm.components import ReasoningParserSpec
+        from corellm.interfaces import ReasoningParser
+        from corellm.tool_calls import ParsedReasoning
+
+        class Bar(ReasoningParser):
+            end_marker = "|"
+
+            def parse(self, text, final):
+                thought, sep, answer = text.partition("|")
+                return ParsedReasoning(thought, answer, bool(sep)) if sep or final \
+                    else ParsedReasoning(thought, "", False)
+        yield ReasoningParserSpec(name="bar", factory=Bar, summary="thinking, then |")
+
+
+def _answer(text):
+    from corellm.serving.chat_output import ChatOutputParser
+    registry = load_registry(plugins=[ParserPlugin()])
+    parser = ChatOutputParser(tools=registry.get("tool_parser", "call").spec.factory([]),
+                              reasoning=registry.get("reasoning_parser", "bar").spec.factory())
+    deltas = [parser.delta(text[:i]) for i in range(1, len(text))]
+    last, message = parser.finish(text)
+    return [d for d in deltas + [last] if d], message
+
+
+def test_corellm_tool_parsers():
+    _, message = _answer('hm|Sure. CALL get {"a": 1}')
+    assert message.content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == \
+        [("get", '{"a": 1}')]
+
+
+def test_corellm_reasoning_parsers():
+    deltas, message = _answer("think it over|Fine.")
+    assert message.reasoning_content == "think it over" and message.content == "Fine."
+    assert "".join(d.reasoning_content or "" for d in deltas) == "think it over"
+    assert "".join(d.content or "" for d in deltas) == "Fine."

@@ -382,6 +382,28 @@ def test_include_stop_str_in_output():
     assert (c.text, c.finish_reason, c.stop_reason) == ("Hello world. Th", "stop", "ld. Th")
 
 
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("one_step", [False, True])
+def test_the_stop_tokens_text_is_left_out_unless_asked_for(include, one_step):
+    """A request stopped by its EOS or a stop_token_ids entry keeps the token in token_ids but
+    not its text (vLLM's rule), whatever skip_special_tokens says; include_stop_str_in_output
+    keeps it."""
+    tok = demo_tokenizer()
+    ids = text_ids()
+    stop_id = ids[-1]                             # an ordinary token, as a stop_token_ids entry
+    for params in (dict(skip_special_tokens=False), dict(stop_token_ids=[stop_id])):
+        proc = OutputProcessor(tok)
+        proc.add_request("r", None, core_request(include_stop_str_in_output=include, **params))
+        if one_step:
+            out = proc.process_outputs([EngineCoreOutput("r", ids, finish_reason="stop")])
+            [c] = out.request_outputs[0].outputs
+        else:
+            steps = feed_one_by_one(proc, "r", ids, finish_reason="stop")
+            [c] = steps[-1].request_outputs[0].outputs
+        assert c.token_ids == ids
+        assert c.text == (tok.decode(ids) if include else tok.decode(ids[:-1])), params
+
+
 @pytest.mark.parametrize("one_step", [False, True])
 def test_earliest_stop_string_wins(one_step):
     """Several stop strings: the text is cut at the one that starts first, whatever their order

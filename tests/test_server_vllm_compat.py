@@ -234,7 +234,8 @@ _CHAT = [{"role": "user", "content": "x"}]
     ("/tokenize", {"messages": _CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": _CHAT, "chat_template_kwargs": {"chat_template": "{{ 'PWN' }}"}},
      400, "chat_template_kwargs"),
-    ("/tokenize", {"messages": _CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/tokenize", {"messages": _CHAT, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function"),
 ])
 def test_bad_tokenizer_requests(vserver, path, body, status, param):
     r = _post(vserver, path, body)

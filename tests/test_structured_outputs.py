@@ -5,10 +5,11 @@ command installs): 20 chat prompts asking for objects of five JSON schemas (nest
 arrays, enums, bounded integers) all return text that ``jsonschema`` validates, greedy and
 sampled, while the same prompts unconstrained fail validation at a rate the test reports (and
 requires to be above zero, so the constraint is what does the work); ``choice`` returns one of
-the choices; ``regex`` matches; a request preempted mid-way keeps its grammar (the matcher
-replays its kept tokens). On the small random checkpoint: a schema xgrammar refuses is an
-``InvalidRequestError`` naming the field, offline; ``logits_processors.enable: []`` refuses
-structured outputs, naming why.
+the choices; ``regex`` matches; ``json_object`` writes a JSON object even when asked for an
+array; a request preempted mid-way keeps its grammar (the matcher replays its kept tokens).
+On the small random checkpoint: a schema xgrammar refuses is an ``InvalidRequestError``
+naming the field, offline; ``logits_processors.enable: []`` refuses structured outputs,
+naming why; ``json_object`` compiles to a grammar of JSON objects alone (no array, no scalar).
 """
 
 from __future__ import annotations
@@ -149,6 +150,25 @@ def test_choice_and_regex(smollm2):
 
 
 @needs_smollm2
+def test_json_object_is_an_object_even_when_asked_for_an_array(smollm2):
+    """OpenAI's json_object is a JSON object: asked for an array, the model still writes a
+    ``{...}`` (xgrammar's builtin JSON grammar, any JSON value, let it answer ``[1, 2, 3]``)."""
+    asks = ["Output [1, 2, 3] and nothing else.", "Give me a JSON list of three colors.",
+            "List three prime numbers as a JSON array."]
+    prompts = [{"prompt_token_ids": list(smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))} for ask in asks]
+    outs = [o.outputs[0] for o in smollm2.generate(prompts, SamplingParams(
+        max_tokens=80, temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)]
+    assert all(o.text.startswith("{") for o in outs), [o.text[:40] for o in outs]
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done, [o.text[:40] for o in outs]
+    assert all(isinstance(json.loads(o.text), dict) for o in done)
+    assert_pool_whole(smollm2)
+
+
+@needs_smollm2
 def test_a_preempted_request_keeps_its_grammar():
     """Twelve constrained requests in a pool too small for them all: some are preempted and
     recomputed (the worker drops them, then replays their kept tokens into a new matcher);
@@ -199,6 +219,41 @@ def test_constrained_output_on_the_random_checkpoint(llama_path):
             SamplingParams(max_tokens=12, temperature=0.0)], use_tqdm=False)
         assert re.fullmatch("(ab|cd){2}", outs[0].outputs[0].text)
         assert outs[0].outputs[0].finish_reason == "stop"
+        assert_pool_whole(llm)
+
+
+def test_json_object_compiles_to_an_object_and_nothing_else(tokenizer):
+    """``json_object`` is OpenAI's: a top-level JSON object, of any properties and values; an
+    array, a string, a number is refused (the builtin JSON grammar accepted them all)."""
+    from corellm_plugins.structured_xgrammar.grammars import compile_with, source
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiled = compile_with(compiler, *source(StructuredOutputsParams(json_object=True)))
+
+    def complete(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    for text in ['{"a": [1, 2]}', "{}", '{"a": {"b": [true, null, "s", 1.5]}, "c": 2}']:
+        assert complete(text), text
+    for text in ["[1, 2]", "[]", '"x"', "1", "null", "true"]:
+        assert not complete(text), text
+
+
+def test_json_object_on_the_random_checkpoint_starts_an_object(llama_path):
+    """Whatever the weights, a json_object request writes an object (greedy on ``[5]`` this
+    checkpoint wrote an array under the builtin JSON grammar); finished, it parses to a dict."""
+    with LLM(engine_config(llama_path)) as llm:
+        outs = [o.outputs[0] for o in llm.generate(
+            [{"prompt_token_ids": [5]}, {"prompt_token_ids": [5, 6, 7]}] * 2,
+            [SamplingParams(max_tokens=32, temperature=t, seed=0,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+             for t in (0.0, 0.0, 1.0, 1.0)], use_tqdm=False)]
+        assert all(o.text.startswith("{") for o in outs), [o.text[:20] for o in outs]
+        for o in outs:
+            if o.finish_reason == "stop":
+                assert isinstance(json.loads(o.text), dict), o.text
         assert_pool_whole(llm)
 
 

@@ -38,6 +38,14 @@ FRONTEND_FLAGS: list[tuple[str, str, str, type, str]] = [
      "the model name clients send (default: the checkpoint's name)"),
     ("--metrics-prefix", "metrics_prefix", "frontend.metrics_prefix", str,
      "'vllm' names /metrics exactly as vLLM does (its Grafana dashboard works unchanged)"),
+    ("--enable-auto-tool-choice", "enable_auto_tool_choice", "frontend.enable_auto_tool_choice",
+     bool, "tool_choice 'auto': the model decides, its calls read by --tool-call-parser"),
+    ("--tool-call-parser", "tool_call_parser", "frontend.tool_call_parser", str,
+     "the format of the model's tool calls (hermes, llama3_json, mistral, pythonic, ...)"),
+    ("--reasoning-parser", "reasoning_parser", "frontend.reasoning_parser", str,
+     "split reasoning from content (qwen3, deepseek_r1, ...)"),
+    ("--chat-template", "chat_template", "frontend.chat_template", str,
+     "a Jinja chat template (file or text) replacing the tokenizer's"),
 ]
 
 
@@ -58,6 +66,10 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
                            help=f"{text} ({key})")
         else:
             g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
+    if frontend:
+        g.add_argument("--enable-reasoning", action="store_true",
+                       help="vLLM's earlier spelling, accepted: reasoning is split whenever "
+                            "--reasoning-parser is given, which this flag needs")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction,
                    help="automatic prefix caching (kv_cache.enable_prefix_caching; default on)")
@@ -90,6 +102,11 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
             overrides.append((key, getattr(args, dest)))
     if args.enable_prefix_caching is not None:
         overrides.append(("kv_cache.enable_prefix_caching", args.enable_prefix_caching))
+    if frontend and args.enable_reasoning and args.reasoning_parser is None \
+            and not (data.get("frontend") or {}).get("reasoning_parser") \
+            and not any(o.startswith("frontend.reasoning_parser=") for o in args.overrides):
+        raise ConfigError([("frontend.reasoning_parser", "--enable-reasoning needs "
+                                                         "--reasoning-parser NAME")])
     if frontend:
         frontend_section = data.get("frontend") or {}
         if isinstance(frontend_section, dict) and "name" not in frontend_section:

@@ -63,13 +63,31 @@ def _nesting_depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def load_chat_template(value: str, key: str = "chat_template") -> str:
+    """A chat template given as a file's path or as the template itself (text with a ``{``
+    in it, as vLLM's ``--chat-template`` takes either); a ConfigError names ``key`` for a
+    file that cannot be read."""
+    from pathlib import Path
+
+    from corellm.errors import ConfigError
+    if "{" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([(key, f"cannot read the chat template file {value!r}: "
+                                 f"{exc.strerror or exc}")]) from None
+
+
 def render_chat_text(tokenizer: Any, messages: Sequence[Message], *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template: str | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                     field: str = "messages") -> str:
+                     field: str = "messages", tools: Sequence[Mapping[str, Any]] | None = None,
+                     ) -> str:
     """The chat template's text for ``messages`` (the tokenizer's template, or
-    ``chat_template``).
+    ``chat_template``), with ``tools`` (OpenAI's function tools) given to the template as
+    ``tools`` (a template that does not read them ignores them).
 
     Errors are ``InvalidRequestError`` naming ``field``: no template, malformed messages, or a
     template that refused them (Jinja ``raise_exception``); or naming ``chat_template_kwargs``:
@@ -99,6 +117,8 @@ def render_chat_text(tokenizer: Any, messages: Sequence[Message], *,
             raise InvalidRequestError(f"{field}[{i}]", "expected a mapping with a string 'role'")
         conversation.append({**m, "content": message_text(m.get("content"),
                                                           f"{field}[{i}].content")})
+    if tools:
+        chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": list(tools)}
     try:
         return tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False,
@@ -114,12 +134,14 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 chat_template: str | None = None,
                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                field: str = "messages") -> list[int]:
+                field: str = "messages",
+                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Apply the chat template (``render_chat_text``: the same arguments, the same errors) and
     tokenize."""
     text = render_chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message,
                             chat_template=chat_template,
-                            chat_template_kwargs=chat_template_kwargs, field=field)
+                            chat_template_kwargs=chat_template_kwargs, field=field,
+                            tools=tools)
     # The template writes the special tokens (BOS) itself.
     return tokenizer.encode(text, add_special_tokens=False)

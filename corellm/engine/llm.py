@@ -235,12 +235,16 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Mapping[str, Any] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None,
              priority: int | Sequence[int] = 0,
              user: str | None | Sequence[str | None] = None,
              session_id: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to several (a list of such lists), applying the model's chat template (or
         ``chat_template``); vLLM's ``LLM.chat``. Returns one RequestOutput per conversation.
+        ``tools`` (OpenAI's function tools) are given to the template; the outputs are the
+        model's text (``corellm.serving.chat_output`` reads calls and reasoning out of it, as
+        the server does).
         """
         from corellm.engine.chat import render_chat
 
@@ -257,7 +261,8 @@ class LLM:
             ids = render_chat(self.tokenizer, conversation, chat_template=chat_template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message,
-                              chat_template_kwargs=chat_template_kwargs, field=field)
+                              chat_template_kwargs=chat_template_kwargs, field=field,
+                              tools=tools)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
                              user=user, session_id=session_id)

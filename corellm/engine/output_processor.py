@@ -215,7 +215,14 @@ class RequestState:
             s.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and s.logprobs is not None:
                 self._add_logprobs(s, out)
-            delta = s.detokenizer.add_tokens(out.new_token_ids, final=out.finished)
+            text_ids = out.new_token_ids
+            if (out.finished and out.finish_reason == "stop"
+                    and not self.params.include_stop_str_in_output):
+                # The token that stopped the request (EOS, a stop_token_ids entry) is kept in
+                # token_ids but not in the text, as vLLM does: with skip_special_tokens off, a
+                # "</s>" would otherwise end the text (and a tool parser's output).
+                text_ids = text_ids[:-1]
+            delta = s.detokenizer.add_tokens(text_ids, final=out.finished)
             if delta:
                 stopped_here = self._append_text(s, delta)
         elif out.finished:

@@ -36,6 +36,7 @@ from corellm.plugins.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Confli
                               canonical_name, executor_launcher_worker, renamed_builtin)
 from corellm.specs import section_of  # noqa: F401  (importable here in 1.1)
 from corellm.specs import (PLATFORM_INTERFACE_VERSION, AttentionBackendSpec, CommandSpec,
+                           ReasoningParserSpec, ToolParserSpec,
                            ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec, ModelSpec,
                            LogitsProcessorSpec, PlatformSpec, SamplerSpec, SchedulerSpec)
 
@@ -49,7 +50,7 @@ STRICT_ENV = "CORELLM_STRICT_PLUGINS"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 7)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 8)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have
@@ -64,6 +65,8 @@ REGISTRATION_HOOKS: dict[str, type[ComponentSpec]] = {
     "corellm_models": ModelSpec,
     "corellm_frontends": FrontendSpec,
     "corellm_commands": CommandSpec,
+    "corellm_tool_parsers": ToolParserSpec,
+    "corellm_reasoning_parsers": ReasoningParserSpec,
 }
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_.\-]*$")
 

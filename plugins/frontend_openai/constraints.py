@@ -64,6 +64,10 @@ def constraint_fields(req: Any) -> dict[str, str]:
     """``InvalidRequestError`` fields of a constraint -> the request field they came from."""
     fmt = getattr(req, "response_format", None)
     fields = {"extra_args": "vllm_xargs"}
+    choice = getattr(req, "tool_choice", None)
+    if getattr(req, "tools", None) and (choice == "required" or isinstance(choice, dict)):
+        # the constraint is the calls' schema, made of the tools
+        return {**fields, "structured_outputs.json": "tools", "structured_outputs": "tools"}
     if req.structured_outputs is None and fmt and fmt.get("type") in ("json_object",
                                                                        "json_schema"):
         fields.update({"structured_outputs.json": "response_format.json_schema.schema",

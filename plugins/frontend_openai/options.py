@@ -147,6 +147,22 @@ class OpenAIServerOptions(FrontendOptions):
         default_factory=list, description="Origins allowed cross-origin requests (CORS); empty: "
                                           "CORS off.")
     log_level: str = Field("info", description="uvicorn log level.")
+    tool_call_parser: str | None = Field(
+        None, description="The format the model writes tool calls in: a tool_parser plugin "
+                          "(built in: hermes, llama3_json, mistral, pythonic), which reads "
+                          "them from the output of requests with tool_choice 'auto'.")
+    enable_auto_tool_choice: bool = Field(
+        False, description="Let requests with tools use tool_choice 'auto' (the default with "
+                           "tools): the model decides, its calls read by tool_call_parser. "
+                           "Off, such requests get a 400 (vLLM's --enable-auto-tool-choice).")
+    reasoning_parser: str | None = Field(
+        None, description="Split a reasoning model's thinking from its answer in every chat "
+                          "response (reasoning_content): a reasoning_parser plugin (built in: "
+                          "qwen3, deepseek_r1).")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template replacing the tokenizer's: a file's path, or "
+                          "the template itself (one with '{' in it); e.g. a tool-aware "
+                          "template for a model whose own template ignores tools.")
     metrics_prefix: Literal["corellm", "vllm"] = Field(
         "corellm", description="Names on /metrics: corellm:* (default), or vLLM's own vllm:* "
                                "names and labels, so vLLM's Grafana dashboard works unchanged.")

@@ -125,6 +125,18 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = _checked(None, enum=[None])         # not implemented: only null
 
 
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": "boolean"}}}}}
+_NAMED_CHOICE = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"],
+                 "properties": {"name": {"type": "string"}}}}}
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -158,9 +170,12 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = _checked(
         None, properties={"type": {"enum": ["text", "json_object", "json_schema"]},
                           "json_schema": {"type": "object"}})
-    tools: list[Any] | None = _checked(None, maxItems=0)   # not implemented: only null / []
-    tool_choice: Any = _checked(None, enum=["none", "auto"])
-    parallel_tool_calls: StrictBool | None = None    # meaningless without tools
+    # OpenAI's function tools, checked by the server (tools.check_tools); tool_choice: none,
+    # auto, required or {"type": "function", "function": {"name": ...}}
+    tools: list[Any] | None = _checked(None, items=_TOOL)
+    tool_choice: Any = _checked(None, anyOf=[{"enum": ["none", "auto", "required"]},
+                                             _NAMED_CHOICE])
+    parallel_tool_calls: StrictBool | None = None    # false: at most one call
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = _checked(None, **_NOT_RESERVED)
 
@@ -184,7 +199,7 @@ class TokenizeChatRequest(_Strict):
     # only false: the template writes them
     add_special_tokens: StrictBool = _checked(False, enum=[False])
     chat_template_kwargs: dict[str, Any] | None = _checked(None, **_NOT_RESERVED)
-    tools: list[Any] | None = _checked(None, maxItems=0)   # not implemented: only null / []
+    tools: list[Any] | None = _checked(None, items=_TOOL)
     return_token_strs: StrictBool = False
 
 

@@ -120,6 +120,13 @@ class OpenAIServer(Frontend):
         self.options = options
         self.config = ctx.config
         self.model_name = options.served_model_name or default_model_name(ctx.config)
+        # The tool and reasoning parsers and the chat template, checked before the engine
+        # starts: a ConfigError names the key.
+        from corellm.engine.chat import load_chat_template
+        from .tools import ChatTools
+        ChatTools.for_options(options, ctx.registry)
+        if options.chat_template:
+            load_chat_template(options.chat_template, "frontend.chat_template")
 
     def run(self) -> int:
         # Until the server is up, SIGTERM ends start-up as Ctrl-C does; from then on serve()

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from corellm.engine.async_llm import AsyncLLM, RequestStream
-from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, render_chat_text
+from corellm.engine.chat import RESERVED_TEMPLATE_KEYS, load_chat_template, render_chat_text
 from corellm.engine.output_processor import RequestOutputKind
 from corellm.errors import InvalidRequestError
 from corellm.serving.fair import FairExecutor
@@ -28,6 +28,8 @@ from .preprocess import TextBound
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeChatRequest, TokenizeCompletionRequest, _SamplingFields)
 from .streaming import _gather_finals, _merge, _sse, _sse_data
+from .tools import (ChatTools, check_tools, chat_delta, chat_message, finish_reason_of,
+                    forced_constraint, log_malformed, parsed, template_messages, tool_choice_of)
 
 
 # What a chat message costs the template beyond its text, in characters' worth of tokenizing
@@ -51,6 +53,13 @@ class OpenAIServing:
         self._preprocess = FairExecutor("corellm-preprocess")
         # Output constraints: their bounds, and their checks in processes a deadline kills.
         self.constraints = ConstraintChecks(engine, self.limits.constraints, self.off_loop)
+        # Tool calling and reasoning: the server's parsers, resolved once (a ConfigError names
+        # the key of an unknown one), and the chat template replacing the tokenizer's.
+        from corellm.plugins import load_registry
+        registry = load_registry(disable=engine.config.plugins.disable)
+        self.chat_tools = ChatTools.for_options(options, registry)
+        self.chat_template = (load_chat_template(options.chat_template, "frontend.chat_template")
+                              if options.chat_template else None)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, cost: float) -> Any:
         """Run ``fn`` (tokenizer work) on the preprocessing pool; ``cost``: its estimated work,
@@ -149,9 +158,7 @@ class OpenAIServing:
             unsupported |= {"echo": req.echo, "suffix": req.suffix is not None,
                             "best_of": req.best_of is not None and req.best_of != req.n}
         else:
-            unsupported |= {"tools": bool(req.tools),
-                            "tool_choice": req.tool_choice not in (None, "none", "auto"),
-                            "chat_template_kwargs": bool(
+            unsupported |= {"chat_template_kwargs": bool(
                                 set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS)}
         for field, used in unsupported.items():
             if used:
@@ -350,14 +357,15 @@ class OpenAIServing:
                                                  num_cached)})
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    def render_chat(self, req: ChatCompletionRequest,
-                    continue_final_message: bool = False) -> list[int]:
-        messages = [{"role": m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in req.messages]
-        text = render_chat_text(self.tokenizer, messages,
+    def render_chat(self, req: ChatCompletionRequest, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+        """``tools``: the request's, checked (``check_tools``); checked here when not given."""
+        text = render_chat_text(self.tokenizer, template_messages(req),
                                 add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=continue_final_message,
-                                chat_template_kwargs=req.chat_template_kwargs)
+                                chat_template=self.chat_template,
+                                chat_template_kwargs=req.chat_template_kwargs,
+                                tools=check_tools(req.tools) if tools is None else tools)
         self.check_text_length(text, "messages", "the chat template's output: ")
         # The template writes the special tokens (BOS) itself.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -381,10 +389,22 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+        # Checking schemas costs time with their size: off the event loop.
+        tools = await self.off_loop(check_tools, req.tools,
+                                    cost=self.text_cost(_tools_size(req.tools)))
+        choice, tool_name = tool_choice_of(req, tools)
+        self.chat_tools.check_auto(choice, tools)
+        explicit = req.structured_outputs is not None     # vLLM's field: the whole output
+        forced = forced_constraint(req, choice, tool_name, tools)
+        if forced is not None:           # generation constrained to the calls' JSON
+            req = req.model_copy(update={"structured_outputs": forced})
+        if self.chat_tools.needs_special_tokens(choice):
+            req = req.model_copy(update={"skip_special_tokens": False})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_limits(req, 1, logprobs, "top_logprobs")
         constraint_cost = await self.constraints.bounds(req)
-        ids = await self.off_loop(self.render_chat, req, cost=self.chat_cost(req.messages))
+        ids = await self.off_loop(self.render_chat, req, False, tools,
+                                  cost=self.chat_cost(req.messages))
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = req.max_tokens, "max_tokens"
@@ -392,22 +412,37 @@ class OpenAIServing:
                                       "top_logprobs")
         self.check_generated_tokens([params], field, defaulted=max_tokens is None,
                                     logprobs_field="top_logprobs")
+        if params.structured_outputs is not None and not explicit:
+            # With a reasoning parser, response_format and a forced tool call constrain the
+            # answer only (vLLM's structured_outputs constrains the whole output, as given).
+            params.structured_outputs.start_after = self.chat_tools.answer_marker(
+                self.tokenizer, ids)
         await self.constraints.check(req, params, constraint_cost)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         gen = await self._submit(ids, params, internal, req, kind)
+
+        def parser() -> Any:
+            return parsed(lambda _: self.chat_tools.output_parser(choice, tool_name, tools), "")
         if req.stream:
-            return _sse(self._stream_chat(req, rid, gen, len(ids)), [gen])
+            return _sse(self._stream_chat(req, rid, gen, len(ids), parser, choice), [gen])
         out, = await _gather_finals([gen])
         choices, num_completion = [], 0
         for c in out.outputs:
             self.check_finish(c, constraint_fields(req))
             num_completion += len(c.token_ids)
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            p = parser()
+            if p is not None:
+                _, parts = parsed(p.finish, c.text)
+                log_malformed(rid, c.index, p)
+                message = chat_message(parts)
+                finish_reason = finish_reason_of(finish_reason, parts, choice)
+            choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c, req) if req.logprobs else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name, "choices": choices,
@@ -423,8 +458,8 @@ class OpenAIServing:
         return {"content": content}
 
     async def _stream_chat(self, req: ChatCompletionRequest, rid: str,
-                           gen: RequestStream, num_prompt: int,
-                           ) -> AsyncIterator[str]:
+                           gen: RequestStream, num_prompt: int, parser: Callable[[], Any],
+                           choice: str = "none") -> AsyncIterator[str]:
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
@@ -433,16 +468,36 @@ class OpenAIServing:
                                                                           "content": ""},
                                                   "logprobs": None, "finish_reason": None}]})
         num_completion, num_cached = 0, 0
+        # Each choice's parser reads its whole text so far (the deltas are what is new).
+        parsers: dict[int, Any] = {}
+        texts: dict[int, str] = {}
         async for out in gen:
             if out.finished:
                 num_cached = out.num_cached_tokens
             for c in out.outputs:
                 self.check_finish(c, constraint_fields(req))
                 num_completion += len(c.token_ids)
+                if c.index not in parsers:
+                    parsers[c.index] = parser()
+                p = parsers[c.index]
+                finish_reason = c.finish_reason
+                if p is None:
+                    delta: dict[str, Any] = {"content": c.text} if c.text else {}
+                else:
+                    texts[c.index] = text = texts.get(c.index, "") + c.text
+                    if c.finish_reason is None:
+                        d = parsed(p.delta, text)
+                    else:
+                        d, parts = parsed(p.finish, text)
+                        log_malformed(rid, c.index, p)
+                        finish_reason = finish_reason_of(finish_reason, parts, choice)
+                    delta = chat_delta(d)
+                    if not delta and finish_reason is None and not req.logprobs:
+                        continue             # nothing new to say yet (a tag held back)
                 yield _sse_data({**base, "choices": [{
-                    "index": c.index, "delta": {"content": c.text} if c.text else {},
+                    "index": c.index, "delta": delta,
                     "logprobs": self._chat_logprobs(c, req) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
         if req.stream_options and req.stream_options.include_usage:
             yield _sse_data({**base, "choices": [],
                              "usage": self.usage(num_prompt, num_completion, num_cached)})
@@ -481,12 +536,10 @@ class OpenAIServing:
             raise APIError(400, "add_special_tokens: only false with messages (the chat template "
                                 "writes the special tokens)", param="add_special_tokens")
         kwargs = dict(req.chat_template_kwargs or {})
-        unsupported = {"tools": bool(req.tools),
-                       "chat_template_kwargs": bool(set(kwargs) & RESERVED_TEMPLATE_KEYS)}
-        for field, used in unsupported.items():
-            if used:
-                raise APIError(400, f"{field}: not supported by this server", param=field)
-        return ChatCompletionRequest(messages=req.messages,
+        if set(kwargs) & RESERVED_TEMPLATE_KEYS:
+            raise APIError(400, "chat_template_kwargs: not supported by this server",
+                           param="chat_template_kwargs")
+        return ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                      add_generation_prompt=req.add_generation_prompt,
                                      chat_template_kwargs=kwargs or None)
 
@@ -500,6 +553,15 @@ class OpenAIServing:
                                     f"[0, {vocab})", param="tokens")
         return JSONResponse({"prompt": await self.off_loop(self.tokenizer.decode, req.tokens,
                                                            cost=len(req.tokens))})
+
+
+def _tools_size(tools: Any) -> int:
+    """About how many characters the tools are (their checks' cost)."""
+    import json
+    try:
+        return len(json.dumps(tools)) if tools else 0
+    except (TypeError, ValueError, RecursionError):
+        return 1 << 20
 
 
 def _top_k(entry: dict[int, Any], sampled: int, k: int) -> list[Any]:

@@ -23,6 +23,9 @@ from corellm.sampling_params import StructuredOutputsParams
 # Kinds of source, and what each becomes.
 JSON_SCHEMA, JSON_OBJECT, REGEX, GRAMMAR = "json", "json_object", "regex", "grammar"
 
+# What json_object compiles: any JSON object (a top-level ``{...}``), not any JSON value.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
 # Digests of the constraints that parsed, up to this many bytes.
 CHECKED_BYTES = 4 << 20
 
@@ -102,7 +105,11 @@ def compile_with(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
         # whitespace anywhere may never stop putting it.
         return compiler.compile_json_schema(text, any_whitespace=False)
     if kind == JSON_OBJECT:
-        return compiler.compile_builtin_json_grammar()
+        # A JSON object, as OpenAI's json_object means (xgrammar's builtin JSON grammar
+        # allows any value: an array, a bare string). Not strict: any properties, of any
+        # values; compact as a schema's.
+        return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False,
+                                            strict_mode=False)
     if kind == REGEX:
         return compiler.compile_regex(text)
     assert kind == GRAMMAR

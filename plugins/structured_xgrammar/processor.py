@@ -50,10 +50,12 @@ STRIKE_TTL_S = 600.0
 
 
 class _State:
-    __slots__ = ("req_id", "field", "key", "compiled", "matcher", "replay", "deadline")
+    __slots__ = ("req_id", "field", "key", "compiled", "matcher", "replay", "deadline",
+                 "start", "seen")
 
     def __init__(self, req_id: str, field: str, key: bytes, compiled: Future, replay: list[int],
-                 deadline: float) -> None:
+                 deadline: float, start: list[int] | None = None,
+                 seen: list[int] | None = None) -> None:
         self.req_id = req_id
         self.field = field              # the request field of the constraint
         self.key = key                  # its digest
@@ -61,6 +63,19 @@ class _State:
         self.matcher: xgr.GrammarMatcher | None = None
         self.replay = replay            # output tokens kept through a preemption
         self.deadline = deadline
+        # start_after: the tokens still awaited before the constraint applies (None: it
+        # applies), and the last tokens generated while waiting for them.
+        self.start = start
+        self.seen = seen or []
+
+
+def _split_at(tokens: Sequence[int], marker: Sequence[int]) -> int | None:
+    """The index just past the first occurrence of ``marker`` in ``tokens``, or None."""
+    m = len(marker)
+    for i in range(len(tokens) - m + 1):
+        if list(tokens[i:i + m]) == list(marker):
+            return i + m
+    return None
 
 
 class XGrammarProcessor(LogitsProcessor):
@@ -197,11 +212,21 @@ class XGrammarProcessor(LogitsProcessor):
         so = params.structured_outputs
         kind, text = source(so)
         key = digest(kind, text)
+        replay, start, seen = list(output_token_ids), None, None
+        if so.start_after:
+            cut = _split_at(replay, so.start_after)
+            if cut is None:         # still before the constrained part
+                start, seen = so.start_after, replay[-len(so.start_after):]
+                replay = []
+            else:
+                replay = replay[cut:]
         return _State(req_id, f"structured_outputs.{so.kind}", key,
-                      self._submit(so, kind, text, key), list(output_token_ids),
-                      time.monotonic() + QUEUE_FACTOR * self.compile_timeout_s)
+                      self._submit(so, kind, text, key), replay,
+                      time.monotonic() + QUEUE_FACTOR * self.compile_timeout_s, start, seen)
 
     def ready(self, state: Any) -> bool:
+        if state.start is not None:
+            return True                 # free until start_after: nothing to wait for yet
         # Still queued past its bound, a state is "ready" to be failed by apply; a compile that
         # has started ends by its own deadline (the compile process is killed at it).
         return (state.matcher is not None or state.compiled.done()
@@ -240,6 +265,8 @@ class XGrammarProcessor(LogitsProcessor):
         masked_rows: list[int] = []
         masked: list[_State] = []
         for row, state in zip(rows, states):
+            if state.start is not None:
+                continue                # before start_after: the output is free
             if state.matcher is None:
                 why = self._make_matcher(state)
                 if why is not None:
@@ -266,6 +293,11 @@ class XGrammarProcessor(LogitsProcessor):
             raise RequestsFailed(ended["failed"], ended["invalid"], ended["busy"])
 
     def accept(self, state: Any, token_id: int) -> bool:
+        if state.start is not None:
+            state.seen = (state.seen + [token_id])[-len(state.start):]
+            if state.seen == state.start:
+                state.start = None      # the constraint applies from the next token
+            return True
         if state.matcher is None:
             return False
         return state.matcher.is_terminated() or state.matcher.accept_token(token_id)
