@@ -528,3 +528,21 @@ def test_llm_chat_gives_the_tools_to_the_template(make_checkpoint):
                        chat_template=TEMPLATE.read_text(), tools=TOOLS, use_tqdm=False)
         prompt = llm.tokenizer.decode(out[0].prompt_token_ids)
     assert '"name": "get_time"' in prompt and "<tools>" in prompt
+
+
+def test_a_json_answer_is_strict_json_even_with_raw_control_characters(plugin_server):
+    """xgrammar's JSON grammar lets a raw control character into a string; the answer a client
+    gets has it escaped (json.loads, strict, reads it), streamed and not."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}},
+              "required": ["answer"], "additionalProperties": False}
+    force = _ids(plugin_server, "<think>\nok\n", "</think>", '{"answer": "a', "\x01", 'b"}')
+    client = plugin_server.client()
+    kw = dict(model=plugin_server.model, messages=[{"role": "user", "content": "Answer?"}],
+              max_tokens=40, temperature=0, extra_body={"vllm_xargs": {"force": force}},
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "a", "schema": schema}})
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == '{"answer": "a\\u0001b"}'
+    assert json.loads(r.choices[0].message.content) == {"answer": "a\x01b"}
+    content, _, _, finish = _stream(client, **kw)
+    assert (content, finish) == (r.choices[0].message.content, "stop")

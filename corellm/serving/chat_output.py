@@ -62,12 +62,15 @@ def _extends(old: str, new: str, what: str, who: str) -> str:
 class ChatOutputParser:
     """One choice's parsing (see the module's docstring). ``tools`` None: no tool parsing;
     ``reasoning`` None: no reasoning split. ``tool_names``: the request's functions (a call
-    of another is malformed). After ``finish``, ``malformed`` says why calls were read as
-    content (the server logs it)."""
+    of another is malformed). ``json_content``: the answer is JSON (a ``response_format``),
+    its raw control characters inside strings sent as escapes, as a call's arguments are.
+    After ``finish``, ``malformed`` says why calls were read as content (the server logs
+    it)."""
 
     tools: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     tool_names: frozenset[str] | None = None
+    json_content: bool = False
     names: ParserNames = field(default_factory=ParserNames)
     malformed: str | None = None
     _reasoning_sent: str = ""
@@ -146,6 +149,8 @@ class ChatOutputParser:
             out.reasoning_content, self._reasoning_sent = new_r, reasoning
         parsed = self._read(answer if started else "", final)
         content = parsed.content
+        if self.json_content:
+            content = escape_control_chars(content)
         if self.tools is not None:
             # Around calls, whitespace is layout: none leads, and a trailing run is sent only
             # once text follows it (or never, at the end).

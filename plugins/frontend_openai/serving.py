@@ -423,8 +423,12 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         gen = await self._submit(ids, params, internal, req, kind)
 
+        fmt = (req.response_format or {}).get("type")
+        json_content = forced is None and fmt in ("json_object", "json_schema")
+
         def parser() -> Any:
-            return parsed(lambda _: self.chat_tools.output_parser(choice, tool_name, tools), "")
+            return parsed(lambda _: self.chat_tools.output_parser(choice, tool_name, tools,
+                                                                  json_content), "")
         if req.stream:
             return _sse(self._stream_chat(req, rid, gen, len(ids), parser, choice), [gen])
         out, = await _gather_finals([gen])

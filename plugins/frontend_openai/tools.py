@@ -228,9 +228,11 @@ class ChatTools:
                                 "tool_choice 'required', a named function or 'none')",
                            param="tool_choice")
 
-    def output_parser(self, choice: str, name: str | None,
-                      tools: list[dict]) -> ChatOutputParser | None:
-        """A choice's parser, or None when its output is plain content."""
+    def output_parser(self, choice: str, name: str | None, tools: list[dict],
+                      json_content: bool = False) -> ChatOutputParser | None:
+        """A choice's parser, or None when its output is plain content. ``json_content``: a
+        ``response_format`` made the answer JSON (its strings' raw control characters, which
+        xgrammar's JSON grammar lets through, are sent escaped: strict JSON for clients)."""
         names = ParserNames()
         if self.tool_parser is not None:
             names.tool = self.tool_parser.describe()
@@ -250,11 +252,11 @@ class ChatTools:
                 else names.tool
             raise PluginError(f"{who}: its factory failed: {type(exc).__name__}: "
                               f"{exc}") from exc
-        if parser is None and reasoning is None:
+        if parser is None and reasoning is None and not json_content:
             return None
         return ChatOutputParser(tools=parser, reasoning=reasoning, names=names,
                                 tool_names=frozenset(t["function"]["name"] for t in tools)
-                                if parser is not None else None)
+                                if parser is not None else None, json_content=json_content)
 
 
 def forced_constraint(req: Any, choice: str, name: str | None,
