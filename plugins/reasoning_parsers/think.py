@@ -20,6 +20,8 @@ so each reading extends the one before.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from corellm.interfaces import ReasoningParser
 from corellm.serving.partial_json import partial_suffix
 from corellm.tool_calls import ParsedReasoning
@@ -65,8 +67,9 @@ class _ThinkParser(ReasoningParser):
             return ParsedReasoning(reasoning="", content="", answer_started=False)
         return self._untagged(text, final)
 
+    @abstractmethod
     def _untagged(self, text: str, final: bool) -> ParsedReasoning:
-        raise NotImplementedError
+        """The reading of an output that does not open ``<think>``."""
 
 
 class Qwen3ReasoningParser(_ThinkParser):
