@@ -9,9 +9,9 @@ overrides what it runs faster; what it does not override stays the reference.
 
 Two kinds of methods:
 
-* **ops** (``linear``, ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``,
-  ``argmax``) always return their result: a subclass that cannot take an input falls back to
-  ``super()``.
+* **ops** (``linear``, ``quantized_linear``, ``rms_norm``, ``add_rms_norm``,
+  ``silu_and_mul``, ``rotary``, ``argmax``) always return their result: a subclass that
+  cannot take an input falls back to ``super()``.
 * **fusions** (``linear_normed``, ``linear_silu_mul``, ``rotary_normed``) return None where the
   platform has no fused kernel for the inputs; the layer then runs the unfused layers one by
   one (their ``forward``, hooks included). The reference fuses nothing.
@@ -53,6 +53,14 @@ class DeviceOps:
         a ``corellm.layers.linear.LinearBase`` or ``ParallelLMHead``; its ``kernel`` holds
         what ``prepare`` made for it)."""
         return F.linear(x, layer.weight, bias)
+
+    def quantized_linear(self, layer: nn.Module, x: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for a layer whose weight is quantized: ``layer.qweight``, a
+        ``corellm.quant.QuantizedWeight`` (row ranges, each in one format of
+        ``corellm.quant.FORMATS``). The reference dequantizes it to ``x``'s dtype for the call
+        (correct anywhere, slow); a platform multiplies the blocks directly."""
+        return F.linear(x, layer.qweight.dequantize(x.dtype), bias)
 
     def linear_normed(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:

@@ -371,7 +371,7 @@ class ReasoningParserSpec(ComponentSpec):
 #: platform plugin may declare the version it was written for in its spec
 #: (``PlatformSpec.interface_version``); another major version is refused at start-up with the
 #: plugin's name, rather than failing mid-serving on a missing method.
-PLATFORM_INTERFACE_VERSION: tuple[int, int] = (1, 1)
+PLATFORM_INTERFACE_VERSION: tuple[int, int] = (1, 2)
 
 
 def _available(*_: Any) -> str | None:

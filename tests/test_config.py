@@ -121,7 +121,7 @@ def test_a_platform_for_another_interface_version_is_refused():
         def corellm_platforms(self):
             yield PlatformSpec(name="old", factory=lambda o: None, interface_version=(0, 9))
     with pytest.raises(PluginError, match="platform 'old' was written for platform interface "
-                                          "0.9; this corellm has 1.1"):
+                                          "0.9; this corellm has 1.2"):
         load_registry(plugins=[Old()])
 
 

@@ -135,13 +135,15 @@ def _greedy_hf(model_dir: Path, gguf_name: str | None, prompts: list[list[int]],
 @pytest.mark.parametrize("arch,tensor_type", [("llama", "F32"), ("qwen2", "F32"),
                                               ("llama", "Q8_0"), ("qwen2", "Q4_0")])
 def test_greedy_matches_transformers_on_the_same_gguf(gguf_file, arch, tensor_type):
-    """corellm on the GGUF file == transformers on the same file (its own GGUF reader and
-    dequantizer); for F32 also == corellm on the safetensors original, token for token."""
+    """corellm on the GGUF file, dequantized (model.quantization: none), == transformers on the
+    same file (its own GGUF reader and dequantizer); for F32 also == corellm on the safetensors
+    original, token for token. (Kept quantized, the file's matmuls quantize the activations as
+    llama.cpp does, and are compared with llama.cpp: tests/test_quantized_models.py.)"""
     ckpt, path = gguf_file(arch, tensor_type)
     prompts = make_prompts(1024)[:5]
     reference = _greedy_hf(path.parent, path.name, prompts)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = LLM(engine_config(path))
+    llm = LLM(engine_config(path, model={"quantization": "none"}))
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     notes = [n for out, (tokens, logits) in zip(outputs, reference)
              if (n := compare(out.outputs[0].token_ids, tokens, logits))]
@@ -316,8 +318,9 @@ needs_smollm2 = pytest.mark.skipif(
 
 @needs_smollm2
 def test_smollm2_greedy_matches_transformers_on_the_same_file():
+    """Dequantized (model.quantization: none), as transformers reads the file."""
     path = smollm2_path()
-    llm = LLM({"model": {"path": str(path), "max_model_len": 512},
+    llm = LLM({"model": {"path": str(path), "max_model_len": 512, "quantization": "none"},
                "kv_cache": {"num_blocks": 128}})
     questions = ["What is the capital of France?", "Write a haiku about the sea.",
                  "List three prime numbers.", "Who wrote Hamlet?"]

@@ -38,7 +38,7 @@ CORE_LAYERS: dict[str, list[str]] = {
     "foundation": ["errors", "clock", "_imports", "plugins.deprecation", "platforms.devices",
                    "checkpoint.cache", "engine.logs", "serving"],
     "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling",
-                   "serving.constraint_shape", "tool_calls"],
+                   "serving.constraint_shape", "tool_calls", "quant"],
     "interfaces": ["attention", "policy_view", "interfaces"],
     "component specs": ["specs"],
     "config": ["config.schema"],

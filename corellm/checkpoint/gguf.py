@@ -8,9 +8,11 @@ already understands, so every model plugin loads GGUF without knowing it exists:
 
 - the metadata becomes a ``config.json``-shaped dict, parsed by the same
   model plugin's config parser (``ModelSpec.config_class``) as a safetensors checkpoint;
-- tensors are renamed to their Hugging Face names and dequantized (``gguf.quants.dequantize``)
-  to float32 as they are read, one at a time; the model's ``load_weights`` casts them to the
-  model dtype. llama.cpp stores Llama's Q and K projections with the rows of each head
+- tensors are renamed to their Hugging Face names and, under ``model.quantization: gguf`` (the
+  default for a GGUF file), the 2-D ones in a format corellm multiplies directly
+  (``corellm.quant.GGUF_FORMATS``) stay in their blocks as ``QuantizedTensor``; the rest are
+  dequantized (``gguf.quants.dequantize``) to float32 as they are read, one at a time, and the
+  model's ``load_weights`` casts them to the model dtype. llama.cpp stores Llama's Q and K projections with the rows of each head
   interleaved for its rotary kernel; they are put back in Hugging Face's order;
 - the tokenizer is converted by transformers (``from_pretrained(..., gguf_file=...)``).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import re
 from collections.abc import Iterator
@@ -43,6 +46,8 @@ import numpy as np
 
 from corellm.checkpoint.cache import build_once, cache_dir
 from corellm.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 INDEX_VERSION = 1
 # llama.cpp's file-name convention: "<model>.Q4_K_M.gguf", "<model>-f16.gguf".
@@ -310,19 +315,27 @@ class GGUFCheckpoint:
                                               "tokenizer.ggml.eom_token_id")]
         return [int(i) for i in ids if i is not None]
 
-    def iter_weights(self) -> Iterator[tuple[str, Any]]:
-        """(Hugging Face name, float32 tensor) for every tensor, dequantized one at a time."""
+    def iter_weights(self, quantized: bool = False) -> Iterator[tuple[str, Any]]:
+        """(Hugging Face name, tensor) for every tensor, one at a time: float32, dequantized;
+        with ``quantized``, a 2-D tensor in a format corellm keeps quantized
+        (``corellm.quant.GGUF_FORMATS``) comes as a ``QuantizedTensor`` over the file's blocks
+        (its rows copied out of the memory map, reordered for Llama's Q and K) and other
+        quantized types are dequantized (logged once per type)."""
         import torch
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+        from corellm.quant import GGUF_FORMATS, QuantizedTensor
+
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
+        floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         # A plain array over the memory map: np.memmap's subclass hooks run on every slice the
         # dequantizers take (a third of their time).
         with open(self.path, "rb") as f:
             data = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ),
                                  dtype=np.uint8)
+        dequantized: dict[str, int] = {}
         for name, info in self.tensors.items():
             hf_name = hf_tensor_name(name)
             if hf_name is None:
@@ -330,9 +343,21 @@ class GGUFCheckpoint:
             qtype = GGMLQuantizationType[info["type"]]
             shape = tuple(info["shape"])
             raw = data[info["offset"]:info["offset"] + info["nbytes"]]
+            qk_heads = None
+            if self.permuted_qk and name.startswith("blk.") and (
+                    ".attn_q." in name or ".attn_k." in name):
+                qk_heads = heads if ".attn_q." in name else kv_heads
+            if quantized and info["type"] in GGUF_FORMATS and len(shape) == 2:
+                rows = torch.from_numpy(raw.reshape(shape[0], -1).copy())
+                tensor = QuantizedTensor(rows, info["type"], shape[1])
+                if qk_heads is not None:
+                    tensor = tensor.map_rows(lambda t, h=qk_heads: unpermute_qk(t, h))
+                yield hf_name, tensor
+                continue
+            if quantized and qtype not in floats:
+                dequantized[info["type"]] = dequantized.get(info["type"], 0) + 1
             try:
-                if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                             GGMLQuantizationType.BF16):
+                if qtype in floats:
                     array = dequantize(raw, qtype).reshape(shape)
                 else:
                     array = dequantize(raw.reshape(quant_shape_to_byte_shape(shape, qtype)),
@@ -343,10 +368,12 @@ class GGUFCheckpoint:
             # F32 comes back as a view of the read-only memory map: copy it.
             tensor = torch.from_numpy(np.array(array, dtype=np.float32,
                                                copy=qtype == GGMLQuantizationType.F32))
-            if self.permuted_qk and name.startswith("blk.") and (
-                    ".attn_q." in name or ".attn_k." in name):
-                tensor = unpermute_qk(tensor, heads if ".attn_q." in name else kv_heads)
+            if qk_heads is not None:
+                tensor = unpermute_qk(tensor, qk_heads)
             yield hf_name, tensor
+        for qtype, count in dequantized.items():
+            logger.info("%s: %d %s tensor(s) dequantized at load (kept quantized: %s)",
+                        self.path.name, count, qtype, ", ".join(GGUF_FORMATS))
 
 
 def permute_qk(w: Any, n_heads: int) -> Any:

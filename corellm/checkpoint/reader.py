@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 # The architecture data is public here too (ModelSpec.config_class subclasses ModelArchConfig).
 from corellm.arch import (ROPE_TYPES, ConfigReader, LlamaArchConfig,  # noqa: F401
                           ModelArchConfig, RopeConfig)
-from corellm.errors import CheckpointError, PluginError
+from corellm.errors import CheckpointError, ConfigError, PluginError
 
 if TYPE_CHECKING:
     from corellm.config.schema import EngineConfig
@@ -239,17 +239,33 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: str | Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+def resolve_quantization(requested: str | None, path: str | Path) -> str:
+    """``model.quantization`` for this checkpoint: absent means ``gguf`` for a GGUF file and
+    ``none`` otherwise; ``gguf`` for anything but a GGUF file is a ConfigError."""
+    is_file = locate_checkpoint(path).is_file()
+    if requested is None:
+        return "gguf" if is_file else "none"
+    if requested == "gguf" and not is_file:
+        raise ConfigError([("model.quantization",
+                            f"'gguf' keeps a GGUF file's quantized blocks, but {str(path)!r} "
+                            "is a safetensors checkpoint (int8 quantizes it at load)")])
+    return requested
+
+
+def iter_weights(path: str | Path, lazy: bool = False,
+                 quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield (Hugging Face name, tensor) for every tensor of the checkpoint, one shard (or one
-    GGUF tensor, dequantized to float32) at a time. ``lazy``: safetensors tensors come as lazy
-    slices (read with ``corellm.layers.loading.narrow_weight`` / ``as_tensor``, valid until the
-    next item), so a tensor-parallel rank reads only its shard."""
+    GGUF tensor) at a time. ``lazy``: safetensors tensors come as lazy slices (read with
+    ``corellm.layers.loading.narrow_weight`` / ``as_tensor``, valid until the next item), so a
+    tensor-parallel rank reads only its shard. ``quantized``: a GGUF file's quantized weights
+    come as ``corellm.quant.QuantizedTensor`` where corellm keeps their format (else
+    everything is dequantized to float32)."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
     p = locate_checkpoint(path)
     if p.is_file():
-        yield from open_gguf(p).iter_weights()
+        yield from open_gguf(p).iter_weights(quantized=quantized)
         return
 
     for file in checkpoint_files(path):

@@ -170,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
-    prompts = args.prompt or ["What is the capital of France?" if args.chat
+    prompts = args.prompt or ["Name the capital of France." if args.chat
                               else "The meaning of life is"]
     show = not args.no_progress and (len(prompts) > 1 or sys.stderr.isatty())
     if args.chat:

@@ -46,6 +46,12 @@ class ModelConfig(BaseModel):
         None, ge=1, description="Longest prompt + output; default: the checkpoint's "
                                 "max_position_embeddings.")
     seed: int = Field(0, description="Seed of the random stream of unseeded sampling.")
+    quantization: Literal["gguf", "none", "int8"] | None = Field(
+        None, description="How linear layers keep their weights: gguf = in the GGUF file's "
+                          "quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; other types "
+                          "dequantized), none = dequantized to model.dtype, int8 = weight-only "
+                          "int8 per output channel, quantized at load. Absent: gguf for a GGUF "
+                          "file, none otherwise.")
     implementation: str | None = Field(
         None, description="The model implementation to run: a model (ModelSpec) name from "
                           "`corellm plugins`, qualified as distribution:name when two share "
@@ -217,6 +223,9 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
     "tensor_parallel_size": ("parallel.tensor_parallel_size", int,
                              "ranks the model is sharded across (with executor.name: multiproc)"),
     "seed": ("model.seed", int, "seed of the random stream of unseeded sampling"),
+    "quantization": ("model.quantization", str,
+                     "gguf (a GGUF file's blocks, its default), none (dequantize) or int8 "
+                     "(weight-only, quantized at load)"),
     "async_scheduling": ("scheduler.async_scheduling", bool,
                          "overlap steps: plan step N+1 while step N runs"),
 }

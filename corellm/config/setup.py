@@ -42,6 +42,7 @@ class EngineSetup:
     # why others were passed over: each worker takes the first that accepts every layer.
     attention_candidates: tuple[str, ...]
     attention_skipped: tuple[str, ...] = ()
+    quantization: str = "none"         # model.quantization, resolved: gguf / none / int8
 
     @property
     def torch_dtype(self):
@@ -53,7 +54,8 @@ def resolve_setup(config: EngineConfig, registry: Registry,
                   platform: Platform | None = None) -> EngineSetup:
     """Resolve ``config`` against its checkpoint and the installed plugins, once."""
     from corellm.checkpoint.reader import (model_path, parse_arch_config, read_checkpoint_config,
-                                      resolve_dtype_name, resolve_max_model_len)
+                                      resolve_dtype_name, resolve_max_model_len,
+                                      resolve_quantization)
     from corellm.platforms.interface import build_platform
 
     path = model_path(config)
@@ -65,7 +67,8 @@ def resolve_setup(config: EngineConfig, registry: Registry,
     common = dict(model_path=path, source=source, arch=arch, model_plugin=model_entry.spec.name,
                   max_model_len=max_len, block_size=config.kv_cache.block_size,
                   max_num_seqs=sched.max_num_seqs,
-                  max_num_batched_tokens=sched.max_num_batched_tokens)
+                  max_num_batched_tokens=sched.max_num_batched_tokens,
+                  quantization=resolve_quantization(config.model.quantization, path))
     if platform is None and not runs_model(config.executor, registry):
         # No device is used here: neither the platform (torch, its kernels) nor attention.
         return EngineSetup(**common, platform=config.platform.name, device_type="none",

@@ -30,6 +30,7 @@ from torch import nn
 from corellm.platforms.distributed import SINGLE, ParallelContext, divide, kv_head_split
 from corellm.layers.loading import narrow_weight, weight_shape
 from corellm.ops import OpsModule
+from corellm.quant import QuantizedTensor, QuantizedWeight
 
 
 def _check(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -43,7 +44,27 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(OpsModule, nn.Module):
+class QuantizableWeight:
+    """Mixin of the layers whose weight may stay quantized (``corellm.quant``): a checkpoint
+    tensor that comes as a ``QuantizedTensor`` is kept as a part (its row range) instead of
+    being copied into the float weight; ``corellm.layers.quantize.finish_loading`` then makes
+    the parts the layer's ``qweight`` and drops the float weight."""
+
+    qweight: QuantizedWeight | None = None
+
+    def _store(self, param: nn.Parameter, offset: int, t: Any, what: str) -> None:
+        rows = weight_shape(t)[0]
+        _check(param.data[offset:offset + rows], t, what)
+        if isinstance(t, QuantizedTensor):
+            if param is not getattr(self, "weight", None):
+                raise ValueError(f"{what}: a {t.qtype} tensor for a parameter other than the "
+                                 "weight")
+            self.__dict__.setdefault("_qparts", {})[offset] = t
+        else:
+            param.data[offset:offset + rows].copy_(t)
+
+
+class LinearBase(QuantizableWeight, OpsModule, nn.Module):
     """``y = x @ weight.T (+ bias)`` on this rank's ``weight`` [out, in]; ``linear`` is the one
     matmul, run by the platform's ``ops.linear`` (the CPU platform's packed-weight GEMMs).
     ``local_output``: the forward is that matmul alone (no collective after it), so a platform
@@ -57,6 +78,7 @@ class LinearBase(OpsModule, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_quantized = True
         if bias:
             self.bias = _param(out_features)
             self.bias.weight_loader = self.weight_loader
@@ -64,6 +86,8 @@ class LinearBase(OpsModule, nn.Module):
             self.register_parameter("bias", None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.ops.quantized_linear(self, x, bias)
         return self.ops.linear(self, x, bias)
 
     @property
@@ -91,8 +115,7 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         t = narrow_weight(loaded, 0, 0, weight_shape(loaded)[0])
-        _check(param, t, "replicated linear")
-        param.data.copy_(t)
+        self._store(param, 0, t, "replicated linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -111,8 +134,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
         t = narrow_weight(loaded, 0, self.tp_rank * size, size)
-        _check(param, t, "column-parallel linear")
-        param.data.copy_(t)
+        self._store(param, 0, t, "column-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -135,8 +157,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         t = narrow_weight(loaded, 0, self.tp_rank * size, size)
-        _check(param.data[offset:offset + size], t, f"part {shard_id} of a merged linear")
-        param.data[offset:offset + size].copy_(t)
+        self._store(param, offset, t, f"part {shard_id} of a merged linear")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -164,8 +185,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         t = narrow_weight(loaded, 0, index * size, size)
-        _check(param.data[offset:offset + size], t, f"{shard_id} of a QKV projection")
-        param.data[offset:offset + size].copy_(t)
+        self._store(param, offset, t, f"{shard_id} of a QKV projection")
 
 
 class RowParallelLinear(LinearBase):
@@ -183,8 +203,7 @@ class RowParallelLinear(LinearBase):
         else:
             size = param.shape[1]
             t = narrow_weight(loaded, 1, self.tp_rank * size, size)
-        _check(param, t, "row-parallel linear")
-        param.data.copy_(t)
+        self._store(param, 0, t, "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -193,7 +212,7 @@ class RowParallelLinear(LinearBase):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(OpsModule, nn.Module):
+class VocabParallelEmbedding(QuantizableWeight, OpsModule, nn.Module):
     """Vocabulary rows split across ranks, each holding ``ceil(V / tp)`` (rows past V are
     zero); a token outside a rank's rows embeds to zero there, and one all-reduce sums the
     ranks."""
@@ -209,6 +228,7 @@ class VocabParallelEmbedding(OpsModule, nn.Module):
         self.end = min(self.start + self.rows, num_embeddings)
         self.weight = _param(self.rows, embedding_dim)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_quantized = True
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         shape = weight_shape(loaded)
@@ -216,15 +236,26 @@ class VocabParallelEmbedding(OpsModule, nn.Module):
             raise ValueError(f"vocabulary weight: checkpoint shape {tuple(shape)} != "
                              f"({self.num_embeddings}, {param.shape[1]})")
         n = max(0, self.end - self.start)
-        param.data[:n].copy_(narrow_weight(loaded, 0, self.start, n))
-        param.data[n:].zero_()
+        t = narrow_weight(loaded, 0, self.start, n)
+        self._store(param, 0, t, "vocabulary weight")
+        if isinstance(t, QuantizedTensor) and n < self.rows:     # padding rows: zero blocks
+            pad = QuantizedTensor(t.data.new_zeros(self.rows - n, t.data.shape[1]), t.qtype,
+                                  t.cols)
+            self._store(param, n, pad, "vocabulary weight")
+        elif not isinstance(t, QuantizedTensor):
+            param.data[n:].zero_()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:          # the rows looked up, dequantized
+            return self.qweight.embed(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._embed(input_ids)
         inside = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(inside, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        out = self._embed(local) * inside.unsqueeze(-1).to(self.weight.dtype)
         return self.parallel.all_reduce(out)
 
 
@@ -251,6 +282,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             super().weight_loader(param, loaded, shard_id)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.ops.quantized_linear(self, x, bias)
         return self.ops.linear(self, x, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:   # type: ignore[override]

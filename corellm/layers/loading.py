@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from corellm.errors import CheckpointError
+from corellm.quant import QuantizedTensor
 
 
 def materialize(model: nn.Module, device: torch.device | str,
@@ -57,23 +58,25 @@ def materialize(model: nn.Module, device: torch.device | str,
 
 
 def weight_shape(loaded: Any) -> tuple[int, ...]:
-    """Shape of a checkpoint tensor or lazy safetensors slice."""
-    if isinstance(loaded, torch.Tensor):
+    """Shape of a checkpoint tensor, quantized tensor or lazy safetensors slice."""
+    if isinstance(loaded, (torch.Tensor, QuantizedTensor)):
         return tuple(loaded.shape)
     return tuple(loaded.get_shape())
 
 
 def narrow_weight(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     """``loaded[..., start:start + size, ...]`` along ``dim`` as a tensor; from a lazy slice only
-    that part is read."""
-    if isinstance(loaded, torch.Tensor):
+    that part is read; a quantized tensor stays quantized."""
+    if isinstance(loaded, (torch.Tensor, QuantizedTensor)):
         return loaded.narrow(dim, start, size)
     index = (slice(None),) * dim + (slice(start, start + size),)
     return loaded[index]
 
 
 def as_tensor(loaded: Any) -> torch.Tensor:
-    """A checkpoint tensor, or a lazy slice read whole."""
+    """A checkpoint tensor, a lazy slice read whole, or a quantized tensor dequantized."""
+    if isinstance(loaded, QuantizedTensor):
+        return loaded.dequantize()
     return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
@@ -91,7 +94,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
     ``weight_loader`` attribute gets ``weight_loader(param, tensor, shard_id)`` (``shard_id``
     None for an unfused one) and copies its own slice; otherwise the tensor is copied whole, or,
     for a fused parameter without one, into the rows of part ``shard_id`` (an int) whose sizes
-    ``shard_sizes(fused parameter name)`` gives. ``skip(name)`` drops checkpoint tensors the
+    ``shard_sizes(fused parameter name)`` gives. A quantized checkpoint tensor
+    (``corellm.quant.QuantizedTensor``) goes as it is to a parameter marked ``takes_quantized``
+    (the weights of ``corellm.layers``' linear and embedding layers, which keep it quantized) and
+    dequantized to any other. ``skip(name)`` drops checkpoint tensors the
     model does not need (e.g. ``rotary_emb.inv_freq``). A tied parameter may be loaded under any
     of its names. Raises ``CheckpointError`` naming the weights that are unexpected, missing or
     of the wrong shape; ``model_name`` names the model in those messages.
@@ -123,6 +129,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
             unexpected.append(name)
             continue
         loader = getattr(param, "weight_loader", None)
+        if isinstance(tensor, QuantizedTensor) and not getattr(param, "takes_quantized", False):
+            tensor = tensor.dequantize()
         try:
             if loader is not None:
                 loader(param, tensor, shard)

@@ -27,6 +27,8 @@ from corellm.plugins.deprecation import acting_plugin
 from corellm.errors import CheckpointError, ConfigError, CorellmError, PluginError
 from corellm.interfaces import AttentionLayerSpec, CausalLM, ModelInfo
 from corellm.checkpoint.reader import iter_weights
+from corellm.layers.quantize import (describe_memory, finish_loading, quantize_linear_layers,
+                                     weight_memory)
 from corellm.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from corellm.platforms.interface import Platform, StepInputs
 from corellm.plugins.discovery import Registry
@@ -86,7 +88,14 @@ class ModelRunner:
         # Models that load through corellm.layers.load_weights take lazy checkpoint slices:
         # each rank then reads only its shard of every weight.
         model.load_weights(iter_weights(setup.model_path,
-                                        lazy=getattr(model, "lazy_weights", False)))
+                                        lazy=getattr(model, "lazy_weights", False),
+                                        quantized=setup.quantization == "gguf"))
+        finish_loading(model)
+        if setup.quantization == "int8":
+            quantize_linear_layers(model, "int8")
+        self.weight_memory = weight_memory(model)
+        logger.info("weights (%s): %s", setup.quantization if setup.quantization != "none"
+                    else "not quantized", describe_memory(self.weight_memory))
         platform.prepare_model(model)         # the platform's ops (and packed weights)
         self.model: CausalLM = model.eval()
         self.limits = AttentionBuildLimits(

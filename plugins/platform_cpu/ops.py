@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from corellm.ops import DeviceOps
 from corellm_plugins.platform_cpu.gemm import PackedLinear, _run, native_gemm, pack_linear_weights
 from corellm_plugins.platform_cpu.kernels import CpuOps, _silu_kernel_is_faster, cpu_ops
+from corellm_plugins.platform_cpu.qlinear import QuantLinear, quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ class CpuDeviceOps(DeviceOps):
         self.silu_dtypes: frozenset[torch.dtype] = frozenset()
 
     def prepare(self, model: torch.nn.Module) -> None:
+        quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+        kernels = quant_kernels() if quantized else None
+        for module in quantized if kernels is not None else ():
+            module.kernel = kernels.plan(module.qweight)
         if self.weight_packing:
             pack_linear_weights(model)
         if not self.fused_ops:
@@ -67,6 +72,19 @@ class CpuDeviceOps(DeviceOps):
             return F.linear(x, layer.weight, bias)   # packed copies carry no autograd history
         path = kernel.plan.path_for(x.shape[0])
         return _run(path, x, layer.weight, kernel.packed[path], bias)
+
+    def quantized_linear(self, layer: torch.nn.Module, x: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """The blocks multiplied in quant_gemm.c (float32 activations; others converted there
+        and back); the reference where the kernels are missing or decline the input."""
+        kernel = layer.kernel
+        if (not isinstance(kernel, QuantLinear) or kernel.qweight is not layer.qweight
+                or x.dim() != 2 or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and x.requires_grad)):
+            return super().quantized_linear(layer, x, bias)
+        if x.dtype == torch.float32:
+            return kernel(x, bias)
+        return kernel(x.float(), bias).to(x.dtype)
 
     def _native_packed(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's packed copy for corellm's GEMM, where fused paths are on and its plan

@@ -1,0 +1,227 @@
+"""Quantized weights: the block formats a linear layer may keep its weight in, and their reference
+arithmetic in torch.
+
+A quantized weight never becomes a float tensor in memory: its rows stay in the format's blocks
+(a ``QuantizedTensor``: one uint8 row of blocks per output feature), and a platform multiplies
+them directly (``DeviceOps.quantized_linear``; the CPU platform's C kernels dequantize in
+registers). What is here is the definition every kernel is checked against: ``dequantize`` in
+plain torch, on any device, the arithmetic of ggml's own dequantizers, so the reference op
+(dequantize, then ``F.linear``) runs anywhere, slowly.
+
+Formats:
+
+* GGUF's, read from the file as they are (``model.quantization: gguf``): ``Q8_0``, ``Q4_0``,
+  ``Q4_1`` (blocks of 32 values with an fp16 scale, and an fp16 offset for Q4_1) and the
+  k-quants ``Q4_K``, ``Q5_K``, ``Q6_K`` (super-blocks of 256 values in sub-blocks of 32 or 16,
+  each with its own 6- or 8-bit scale under the super-block's fp16 ones).
+* ``int8``: weight-only per-output-channel int8 (``model.quantization: int8``), made at load
+  from a float checkpoint: each row its int8 values and one float32 scale, ``amax / 127``.
+
+Rows are independent, so a weight is split between tensor-parallel ranks by rows freely and by
+columns at block boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A block format: ``block`` values stored in ``type_size`` bytes."""
+
+    name: str
+    block: int
+    type_size: int
+    bits: float                 # bits per value, scales included
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block * self.type_size
+
+
+def _fmt(name: str, block: int, type_size: int) -> QuantFormat:
+    return QuantFormat(name, block, type_size, 8 * type_size / block)
+
+
+#: The GGUF formats kept quantized (the others dequantize at load).
+GGUF_FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
+    _fmt("Q8_0", 32, 34), _fmt("Q4_0", 32, 18), _fmt("Q4_1", 32, 20),
+    _fmt("Q4_K", 256, 144), _fmt("Q5_K", 256, 176), _fmt("Q6_K", 256, 210))}
+INT8 = QuantFormat("int8", 1, 1, 8.0)           # + one float32 scale per row
+FORMATS: dict[str, QuantFormat] = {**GGUF_FORMATS, "int8": INT8}
+
+
+class QuantizedTensor:
+    """A [rows, cols] weight in one format: ``data`` holds each row's blocks (uint8 [rows,
+    row_bytes]; for ``int8`` the int8 values [rows, cols], with ``scale`` float32 [rows])."""
+
+    def __init__(self, data: torch.Tensor, qtype: str, cols: int,
+                 scale: torch.Tensor | None = None) -> None:
+        self.format = FORMATS[qtype]
+        self.qtype, self.data, self.cols, self.scale = qtype, data, int(cols), scale
+        if data.dim() != 2:
+            raise ValueError(f"{qtype} data must be 2-D (rows of blocks), got {data.dim()}-D")
+        if qtype == "int8":
+            if scale is None or data.shape[1] != cols or scale.shape != (data.shape[0],):
+                raise ValueError("int8 data must be [rows, cols] with a float32 scale per row")
+        elif cols % self.format.block or data.shape[1] != self.format.row_bytes(cols):
+            raise ValueError(f"a {qtype} row of {cols} values is not whole {self.format.block}-"
+                             f"value blocks of {self.format.type_size} bytes "
+                             f"(got {data.shape[1]} bytes per row)")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        scale = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.data.numel() * self.data.element_size() + scale
+
+    def narrow(self, dim: int, start: int, size: int) -> QuantizedTensor:
+        """Rows ``[start, start + size)`` (dim 0), or columns (dim 1) on block boundaries."""
+        if dim == 0:
+            scale = None if self.scale is None else self.scale.narrow(0, start, size)
+            return QuantizedTensor(self.data.narrow(0, start, size), self.qtype, self.cols,
+                                   scale)
+        block = self.format.block
+        if start % block or size % block:
+            raise ValueError(f"columns {start}:{start + size} of a {self.qtype} weight do not "
+                             f"fall on its {block}-value blocks (tensor parallelism splits a "
+                             "row-parallel weight there; model.quantization: none dequantizes)")
+        ts = self.format.type_size
+        return QuantizedTensor(self.data.narrow(1, start // block * ts, size // block * ts),
+                               self.qtype, size, self.scale)
+
+    def contiguous(self) -> QuantizedTensor:
+        """The same tensor with its rows in one contiguous buffer (what kernels read)."""
+        if self.data.is_contiguous() and (self.scale is None or self.scale.is_contiguous()):
+            return self
+        scale = None if self.scale is None else self.scale.contiguous()
+        return QuantizedTensor(self.data.contiguous(), self.qtype, self.cols, scale)
+
+    def map_rows(self, fn) -> QuantizedTensor:
+        """The same values with the rows reordered by ``fn`` (applied to the row-major data)."""
+        scale = None if self.scale is None else fn(self.scale.unsqueeze(1)).squeeze(1)
+        return QuantizedTensor(fn(self.data), self.qtype, self.cols, scale)
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        scale = None if self.scale is None else self.scale[index]
+        return QuantizedTensor(self.data[index], self.qtype, self.cols, scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({self.qtype}, shape={list(self.shape)})"
+
+
+class QuantizedWeight:
+    """A linear layer's weight as one or more row ranges, each a ``QuantizedTensor`` (a merged
+    projection whose parts came in different formats, e.g. a Q4_K_M file's Q4_K Q and K beside
+    its Q6_K V, keeps each part in its own)."""
+
+    def __init__(self, parts: list[tuple[int, QuantizedTensor]]) -> None:
+        parts = sorted(((start, t.contiguous()) for start, t in parts), key=lambda p: p[0])
+        merged: list[tuple[int, QuantizedTensor]] = []
+        for start, t in parts:                    # adjacent parts of one format: one tensor
+            if merged and merged[-1][1].qtype == t.qtype and t.qtype != "int8" and (
+                    merged[-1][0] + merged[-1][1].shape[0] == start):
+                s0, prev = merged[-1]
+                merged[-1] = (s0, QuantizedTensor(torch.cat([prev.data, t.data]), t.qtype,
+                                                  t.cols))
+            else:
+                merged.append((start, t))
+        self.parts = merged
+        self.cols = merged[0][1].cols
+        self.rows = merged[-1][0] + merged[-1][1].shape[0]
+
+    @property
+    def qtypes(self) -> tuple[str, ...]:
+        return tuple(t.qtype for _, t in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([t.dequantize(dtype) for _, t in self.parts])
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` dequantized (an embedding lookup), shaped ``ids.shape + (cols,)``."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.cols, dtype=dtype, device=flat.device)
+        for start, t in self.parts:
+            inside = (flat >= start) & (flat < start + t.shape[0])
+            if bool(inside.any()):
+                out[inside] = t.rows(flat[inside] - start).dequantize(dtype)
+        return out.reshape(*ids.shape, self.cols)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({'+'.join(self.qtypes)}, shape=[{self.rows}, {self.cols}])"
+
+
+# --------------------------------------------------------------------------- reference arithmetic
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from its two bytes (last dim 2) as float32 (last dim 1)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return qs & 0x0F, qs >> 4
+
+
+def dequantize(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of a quantized tensor, [rows, cols], in ``dtype`` (computed in float32)."""
+    if t.qtype == "int8":
+        return (t.data.float() * t.scale.float().unsqueeze(1)).to(dtype)
+    rows, fmt = t.shape[0], t.format
+    b = t.data.reshape(rows, -1, fmt.type_size)             # [rows, blocks, bytes]
+    q = t.qtype
+    if q == "Q8_0":
+        out = _f16(b[..., :2]) * b[..., 2:].contiguous().view(torch.int8).float()
+    elif q == "Q4_0":
+        lo, hi = _nibbles(b[..., 2:18])
+        out = _f16(b[..., :2]) * (torch.cat([lo, hi], -1).float() - 8)
+    elif q == "Q4_1":
+        lo, hi = _nibbles(b[..., 4:20])
+        out = _f16(b[..., :2]) * torch.cat([lo, hi], -1).float() + _f16(b[..., 2:4])
+    elif q in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        s = b[..., 4:16].int()
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        qs = b[..., 48:176] if q == "Q5_K" else b[..., 16:144]
+        lo, hi = _nibbles(qs.reshape(rows, -1, 4, 32))
+        vals = torch.stack([lo, hi], 3).reshape(rows, -1, 8, 32).int()   # sub-block j = 2c + h
+        if q == "Q5_K":
+            qh = b[..., 16:48].int().unsqueeze(2)                          # [rows, nb, 1, 32]
+            bits = (qh >> torch.arange(8, device=qh.device).view(1, 1, 8, 1)) & 1
+            vals = vals + 16 * bits
+        out = (d * sc.float()).unsqueeze(-1) * vals.float() - (dmin * mn.float()).unsqueeze(-1)
+    elif q == "Q6_K":
+        ql = b[..., 0:128].reshape(rows, -1, 2, 64).int()
+        qh = b[..., 128:192].reshape(rows, -1, 2, 32).int()
+        sc = b[..., 192:208].contiguous().view(torch.int8).float().reshape(rows, -1, 2, 4, 2)
+        d = _f16(b[..., 208:210]).reshape(rows, -1, 1, 1, 1, 1)
+        lo, hi = ql[..., :32], ql[..., 32:]
+        vals = torch.stack([(lo & 0xF) | ((qh & 3) << 4), (hi & 0xF) | (((qh >> 2) & 3) << 4),
+                            (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)],
+                           3)                                              # [rows, nb, 2, 4, 32]
+        vals = (vals - 32).float().reshape(rows, -1, 2, 4, 2, 16)
+        out = d * sc.unsqueeze(-1) * vals
+    else:                                                   # pragma: no cover - FORMATS is closed
+        raise ValueError(f"no reference for {q}")
+    return out.reshape(rows, t.cols).to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Per-output-channel symmetric int8 of a [rows, cols] float weight: scale ``amax / 127``
+    per row (1 for an all-zero row), values rounded to nearest."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    data = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor(data.contiguous(), "int8", w.shape[1], scale.contiguous())

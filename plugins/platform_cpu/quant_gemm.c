@@ -1,0 +1,483 @@
+/* Quantized linear layers on the CPU: y = x @ W^T with W kept in its blocks.
+ *
+ * GGUF formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), llama.cpp's scheme: the activations are
+ * quantized to int8 per block of 32 values (one float scale per block, and the scaled sums of
+ * each half, for the formats' offsets), each weight block is unpacked in registers to 32
+ * unsigned bytes (signed for Q8_0) with a float scale per half, and the block's dot product is
+ * one integer multiply-add of bytes (AVX-512 VNNI / AVX-VNNI `vpdpbusd` where the CPU has it, AVX2
+ * `vpmaddubsw` + `vpmaddwd` otherwise, plain C elsewhere), then scaled in float:
+ *
+ *   sum_i w_i a_i = sa * da * sum_{i<16} u_i q_i + sb * da * sum_{i>=16} u_i q_i
+ *                   + ca * da * sum_{i<16} q_i  + cb * da * sum_{i>=16} q_i
+ *
+ * where w_i = s * u_i + c is the format's value (s, c the scale and offset of the half the value
+ * lies in: Q4_1's d and m; Q4_0's d and -8d; a k-quant sub-block's d*scale and -dmin*min, or
+ * Q6_K's d*scale and -32*d*scale per 16 values) and a_i = da * q_i the activation. Every row of
+ * the output is the same computation whatever the batch around it: one weight row, one
+ * activation row, blocks in order.
+ *
+ * int8 (weight-only, per output channel): the int8 values widened to float in registers and
+ * multiplied with the float activations (no activation rounding), the row's scale applied once.
+ *
+ * Both run up to four activation rows against each unpacked weight row (a prefill's GEMM reuses
+ * each unpacked block four times), output rows split over the platform's thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "corellm_pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define QG_AVX2 1
+#endif
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+static const int64_t BLOCK[6] = {32, 32, 32, 256, 256, 256};
+static const int64_t TYPE_SIZE[6] = {34, 18, 20, 144, 176, 210};
+#define MT 4                                 /* activation rows per unpacked weight row */
+
+#if defined(__F16C__)
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+static inline float round_f16(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+#else
+static inline float f16_bits(uint16_t h);
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_bits(h);
+}
+/* Without F16C the activation scales are not rounded to fp16 (llama.cpp rounds them: its
+ * results then differ from these in the last bits). */
+static inline float round_f16(float f) { return f; }
+#endif
+
+static inline float f16_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {                                     /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A scale rounded to fp16 as llama.cpp stores it, where fp16 holds it: a value past fp16's range
+ * (a block summing past 65504) or one that would round to zero stays float32. */
+static inline float as_f16(float v) {
+    const float r = round_f16(v);
+    return isfinite(r) && (r != 0.f || v == 0.f) ? r : v;
+}
+
+/* ------------------------------------------------------------------ activations to int8 blocks */
+typedef struct { const float *x; int64_t K, ldx; int8_t *qa; float *da, *fs; } act_args;
+
+static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
+    (void)tid;
+    const act_args *a = ctx;
+    const int64_t nb = a->K / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = a->x + r * a->ldx;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+            int8_t *q = a->qa + r * a->K + b * 32;
+            int s0 = 0, s1 = 0;
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)nearbyintf(xb[i] * id);
+                q[i] = (int8_t)v;
+                if (i < 16) s0 += v; else s1 += v;
+            }
+            float *fs = a->fs + (r * nb + b) * 4;
+            a->da[r * nb + b] = as_f16(d);
+            fs[0] = d * (float)s0;
+            fs[1] = d * (float)s1;
+            fs[2] = as_f16(d * (float)(s0 + s1));
+            fs[3] = 0.f;
+        }
+    }
+}
+
+/* x [M, K] float32 (rows ldx apart), K a multiple of 32 -> qa int8 [M, K], da [M, K/32] (the
+ * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [M, K/32, 4]
+ * (each half's sum of values times the block's scale; the whole block's, rounded to fp16 as
+ * block_q8_1's s; a pad). */
+void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *qa, float *da,
+                    float *fs) {
+    act_args a = {x, K, ldx, qa, da, fs};
+    corellm_parallel_for(M, K >= 4096 ? 1 : 4096 / K, quantize_rows, &a);
+}
+
+/* ------------------------------------------------------------------ one sub-block of 32 values */
+typedef struct { float sa, sb, ca, cb; } sub_t;
+
+/* A block's scales and offsets, per 32-value sub-block (one for the 32-value formats). */
+static inline int decode_block(int fmt, const uint8_t *blk, sub_t *s) {
+    switch (fmt) {
+    case Q8_0: { float d = f16(blk); s[0] = (sub_t){d, d, 0.f, 0.f}; return 1; }
+    case Q4_0: { float d = f16(blk); s[0] = (sub_t){d, d, -8.f * d, -8.f * d}; return 1; }
+    case Q4_1: { float d = f16(blk), m = f16(blk + 2); s[0] = (sub_t){d, d, m, m}; return 1; }
+    case Q4_K: case Q5_K: {
+        const float d = f16(blk), dmin = f16(blk + 2);
+        const uint8_t *sc = blk + 4;
+        for (int j = 0; j < 8; j++) {
+            int scale, mn;
+            if (j < 4) {
+                scale = sc[j] & 63; mn = sc[j + 4] & 63;
+            } else {
+                scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+                mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            }
+            const float a = d * (float)scale, c = -dmin * (float)mn;
+            s[j] = (sub_t){a, a, c, c};
+        }
+        return 8;
+    }
+    default: {                                                         /* Q6_K */
+        const float d = f16(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int j = 0; j < 8; j++) {               /* half n = j/4, quarter k = j%4 */
+            const int base = 8 * (j / 4) + 2 * (j % 4);
+            const float a = d * (float)sc[base], b = d * (float)sc[base + 1];
+            s[j] = (sub_t){a, b, -32.f * a, -32.f * b};
+        }
+        return 8;
+    }
+    }
+}
+
+/* The 32 values of sub-block j as bytes: unsigned (0..63) except Q8_0's signed ones. */
+static inline void unpack_scalar(int fmt, const uint8_t *blk, int j, int16_t *u) {
+    switch (fmt) {
+    case Q8_0: for (int i = 0; i < 32; i++) u[i] = (int8_t)blk[2 + i]; break;
+    case Q4_0: case Q4_1: {
+        const uint8_t *qs = blk + (fmt == Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; i++) { u[i] = qs[i] & 0xF; u[i + 16] = qs[i] >> 4; }
+        break;
+    }
+    case Q4_K: case Q5_K: {
+        const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16) + 32 * (j / 2);
+        for (int i = 0; i < 32; i++) u[i] = (j & 1) ? qs[i] >> 4 : qs[i] & 0xF;
+        if (fmt == Q5_K)
+            for (int i = 0; i < 32; i++) u[i] += ((blk[16 + i] >> j) & 1) << 4;
+        break;
+    }
+    default: {                                                         /* Q6_K */
+        const int n = j / 4, k = j % 4;
+        const uint8_t *ql = blk + 64 * n + 32 * (k & 1), *qh = blk + 128 + 32 * n;
+        for (int i = 0; i < 32; i++)
+            u[i] = (int16_t)(((k < 2) ? ql[i] & 0xF : ql[i] >> 4) | (((qh[i] >> (2 * k)) & 3) << 4));
+    }
+    }
+}
+
+#ifdef QG_AVX2
+static inline __m256i nib_lo_hi(const uint8_t *qs16) {        /* 16 bytes -> 32 nibbles */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs16);
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+static inline __m256i unpack_avx2(int fmt, const uint8_t *blk, int j) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    switch (fmt) {
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    case Q4_0: return nib_lo_hi(blk + 2);
+    case Q4_1: return nib_lo_hi(blk + 4);
+    case Q4_K: case Q5_K: {
+        const __m256i q = _mm256_loadu_si256(
+            (const __m256i *)(blk + (fmt == Q5_K ? 48 : 16) + 32 * (j / 2)));
+        __m256i u = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(q, 4) : q, m4);
+        if (fmt == Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
+                                                 _mm256_set1_epi8(1));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+        }
+        return u;
+    }
+    default: {                                                         /* Q6_K */
+        const int n = j / 4, k = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (k & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+        const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)),
+                                            _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+    }
+}
+
+/* 8 int32 lanes, lane i the sum of products of bytes 4i..4i+3: unsigned u (< 128) times signed
+ * q, or for signed u (Q8_0) |u| times q carrying u's sign. */
+static inline __m256i dot_bytes(__m256i u, __m256i q, int is_signed) {
+    if (is_signed) {
+        q = _mm256_sign_epi8(q, u);
+        u = _mm256_sign_epi8(u, u);
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, q);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ------------------------------------------------------------------ the GEMM */
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    int64_t K, M, ldy, rb;
+    const int8_t *qa;
+    const float *da, *fs, *bias;
+    float *y;
+} q_args;
+
+/* Output rows [n0, n1) for activation rows [m0, m0 + mt), mt <= MT. */
+static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fmt, int mt,
+                                                          int64_t m0, int64_t n0, int64_t n1) {
+    const int64_t nblk = a->K / BLOCK[fmt], ts = TYPE_SIZE[fmt], nb32 = a->K / 32;
+    sub_t sub[8];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->w + n * a->rb;
+        float corr[MT] = {0};
+#ifdef QG_AVX2
+        __m256 acc[MT];
+        for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+#else
+        float acc[MT] = {0};
+#endif
+        for (int64_t bi = 0; bi < nblk; bi++) {
+            const uint8_t *blk = row + bi * ts;
+            const int nsub = decode_block(fmt, blk, sub);
+            for (int j = 0; j < nsub; j++) {
+                const int64_t b = bi * nsub + j;
+#ifdef QG_AVX2
+                const __m256i u = unpack_avx2(fmt, blk, j);
+                const __m256 ws = _mm256_insertf128_ps(
+                    _mm256_castps128_ps256(_mm_set1_ps(sub[j].sa)), _mm_set1_ps(sub[j].sb), 1);
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r = (m0 + t) * nb32 + b;
+                    const __m256i q = _mm256_loadu_si256(
+                        (const __m256i *)(a->qa + (m0 + t) * a->K + b * 32));
+                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, fmt == Q8_0));
+                    acc[t] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws, _mm256_set1_ps(a->da[r])),
+                                             acc[t]);
+                    corr[t] += sub[j].ca * a->fs[4 * r] + sub[j].cb * a->fs[4 * r + 1];
+                }
+#else
+                int16_t u[32];
+                unpack_scalar(fmt, blk, j, u);
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r = (m0 + t) * nb32 + b;
+                    const int8_t *q = a->qa + (m0 + t) * a->K + b * 32;
+                    int32_t s0 = 0, s1 = 0;
+                    for (int i = 0; i < 16; i++) s0 += u[i] * q[i];
+                    for (int i = 16; i < 32; i++) s1 += u[i] * q[i];
+                    acc[t] += a->da[r] * (sub[j].sa * (float)s0 + sub[j].sb * (float)s1);
+                    corr[t] += sub[j].ca * a->fs[4 * r] + sub[j].cb * a->fs[4 * r + 1];
+                }
+#endif
+            }
+        }
+        const float bias = a->bias ? a->bias[n] : 0.f;
+        for (int t = 0; t < mt; t++) {
+#ifdef QG_AVX2
+            const float s = hsum(acc[t]);
+#else
+            const float s = acc[t];
+#endif
+            a->y[(m0 + t) * a->ldy + n] = s + corr[t] + bias;
+        }
+    }
+}
+
+#ifdef QG_AVX2
+/* The 32-value formats, as llama.cpp's AVX2 dot products compute them: a block's fp16 scale
+ * converted by F16C, Q4_0's values made signed (q - 8) and multiplied like Q8_0's, Q4_1's
+ * offset times the activation block's fp16 sum. */
+static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int fmt, int mt,
+                                                            int64_t m0, int64_t n0, int64_t n1) {
+    const int64_t nb = a->K / 32, ts = TYPE_SIZE[fmt];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->w + n * a->rb;
+        __m256 acc[MT];
+        float corr[MT] = {0};
+        for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * ts;
+            const float d = f16(blk), m = fmt == Q4_1 ? f16(blk + 2) : 0.f;
+            __m256i u = unpack_avx2(fmt, blk, 0);
+            if (fmt == Q4_0) u = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+            for (int t = 0; t < mt; t++) {
+                const int64_t r = (m0 + t) * nb + b;
+                const __m256i q = _mm256_loadu_si256(
+                    (const __m256i *)(a->qa + (m0 + t) * a->K + b * 32));
+                const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, fmt != Q4_1));
+                acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a->da[r]), acc[t]);
+                if (fmt == Q4_1) corr[t] += m * a->fs[4 * r + 2];
+            }
+        }
+        const float bias = a->bias ? a->bias[n] : 0.f;
+        for (int t = 0; t < mt; t++)
+            a->y[(m0 + t) * a->ldy + n] = hsum(acc[t]) + corr[t] + bias;
+    }
+}
+#define ROWS(F, mt, m0, n0, n1)                                                              \
+    ((F) <= Q4_1 ? q32_rows(a, F, mt, m0, n0, n1) : q_rows(a, F, mt, m0, n0, n1))
+#else
+#define ROWS(F, mt, m0, n0, n1) q_rows(a, F, mt, m0, n0, n1)
+#endif
+
+#define Q_FMT(F)                                                                             \
+static void q_body_##F(void *ctx, int64_t n0, int64_t n1, int tid) {                        \
+    (void)tid;                                                                               \
+    const q_args *a = ctx;                                                                   \
+    int64_t m0 = 0;                                                                          \
+    for (; m0 + MT <= a->M; m0 += MT) ROWS(F, MT, m0, n0, n1);                               \
+    switch (a->M - m0) {                                                                     \
+    case 3: ROWS(F, 3, m0, n0, n1); break;                                                   \
+    case 2: ROWS(F, 2, m0, n0, n1); break;                                                   \
+    case 1: ROWS(F, 1, m0, n0, n1); break;                                                   \
+    default: break;                                                                          \
+    }                                                                                        \
+}
+Q_FMT(Q8_0)
+Q_FMT(Q4_0)
+Q_FMT(Q4_1)
+Q_FMT(Q4_K)
+Q_FMT(Q5_K)
+Q_FMT(Q6_K)
+
+static corellm_body_fn const Q_BODY[6] = {q_body_Q8_0, q_body_Q4_0, q_body_Q4_1,
+                                          q_body_Q4_K, q_body_Q5_K, q_body_Q6_K};
+
+/* Rows of output per chunk a thread claims: about 16 KiB of weight blocks per activation row. */
+static inline int64_t grain(int64_t row_bytes, int64_t M) {
+    const int64_t work = row_bytes * (M < MT ? M : MT);
+    return work >= 16384 ? 1 : 16384 / (work > 0 ? work : 1);
+}
+
+/* y[m, n] = sum_k W[n, k] x[m, k] (+ bias[n]) for m < M, n < N; W: N rows of format fmt's
+ * blocks, each row K / block * type_size bytes; x as corellm_q8_act made it. Returns -1 for an
+ * unknown format or a K that is not whole blocks. */
+int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *qa,
+                  const float *da, const float *fs, int64_t M, float *y, int64_t ldy,
+                  const float *bias) {
+    if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
+    q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, bias, y};
+    corellm_parallel_for(N, grain(a.rb, M), Q_BODY[fmt], &a);
+    return 0;
+}
+
+/* corellm_q8_act then corellm_qgemm, the quantized activations in this thread's scratch (grown
+ * as needed, kept for the next call): one call per layer. Returns -1 for an unknown format, a K
+ * that is not whole blocks, or no memory. */
+int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt] || K % 32) return -1;
+    const size_t nb = (size_t)(K / 32), rows = (size_t)M;
+    const size_t need = rows * (size_t)K + rows * nb * 5 * sizeof(float) + 64;
+    if (need > capacity) {
+        free(scratch);
+        scratch = malloc(need);
+        capacity = scratch ? need : 0;
+        if (!scratch) return -1;
+    }
+    float *da = scratch, *fs = da + rows * nb;
+    int8_t *qa = (int8_t *)(fs + rows * nb * 4);
+    corellm_q8_act(x, M, K, ldx, qa, da, fs);
+    return corellm_qgemm(fmt, w, N, K, qa, da, fs, M, y, ldy, bias);
+}
+
+/* ------------------------------------------------------------------ int8 per channel */
+typedef struct {
+    const int8_t *w;
+    const float *scale, *x, *bias;
+    int64_t K, ldx, M, ldy;
+    float *y;
+} i8_args;
+
+static inline __attribute__((always_inline)) void i8_rows(const i8_args *a, int mt, int64_t m0,
+                                                           int64_t n0, int64_t n1) {
+    const int64_t K = a->K;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = a->w + n * K;
+        float s[MT];
+        int64_t k = 0;
+#ifdef QG_AVX2
+        __m256 acc0[MT], acc1[MT];
+        for (int t = 0; t < mt; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            const __m256 w0 = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
+            const __m256 w1 = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k + 8))));
+            for (int t = 0; t < mt; t++) {
+                const float *x = a->x + (m0 + t) * a->ldx + k;
+                acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[t]);
+                acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc1[t]);
+            }
+        }
+        for (int t = 0; t < mt; t++) s[t] = hsum(_mm256_add_ps(acc0[t], acc1[t]));
+#else
+        for (int t = 0; t < mt; t++) s[t] = 0.f;
+#endif
+        for (; k < K; k++)
+            for (int t = 0; t < mt; t++) s[t] += (float)w[k] * a->x[(m0 + t) * a->ldx + k];
+        const float bias = a->bias ? a->bias[n] : 0.f;
+        for (int t = 0; t < mt; t++) a->y[(m0 + t) * a->ldy + n] = s[t] * a->scale[n] + bias;
+    }
+}
+
+static void i8_body(void *ctx, int64_t n0, int64_t n1, int tid) {
+    (void)tid;
+    const i8_args *a = ctx;
+    int64_t m0 = 0;
+    for (; m0 + MT <= a->M; m0 += MT) i8_rows(a, MT, m0, n0, n1);
+    switch (a->M - m0) {
+    case 3: i8_rows(a, 3, m0, n0, n1); break;
+    case 2: i8_rows(a, 2, m0, n0, n1); break;
+    case 1: i8_rows(a, 1, m0, n0, n1); break;
+    default: break;
+    }
+}
+
+/* y[m, n] = scale[n] * sum_k w[n, k] x[m, k] (+ bias[n]); w int8 [N, K], x float32 rows ldx
+ * apart. */
+void corellm_i8gemm(const int8_t *w, const float *scale, int64_t N, int64_t K, const float *x,
+                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+    i8_args a = {w, scale, x, bias, K, ldx, M, ldy, y};
+    corellm_parallel_for(N, grain(K, M), i8_body, &a);
+}
