@@ -19,6 +19,11 @@ Formats:
 
 Rows are independent, so a weight is split between tensor-parallel ranks by rows freely and by
 columns at block boundaries.
+
+Layouts: a tensor's rows are in the file's layout (``gguf``: each block's scale bytes, then its
+values) or, for the 32-value formats, ``grouped``: each run of 8 blocks stores the 8 blocks'
+scales together (and Q4_1's 8 offsets), then their values, the same bytes reordered, so a kernel
+converts 8 scales with one instruction (the CPU platform's layout). ``dequantize`` reads both.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ def _fmt(name: str, block: int, type_size: int) -> QuantFormat:
     return QuantFormat(name, block, type_size, 8 * type_size / block)
 
 
+#: Bytes of scale (and offset) at the head of a block, for the formats that may be ``grouped``.
+GROUPABLE = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
+GROUP = 8
+
 #: The GGUF formats kept quantized (the others dequantize at load).
 GGUF_FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
     _fmt("Q8_0", 32, 34), _fmt("Q4_0", 32, 18), _fmt("Q4_1", 32, 20),
@@ -58,9 +67,12 @@ class QuantizedTensor:
     row_bytes]; for ``int8`` the int8 values [rows, cols], with ``scale`` float32 [rows])."""
 
     def __init__(self, data: torch.Tensor, qtype: str, cols: int,
-                 scale: torch.Tensor | None = None) -> None:
+                 scale: torch.Tensor | None = None, layout: str = "gguf") -> None:
         self.format = FORMATS[qtype]
         self.qtype, self.data, self.cols, self.scale = qtype, data, int(cols), scale
+        if layout not in ("gguf", "grouped") or (layout == "grouped" and qtype not in GROUPABLE):
+            raise ValueError(f"no {layout!r} layout for {qtype}")
+        self.layout = layout
         if data.dim() != 2:
             raise ValueError(f"{qtype} data must be 2-D (rows of blocks), got {data.dim()}-D")
         if qtype == "int8":
@@ -85,7 +97,9 @@ class QuantizedTensor:
         if dim == 0:
             scale = None if self.scale is None else self.scale.narrow(0, start, size)
             return QuantizedTensor(self.data.narrow(0, start, size), self.qtype, self.cols,
-                                   scale)
+                                   scale, self.layout)
+        if self.layout != "gguf":
+            return self.ungrouped().narrow(dim, start, size)
         block = self.format.block
         if start % block or size % block:
             raise ValueError(f"columns {start}:{start + size} of a {self.qtype} weight do not "
@@ -100,16 +114,31 @@ class QuantizedTensor:
         if self.data.is_contiguous() and (self.scale is None or self.scale.is_contiguous()):
             return self
         scale = None if self.scale is None else self.scale.contiguous()
-        return QuantizedTensor(self.data.contiguous(), self.qtype, self.cols, scale)
+        return QuantizedTensor(self.data.contiguous(), self.qtype, self.cols, scale,
+                               self.layout)
 
     def map_rows(self, fn) -> QuantizedTensor:
         """The same values with the rows reordered by ``fn`` (applied to the row-major data)."""
         scale = None if self.scale is None else fn(self.scale.unsqueeze(1)).squeeze(1)
-        return QuantizedTensor(fn(self.data), self.qtype, self.cols, scale)
+        return QuantizedTensor(fn(self.data), self.qtype, self.cols, scale, self.layout)
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         scale = None if self.scale is None else self.scale[index]
-        return QuantizedTensor(self.data[index], self.qtype, self.cols, scale)
+        return QuantizedTensor(self.data[index], self.qtype, self.cols, scale, self.layout)
+
+    def grouped(self) -> QuantizedTensor:
+        """This tensor in the ``grouped`` layout (a new buffer of the same size)."""
+        if self.layout == "grouped":
+            return self
+        return QuantizedTensor(_regroup(self.data, self.qtype, group=True), self.qtype,
+                               self.cols, layout="grouped")
+
+    def ungrouped(self) -> QuantizedTensor:
+        """This tensor in the file's layout."""
+        if self.layout == "gguf":
+            return self
+        return QuantizedTensor(_regroup(self.data, self.qtype, group=False), self.qtype,
+                               self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -128,10 +157,11 @@ class QuantizedWeight:
         merged: list[tuple[int, QuantizedTensor]] = []
         for start, t in parts:                    # adjacent parts of one format: one tensor
             if merged and merged[-1][1].qtype == t.qtype and t.qtype != "int8" and (
-                    merged[-1][0] + merged[-1][1].shape[0] == start):
+                    merged[-1][1].layout == t.layout
+                    and merged[-1][0] + merged[-1][1].shape[0] == start):
                 s0, prev = merged[-1]
                 merged[-1] = (s0, QuantizedTensor(torch.cat([prev.data, t.data]), t.qtype,
-                                                  t.cols))
+                                                  t.cols, layout=t.layout))
             else:
                 merged.append((start, t))
         self.parts = merged
@@ -177,6 +207,7 @@ def dequantize(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """The values of a quantized tensor, [rows, cols], in ``dtype`` (computed in float32)."""
     if t.qtype == "int8":
         return (t.data.float() * t.scale.float().unsqueeze(1)).to(dtype)
+    t = t.ungrouped()
     rows, fmt = t.shape[0], t.format
     b = t.data.reshape(rows, -1, fmt.type_size)             # [rows, blocks, bytes]
     q = t.qtype
@@ -215,6 +246,27 @@ def dequantize(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     else:                                                   # pragma: no cover - FORMATS is closed
         raise ValueError(f"no reference for {q}")
     return out.reshape(rows, t.cols).to(dtype)
+
+
+def _regroup(data: torch.Tensor, qtype: str, group: bool) -> torch.Tensor:
+    """Rows of blocks between the file's layout and the grouped one: each run of ``GROUP``
+    blocks (the last run may be shorter) as [its blocks' heads][their values]."""
+    head, size = GROUPABLE[qtype], FORMATS[qtype].type_size
+    rows, nb = data.shape[0], data.shape[1] // size
+    runs = []
+    for start in range(0, nb, GROUP):
+        n = min(GROUP, nb - start)
+        run = data[:, start * size:(start + n) * size]
+        if group:
+            b = run.reshape(rows, n, size)
+            heads = [b[..., i:i + 2].reshape(rows, 2 * n) for i in range(0, head, 2)]
+            runs += [*heads, b[..., head:].reshape(rows, -1)]
+        else:
+            parts = [run[:, 2 * n * i:2 * n * (i + 1)].reshape(rows, n, 2)
+                     for i in range(head // 2)]
+            values = run[:, head * n:].reshape(rows, n, size - head)
+            runs.append(torch.cat([*parts, values], dim=2).reshape(rows, -1))
+    return torch.cat(runs, dim=1).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:

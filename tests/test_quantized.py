@@ -96,6 +96,7 @@ def _offsets(t: QuantizedTensor) -> torch.Tensor:
     Q6_K's -32*d*scale; none for Q8_0 and int8): the blocks with their quantized values zeroed."""
     if t.qtype in ("int8", "Q8_0"):
         return torch.zeros(t.shape, dtype=torch.float64)
+    t = t.ungrouped()                 # the file's byte layout (the CPU kernels regroup Q4_x)
     blocks = t.data.reshape(t.shape[0], -1, t.format.type_size).clone()
     lo, hi = QUANT_BYTES[t.qtype]
     blocks[..., lo:hi] = 0
@@ -508,3 +509,21 @@ def test_embed_single_format(qtype):
     q = QuantizedWeight([(0, _blocks(qtype, 9, k, seed=4, scales="wild"))])
     ids = torch.tensor([8, 0, 3, 3, 7])
     assert torch.equal(q.embed(ids, torch.float32), q.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("nblocks", [1, 7, 8, 18, 19])
+def test_grouped_layout_is_the_same_bytes_reordered(qtype, nblocks):
+    """The grouped layout (8 blocks' scales together, then their values; the last run shorter)
+    round-trips to the file's bytes, and dequantizes, looks up rows and narrows as the file's."""
+    t = _blocks(qtype, 5, 32 * nblocks, seed=nblocks)
+    g = t.grouped()
+    assert g.layout == "grouped" and g.data.shape == t.data.shape
+    assert torch.equal(g.ungrouped().data, t.data)
+    assert torch.equal(g.dequantize(), t.dequantize())
+    idx = torch.tensor([4, 0, 4])
+    assert torch.equal(g.rows(idx).dequantize(), t.dequantize()[idx])
+    assert torch.equal(g.narrow(1, 0, 32).dequantize(), t.dequantize()[:, :32])
+    if nblocks >= 2:      # run 0: block 1's scale follows block 0's
+        size = t.format.type_size
+        assert torch.equal(g.data[:, 2:4], t.data[:, size:size + 2])

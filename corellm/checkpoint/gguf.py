@@ -12,8 +12,9 @@ already understands, so every model plugin loads GGUF without knowing it exists:
   default for a GGUF file), the 2-D ones in a format corellm multiplies directly
   (``corellm.quant.GGUF_FORMATS``) stay in their blocks as ``QuantizedTensor``; the rest are
   dequantized (``gguf.quants.dequantize``) to float32 as they are read, one at a time, and the
-  model's ``load_weights`` casts them to the model dtype. llama.cpp stores Llama's Q and K projections with the rows of each head
-  interleaved for its rotary kernel; they are put back in Hugging Face's order;
+  model's ``load_weights`` casts them to the model dtype. llama.cpp stores Llama's Q and K
+  projections with the rows of each head interleaved for its rotary kernel; they are put back
+  in Hugging Face's order;
 - the tokenizer is converted by transformers (``from_pretrained(..., gguf_file=...)``).
 
 Parsing the metadata (``gguf.GGUFReader`` walks every vocabulary entry) and converting the

@@ -116,8 +116,9 @@ class LLM:
     demo model is used. vLLM's engine arguments set the config keys their ``corellm serve``
     flags set, over the config: ``LLM(model=PATH, dtype="bfloat16", max_model_len=4096,
     max_num_seqs=64, max_num_batched_tokens=2048, block_size=16, tensor_parallel_size=2,
-    seed=0, enable_prefix_caching=False, quantization="int8")`` (``corellm.config.schema.ENGINE_ARGS``); an unknown
-    one is a ``TypeError`` naming the closest. ``plugins`` registers extra in-process plugin
+    seed=0, enable_prefix_caching=False, quantization="int8")``
+    (``corellm.config.schema.ENGINE_ARGS``); an unknown one is a ``TypeError`` naming the
+    closest. ``plugins`` registers extra in-process plugin
     objects.
 
     The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);

@@ -1,8 +1,9 @@
 """The CPU platform's quantized linear layers (quant_gemm.c): a layer's ``qweight`` multiplied in
-its blocks, one C call per part, the activations quantized once per call for the GGUF formats.
+its blocks, one C call per part (which quantizes the activations for the GGUF formats).
 
-The kernels read a GGUF file's blocks as the file lays them out (each output row's blocks in a
-row), so the load's copy of the file's rows is the kernel's layout and nothing is repacked.
+The k-quants are read as the file lays them out; the 32-value formats (Q8_0, Q4_0, Q4_1) are
+regrouped once, when a layer is planned, so that each run of 8 blocks has its scales together
+(``corellm.quant``'s ``grouped`` layout: the same bytes, in place of the file's order).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from corellm.quant import GGUF_FORMATS, QuantizedWeight
+from corellm.quant import GGUF_FORMATS, GROUPABLE, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,13 @@ class QuantKernels:
 
     def plan(self, q: QuantizedWeight) -> QuantLinear | None:
         """The per-layer calls for ``q`` (None if a part is in a format or place the kernels do
-        not take)."""
+        not take). The 32-value formats' parts are put in the grouped layout the kernels read
+        (``corellm.quant``; in place: the same bytes reordered, once)."""
+        if any(not (t.data.device.type == "cpu" and t.data.is_contiguous()) for _, t in q.parts):
+            return None
+        q.parts = [(start, t.grouped() if t.qtype in GROUPABLE else t) for start, t in q.parts]
         calls = []
         for start, t in q.parts:
-            if not (t.data.device.type == "cpu" and t.data.is_contiguous()):
-                return None
             if t.qtype == "int8":
                 calls.append((self._i8, None, t.data.data_ptr(), t.scale.data_ptr(),
                                t.shape[0], start))

@@ -47,7 +47,9 @@ static inline float f16(const uint8_t *p) {
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
-static inline float round_f16(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+static inline float round_f16(float f) {
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+}
 #else
 static inline float f16_bits(uint16_t h);
 static inline float f16(const uint8_t *p) {
@@ -88,7 +90,7 @@ static inline float as_f16(float v) {
 }
 
 /* ------------------------------------------------------------------ activations to int8 blocks */
-typedef struct { const float *x; int64_t K, ldx; int8_t *qa; float *da, *fs; } act_args;
+typedef struct { const float *x; int64_t K, ldx; int8_t *qa; float *da, *fs, *fsum; } act_args;
 
 static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
     (void)tid;
@@ -108,35 +110,30 @@ static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
                 q[i] = (int8_t)v;
                 if (i < 16) s0 += v; else s1 += v;
             }
-            float *fs = a->fs + (r * nb + b) * 4;
             a->da[r * nb + b] = as_f16(d);
-            fs[0] = d * (float)s0;
-            fs[1] = d * (float)s1;
-            fs[2] = as_f16(d * (float)(s0 + s1));
-            fs[3] = 0.f;
+            a->fs[(r * nb + b) * 2] = d * (float)s0;
+            a->fs[(r * nb + b) * 2 + 1] = d * (float)s1;
+            a->fsum[r * nb + b] = as_f16(d * (float)(s0 + s1));
         }
     }
 }
 
 /* x [M, K] float32 (rows ldx apart), K a multiple of 32 -> qa int8 [M, K], da [M, K/32] (the
- * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [M, K/32, 4]
- * (each half's sum of values times the block's scale; the whole block's, rounded to fp16 as
- * block_q8_1's s; a pad). */
+ * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [M, K/32, 2]
+ * (each half's sum of values times the block's scale) and fsum [M, K/32] (the whole block's,
+ * rounded to fp16 as block_q8_1's s). */
 void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *qa, float *da,
-                    float *fs) {
-    act_args a = {x, K, ldx, qa, da, fs};
+                    float *fs, float *fsum) {
+    act_args a = {x, K, ldx, qa, da, fs, fsum};
     corellm_parallel_for(M, K >= 4096 ? 1 : 4096 / K, quantize_rows, &a);
 }
 
-/* ------------------------------------------------------------------ one sub-block of 32 values */
+/* ------------------------------------------------------------------ k-quants: sub-blocks of 32 */
 typedef struct { float sa, sb, ca, cb; } sub_t;
 
-/* A block's scales and offsets, per 32-value sub-block (one for the 32-value formats). */
+/* A super-block's scales and offsets, per 32-value sub-block. */
 static inline int decode_block(int fmt, const uint8_t *blk, sub_t *s) {
     switch (fmt) {
-    case Q8_0: { float d = f16(blk); s[0] = (sub_t){d, d, 0.f, 0.f}; return 1; }
-    case Q4_0: { float d = f16(blk); s[0] = (sub_t){d, d, -8.f * d, -8.f * d}; return 1; }
-    case Q4_1: { float d = f16(blk), m = f16(blk + 2); s[0] = (sub_t){d, d, m, m}; return 1; }
     case Q4_K: case Q5_K: {
         const float d = f16(blk), dmin = f16(blk + 2);
         const uint8_t *sc = blk + 4;
@@ -166,15 +163,9 @@ static inline int decode_block(int fmt, const uint8_t *blk, sub_t *s) {
     }
 }
 
-/* The 32 values of sub-block j as bytes: unsigned (0..63) except Q8_0's signed ones. */
+/* The 32 values of sub-block j as unsigned bytes (0..63). */
 static inline void unpack_scalar(int fmt, const uint8_t *blk, int j, int16_t *u) {
     switch (fmt) {
-    case Q8_0: for (int i = 0; i < 32; i++) u[i] = (int8_t)blk[2 + i]; break;
-    case Q4_0: case Q4_1: {
-        const uint8_t *qs = blk + (fmt == Q4_0 ? 2 : 4);
-        for (int i = 0; i < 16; i++) { u[i] = qs[i] & 0xF; u[i + 16] = qs[i] >> 4; }
-        break;
-    }
     case Q4_K: case Q5_K: {
         const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16) + 32 * (j / 2);
         for (int i = 0; i < 32; i++) u[i] = (j & 1) ? qs[i] >> 4 : qs[i] & 0xF;
@@ -185,8 +176,10 @@ static inline void unpack_scalar(int fmt, const uint8_t *blk, int j, int16_t *u)
     default: {                                                         /* Q6_K */
         const int n = j / 4, k = j % 4;
         const uint8_t *ql = blk + 64 * n + 32 * (k & 1), *qh = blk + 128 + 32 * n;
-        for (int i = 0; i < 32; i++)
-            u[i] = (int16_t)(((k < 2) ? ql[i] & 0xF : ql[i] >> 4) | (((qh[i] >> (2 * k)) & 3) << 4));
+        for (int i = 0; i < 32; i++) {
+            const int lo = k < 2 ? ql[i] & 0xF : ql[i] >> 4, hi = (qh[i] >> (2 * k)) & 3;
+            u[i] = (int16_t)(lo | hi << 4);
+        }
     }
     }
 }
@@ -201,9 +194,6 @@ static inline __m256i nib_lo_hi(const uint8_t *qs16) {        /* 16 bytes -> 32 
 static inline __m256i unpack_avx2(int fmt, const uint8_t *blk, int j) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     switch (fmt) {
-    case Q8_0: return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    case Q4_0: return nib_lo_hi(blk + 2);
-    case Q4_1: return nib_lo_hi(blk + 4);
     case Q4_K: case Q5_K: {
         const __m256i q = _mm256_loadu_si256(
             (const __m256i *)(blk + (fmt == Q5_K ? 48 : 16) + 32 * (j / 2)));
@@ -258,7 +248,7 @@ typedef struct {
     const uint8_t *w;
     int64_t K, M, ldy, rb;
     const int8_t *qa;
-    const float *da, *fs, *bias;
+    const float *da, *fs, *fsum, *bias;
     float *y;
 } q_args;
 
@@ -289,10 +279,10 @@ static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fm
                     const int64_t r = (m0 + t) * nb32 + b;
                     const __m256i q = _mm256_loadu_si256(
                         (const __m256i *)(a->qa + (m0 + t) * a->K + b * 32));
-                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, fmt == Q8_0));
+                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, 0));
                     acc[t] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws, _mm256_set1_ps(a->da[r])),
                                              acc[t]);
-                    corr[t] += sub[j].ca * a->fs[4 * r] + sub[j].cb * a->fs[4 * r + 1];
+                    corr[t] += sub[j].ca * a->fs[2 * r] + sub[j].cb * a->fs[2 * r + 1];
                 }
 #else
                 int16_t u[32];
@@ -304,7 +294,7 @@ static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fm
                     for (int i = 0; i < 16; i++) s0 += u[i] * q[i];
                     for (int i = 16; i < 32; i++) s1 += u[i] * q[i];
                     acc[t] += a->da[r] * (sub[j].sa * (float)s0 + sub[j].sb * (float)s1);
-                    corr[t] += sub[j].ca * a->fs[4 * r] + sub[j].cb * a->fs[4 * r + 1];
+                    corr[t] += sub[j].ca * a->fs[2 * r] + sub[j].cb * a->fs[2 * r + 1];
                 }
 #endif
             }
@@ -321,42 +311,95 @@ static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fm
     }
 }
 
-#ifdef QG_AVX2
-/* The 32-value formats, as llama.cpp's AVX2 dot products compute them: a block's fp16 scale
- * converted by F16C, Q4_0's values made signed (q - 8) and multiplied like Q8_0's, Q4_1's
- * offset times the activation block's fp16 sum. */
+/* The 32-value formats, in the grouped layout (corellm.quant: each run of 8 blocks holds their 8
+ * fp16 scales, Q4_1's 8 offsets, then their values), as llama.cpp's dot products compute them:
+ * Q4_0's values made signed (q - 8) and multiplied like Q8_0's, Q4_1's offset times the
+ * activation block's fp16 sum, summed block by block. A run's 8 scales are converted (F16C)
+ * and multiplied by its 8 activation blocks' scales in one vector. */
 static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int fmt, int mt,
                                                             int64_t m0, int64_t n0, int64_t n1) {
     const int64_t nb = a->K / 32, ts = TYPE_SIZE[fmt];
+    const int head = fmt == Q4_1 ? 4 : 2, vs = (int)ts - head;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->w + n * a->rb;
+        float corr[MT] = {0}, sc[MT][8];
+#ifdef QG_AVX2
         __m256 acc[MT];
-        float corr[MT] = {0};
         for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * ts;
-            const float d = f16(blk), m = fmt == Q4_1 ? f16(blk + 2) : 0.f;
-            __m256i u = unpack_avx2(fmt, blk, 0);
-            if (fmt == Q4_0) u = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
-            for (int t = 0; t < mt; t++) {
-                const int64_t r = (m0 + t) * nb + b;
-                const __m256i q = _mm256_loadu_si256(
-                    (const __m256i *)(a->qa + (m0 + t) * a->K + b * 32));
-                const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, fmt != Q4_1));
-                acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a->da[r]), acc[t]);
-                if (fmt == Q4_1) corr[t] += m * a->fs[4 * r + 2];
+#else
+        float acc[MT] = {0};
+#endif
+        for (int64_t g0 = 0; g0 < nb; g0 += 8) {
+            const int cnt = nb - g0 < 8 ? (int)(nb - g0) : 8;
+            const uint8_t *run = row + g0 * ts, *vals = run + head * cnt;
+#if defined(QG_AVX2) && defined(__F16C__)
+            if (cnt == 8) {
+                const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)run));
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r0 = (m0 + t) * nb + g0;
+                    _mm256_storeu_ps(sc[t], _mm256_mul_ps(dv, _mm256_loadu_ps(a->da + r0)));
+                }
+                if (fmt == Q4_1) {
+                    /* the offsets' terms summed block by block, in llama.cpp's order */
+                    float m8[8];
+                    _mm256_storeu_ps(m8, _mm256_cvtph_ps(
+                        _mm_loadu_si128((const __m128i *)(run + 16))));
+                    for (int t = 0; t < mt; t++) {
+                        const float *fsum = a->fsum + (m0 + t) * nb + g0;
+                        for (int j = 0; j < 8; j++) corr[t] = fmaf(m8[j], fsum[j], corr[t]);
+                    }
+                }
+            } else
+#endif
+            {
+                for (int j = 0; j < cnt; j++) {
+                    const float d = f16(run + 2 * j);
+                    const float m = fmt == Q4_1 ? f16(run + 2 * cnt + 2 * j) : 0.f;
+                    for (int t = 0; t < mt; t++) {
+                        const int64_t r = (m0 + t) * nb + g0 + j;
+                        sc[t][j] = d * a->da[r];
+                        if (fmt == Q4_1) corr[t] = fmaf(m, a->fsum[r], corr[t]);
+                    }
+                }
+            }
+            for (int j = 0; j < cnt; j++) {
+                const uint8_t *qs = vals + j * vs;
+                const int8_t *q0 = a->qa + m0 * a->K + (g0 + j) * 32;
+#ifdef QG_AVX2
+                __m256i u = fmt == Q8_0 ? _mm256_loadu_si256((const __m256i *)qs) : nib_lo_hi(qs);
+                if (fmt == Q4_0) u = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+                for (int t = 0; t < mt; t++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(q0 + t * a->K));
+                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, fmt != Q4_1));
+                    acc[t] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&sc[t][j]), acc[t]);
+                }
+#else
+                int u[32];
+                for (int i = 0; i < 32; i++)
+                    u[i] = fmt == Q8_0 ? (int8_t)qs[i]
+                         : (i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4) - (fmt == Q4_0 ? 8 : 0);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = q0 + t * a->K;
+                    int32_t sum = 0;
+                    for (int i = 0; i < 32; i++) sum += u[i] * q[i];
+                    acc[t] += sc[t][j] * (float)sum;
+                }
+#endif
             }
         }
         const float bias = a->bias ? a->bias[n] : 0.f;
-        for (int t = 0; t < mt; t++)
-            a->y[(m0 + t) * a->ldy + n] = hsum(acc[t]) + corr[t] + bias;
+        for (int t = 0; t < mt; t++) {
+#ifdef QG_AVX2
+            const float s = hsum(acc[t]);
+#else
+            const float s = acc[t];
+#endif
+            a->y[(m0 + t) * a->ldy + n] = s + corr[t] + bias;
+        }
     }
 }
 #define ROWS(F, mt, m0, n0, n1)                                                              \
     ((F) <= Q4_1 ? q32_rows(a, F, mt, m0, n0, n1) : q_rows(a, F, mt, m0, n0, n1))
-#else
-#define ROWS(F, mt, m0, n0, n1) q_rows(a, F, mt, m0, n0, n1)
-#endif
 
 #define Q_FMT(F)                                                                             \
 static void q_body_##F(void *ctx, int64_t n0, int64_t n1, int tid) {                        \
@@ -391,10 +434,11 @@ static inline int64_t grain(int64_t row_bytes, int64_t M) {
  * blocks, each row K / block * type_size bytes; x as corellm_q8_act made it. Returns -1 for an
  * unknown format or a K that is not whole blocks. */
 int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *qa,
-                  const float *da, const float *fs, int64_t M, float *y, int64_t ldy,
+                  const float *da, const float *fs, const float *fsum, int64_t M, float *y,
+                  int64_t ldy,
                   const float *bias) {
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
-    q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, bias, y};
+    q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fsum, bias, y};
     corellm_parallel_for(N, grain(a.rb, M), Q_BODY[fmt], &a);
     return 0;
 }
@@ -415,10 +459,10 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
         capacity = scratch ? need : 0;
         if (!scratch) return -1;
     }
-    float *da = scratch, *fs = da + rows * nb;
-    int8_t *qa = (int8_t *)(fs + rows * nb * 4);
-    corellm_q8_act(x, M, K, ldx, qa, da, fs);
-    return corellm_qgemm(fmt, w, N, K, qa, da, fs, M, y, ldy, bias);
+    float *da = scratch, *fs = da + rows * nb, *fsum = fs + rows * nb * 2;
+    int8_t *qa = (int8_t *)(fsum + rows * nb);
+    corellm_q8_act(x, M, K, ldx, qa, da, fs, fsum);
+    return corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, M, y, ldy, bias);
 }
 
 /* ------------------------------------------------------------------ int8 per channel */
