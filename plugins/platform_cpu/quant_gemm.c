@@ -90,7 +90,7 @@ static inline float as_f16(float v) {
 }
 
 /* ------------------------------------------------------------------ activations to int8 blocks */
-typedef struct { const float *x; int64_t K, ldx; int8_t *qa; float *da, *fs, *fsum; } act_args;
+typedef struct { const float *x; int64_t M, K, ldx; int8_t *qa; float *da, *fs, *fsum; } act_args;
 
 static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
     (void)tid;
@@ -111,20 +111,20 @@ static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
                 if (i < 16) s0 += v; else s1 += v;
             }
             a->da[r * nb + b] = as_f16(d);
-            a->fs[(r * nb + b) * 2] = d * (float)s0;
-            a->fs[(r * nb + b) * 2 + 1] = d * (float)s1;
+            a->fs[r * nb + b] = d * (float)s0;
+            a->fs[(a->M + r) * nb + b] = d * (float)s1;
             a->fsum[r * nb + b] = as_f16(d * (float)(s0 + s1));
         }
     }
 }
 
 /* x [M, K] float32 (rows ldx apart), K a multiple of 32 -> qa int8 [M, K], da [M, K/32] (the
- * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [M, K/32, 2]
- * (each half's sum of values times the block's scale) and fsum [M, K/32] (the whole block's,
- * rounded to fp16 as block_q8_1's s). */
+ * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [2, M, K/32]
+ * (each half's sum of values times the block's scale: the first halves', then the second's)
+ * and fsum [M, K/32] (the whole block's, rounded to fp16 as block_q8_1's s). */
 void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *qa, float *da,
                     float *fs, float *fsum) {
-    act_args a = {x, K, ldx, qa, da, fs, fsum};
+    act_args a = {x, M, K, ldx, qa, da, fs, fsum};
     corellm_parallel_for(M, K >= 4096 ? 1 : 4096 / K, quantize_rows, &a);
 }
 
@@ -248,43 +248,24 @@ typedef struct {
     const uint8_t *w;
     int64_t K, M, ldy, rb;
     const int8_t *qa;
-    const float *da, *fs, *fsum, *bias;
+    const float *da, *fs, *fs1, *fsum, *bias;
     float *y;
 } q_args;
 
-/* Output rows [n0, n1) for activation rows [m0, m0 + mt), mt <= MT. */
-static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fmt, int mt,
-                                                          int64_t m0, int64_t n0, int64_t n1) {
+#ifndef QG_AVX2
+/* The k-quants in plain C: output rows [n0, n1) for activation rows [m0, m0 + mt), mt <= MT,
+ * a sub-block at a time. */
+static inline void q_rows(const q_args *a, int fmt, int mt, int64_t m0, int64_t n0, int64_t n1) {
     const int64_t nblk = a->K / BLOCK[fmt], ts = TYPE_SIZE[fmt], nb32 = a->K / 32;
     sub_t sub[8];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->w + n * a->rb;
-        float corr[MT] = {0};
-#ifdef QG_AVX2
-        __m256 acc[MT];
-        for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
-#else
-        float acc[MT] = {0};
-#endif
+        float corr[MT] = {0}, acc[MT] = {0};
         for (int64_t bi = 0; bi < nblk; bi++) {
             const uint8_t *blk = row + bi * ts;
             const int nsub = decode_block(fmt, blk, sub);
             for (int j = 0; j < nsub; j++) {
                 const int64_t b = bi * nsub + j;
-#ifdef QG_AVX2
-                const __m256i u = unpack_avx2(fmt, blk, j);
-                const __m256 ws = _mm256_insertf128_ps(
-                    _mm256_castps128_ps256(_mm_set1_ps(sub[j].sa)), _mm_set1_ps(sub[j].sb), 1);
-                for (int t = 0; t < mt; t++) {
-                    const int64_t r = (m0 + t) * nb32 + b;
-                    const __m256i q = _mm256_loadu_si256(
-                        (const __m256i *)(a->qa + (m0 + t) * a->K + b * 32));
-                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, 0));
-                    acc[t] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws, _mm256_set1_ps(a->da[r])),
-                                             acc[t]);
-                    corr[t] += sub[j].ca * a->fs[2 * r] + sub[j].cb * a->fs[2 * r + 1];
-                }
-#else
                 int16_t u[32];
                 unpack_scalar(fmt, blk, j, u);
                 for (int t = 0; t < mt; t++) {
@@ -294,22 +275,15 @@ static inline __attribute__((always_inline)) void q_rows(const q_args *a, int fm
                     for (int i = 0; i < 16; i++) s0 += u[i] * q[i];
                     for (int i = 16; i < 32; i++) s1 += u[i] * q[i];
                     acc[t] += a->da[r] * (sub[j].sa * (float)s0 + sub[j].sb * (float)s1);
-                    corr[t] += sub[j].ca * a->fs[2 * r] + sub[j].cb * a->fs[2 * r + 1];
+                    corr[t] += sub[j].ca * a->fs[r] + sub[j].cb * a->fs1[r];
                 }
-#endif
             }
         }
         const float bias = a->bias ? a->bias[n] : 0.f;
-        for (int t = 0; t < mt; t++) {
-#ifdef QG_AVX2
-            const float s = hsum(acc[t]);
-#else
-            const float s = acc[t];
-#endif
-            a->y[(m0 + t) * a->ldy + n] = s + corr[t] + bias;
-        }
+        for (int t = 0; t < mt; t++) a->y[(m0 + t) * a->ldy + n] = acc[t] + corr[t] + bias;
     }
 }
+#endif
 
 /* The 32-value formats, in the grouped layout (corellm.quant: each run of 8 blocks holds their 8
  * fp16 scales, Q4_1's 8 offsets, then their values), as llama.cpp's dot products compute them:
@@ -398,8 +372,69 @@ static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int 
         }
     }
 }
+#ifdef QG_AVX2
+/* The k-quants, a super-block at a time: its 8 sub-blocks' scales (and Q4_K/Q5_K's minimums)
+ * decoded once, multiplied by the 8 activation blocks' scales in one vector, and the offsets'
+ * terms (-dmin * min, or Q6_K's -32 * scale per 16 values) against the activation sums summed in
+ * another; then each sub-block is one byte dot product, converted and scaled. */
+static inline __attribute__((always_inline)) void qk_rows(const q_args *a, int fmt, int mt,
+                                                           int64_t m0, int64_t n0, int64_t n1) {
+    const int64_t nsb = a->K / 256, nb = a->K / 32, ts = TYPE_SIZE[fmt];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->w + n * a->rb;
+        __m256 acc[MT], cv[MT];
+        for (int t = 0; t < mt; t++) acc[t] = cv[t] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = row + sb * ts;
+            __m256 SA[MT], SB[MT];
+            sub_t sub[8];
+            decode_block(fmt, blk, sub);
+            /* built in registers: 8 scalar stores read back as one vector would stall */
+#define LANES(f) _mm256_setr_ps(sub[0].f, sub[1].f, sub[2].f, sub[3].f, sub[4].f, sub[5].f, \
+                                sub[6].f, sub[7].f)
+            const __m256 av = LANES(sa), bv = fmt == Q6_K ? LANES(sb) : av;
+            const __m256 cvec = fmt == Q6_K ? _mm256_setzero_ps() : LANES(ca);
+#undef LANES
+            for (int t = 0; t < mt; t++) {
+                const int64_t r0 = (m0 + t) * nb + sb * 8;
+                const __m256 dav = _mm256_loadu_ps(a->da + r0);
+                const __m256 f0 = _mm256_loadu_ps(a->fs + r0), f1 = _mm256_loadu_ps(a->fs1 + r0);
+                SA[t] = _mm256_mul_ps(av, dav);
+                if (fmt == Q6_K) {
+                    SB[t] = _mm256_mul_ps(bv, dav);
+                    const __m256 m32 = _mm256_set1_ps(-32.f);
+                    cv[t] = _mm256_fmadd_ps(_mm256_mul_ps(av, m32), f0, cv[t]);
+                    cv[t] = _mm256_fmadd_ps(_mm256_mul_ps(bv, m32), f1, cv[t]);
+                } else {
+                    cv[t] = _mm256_fmadd_ps(cvec, _mm256_add_ps(f0, f1), cv[t]);
+                }
+            }
+            for (int j = 0; j < 8; j++) {
+                const __m256i u = unpack_avx2(fmt, blk, j);
+                const int8_t *q0 = a->qa + m0 * a->K + sb * 256 + j * 32;
+                for (int t = 0; t < mt; t++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(q0 + t * a->K));
+                    const __m256 p = _mm256_cvtepi32_ps(dot_bytes(u, q, 0));
+                    const __m256i lane = _mm256_set1_epi32(j);
+                    const __m256 ws = fmt == Q6_K
+                        ? _mm256_blend_ps(_mm256_permutevar8x32_ps(SA[t], lane),
+                                          _mm256_permutevar8x32_ps(SB[t], lane), 0xF0)
+                        : _mm256_permutevar8x32_ps(SA[t], lane);
+                    acc[t] = _mm256_fmadd_ps(p, ws, acc[t]);
+                }
+            }
+        }
+        const float bias = a->bias ? a->bias[n] : 0.f;
+        for (int t = 0; t < mt; t++)
+            a->y[(m0 + t) * a->ldy + n] = hsum(acc[t]) + hsum(cv[t]) + bias;
+    }
+}
+#define ROWS(F, mt, m0, n0, n1)                                                              \
+    ((F) <= Q4_1 ? q32_rows(a, F, mt, m0, n0, n1) : qk_rows(a, F, mt, m0, n0, n1))
+#else
 #define ROWS(F, mt, m0, n0, n1)                                                              \
     ((F) <= Q4_1 ? q32_rows(a, F, mt, m0, n0, n1) : q_rows(a, F, mt, m0, n0, n1))
+#endif
 
 #define Q_FMT(F)                                                                             \
 static void q_body_##F(void *ctx, int64_t n0, int64_t n1, int tid) {                        \
@@ -438,7 +473,8 @@ int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t 
                   int64_t ldy,
                   const float *bias) {
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
-    q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fsum, bias, y};
+    q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fs + M * (K / 32),
+                fsum, bias, y};
     corellm_parallel_for(N, grain(a.rb, M), Q_BODY[fmt], &a);
     return 0;
 }
