@@ -179,10 +179,12 @@ def _check_int8(y: torch.Tensor, x: torch.Tensor, q: QuantizedWeight,
         f"|diff| {diff[m, n].item():.6g} > bound {bound[m, n].item():.6g}")
 
 
-@pytest.fixture(scope="module")
-def kernels():
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request):
+    """This CPU's build (AVX2 / VNNI paths where it has them) and the plain-C build a CPU
+    without them gets."""
     from corellm_plugins.platform_cpu.qlinear import quant_kernels
-    k = quant_kernels()
+    k = quant_kernels(portable=request.param == "portable")
     if k is None:
         pytest.skip("no C compiler on this machine: quant_gemm.c's kernels did not build "
                     "(quant_kernels() is None)")

@@ -96,16 +96,21 @@ class QuantLinear:
         return y
 
 
-_kernels: list[QuantKernels | None] = []
+# The build of a CPU without AVX2, F16C or VNNI (plain C), made here on purpose to test that path.
+PORTABLE_FLAGS = ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f", "-mno-avxvnni")
+_kernels: dict[bool, QuantKernels | None] = {}
 
 
-def quant_kernels() -> QuantKernels | None:
-    """The quantized GEMMs, built on first use; None (logged once) without a C compiler."""
-    if not _kernels:
+def quant_kernels(portable: bool = False) -> QuantKernels | None:
+    """The quantized GEMMs, built on first use for this CPU (``portable``: its plain-C path, as
+    a CPU without AVX2 builds it); None (logged once) without a C compiler."""
+    if portable not in _kernels:
         from corellm_plugins.platform_cpu.native import NativeBuildError, load_library
+        name, flags = (("corellm_quant_gemm_portable", PORTABLE_FLAGS) if portable
+                       else ("corellm_quant_gemm", ()))
         try:
-            _kernels.append(QuantKernels(load_library("corellm_quant_gemm", _SOURCE)))
+            _kernels[portable] = QuantKernels(load_library(name, _SOURCE, flags))
         except NativeBuildError as exc:
             logger.info("quantized CPU kernels unavailable, dequantizing per call: %s", exc)
-            _kernels.append(None)
-    return _kernels[0]
+            _kernels[portable] = None
+    return _kernels[portable]

@@ -373,6 +373,31 @@ static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int 
     }
 }
 #ifdef QG_AVX2
+/* A k-quant super-block's sub-block scales as vectors (lane j: sub-block j): av (and, for Q6_K,
+ * bv: the second 16 values') the value scale, cvec (Q4_K, Q5_K) the offset -dmin * min. The
+ * 6-bit scales and minimums are unpacked with llama.cpp's word masks. */
+static inline void kq_scales(int fmt, const uint8_t *blk, __m256 *av, __m256 *bv, __m256 *cvec) {
+    if (fmt == Q6_K) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m128i eo = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14,
+                                                              1, 3, 5, 7, 9, 11, 13, 15));
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        *av = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
+        *bv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
+        return;
+    }
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    const uint32_t mn_lo = u[1] & k1, mn_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const __m128i b = _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi);
+    *av = *bv = _mm256_mul_ps(_mm256_set1_ps(f16(blk)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+    *cvec = _mm256_mul_ps(_mm256_set1_ps(-f16(blk + 2)),
+                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+}
+
 /* The k-quants, a super-block at a time: its 8 sub-blocks' scales (and Q4_K/Q5_K's minimums)
  * decoded once, multiplied by the 8 activation blocks' scales in one vector, and the offsets'
  * terms (-dmin * min, or Q6_K's -32 * scale per 16 values) against the activation sums summed in
@@ -386,15 +411,8 @@ static inline __attribute__((always_inline)) void qk_rows(const q_args *a, int f
         for (int t = 0; t < mt; t++) acc[t] = cv[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *blk = row + sb * ts;
-            __m256 SA[MT], SB[MT];
-            sub_t sub[8];
-            decode_block(fmt, blk, sub);
-            /* built in registers: 8 scalar stores read back as one vector would stall */
-#define LANES(f) _mm256_setr_ps(sub[0].f, sub[1].f, sub[2].f, sub[3].f, sub[4].f, sub[5].f, \
-                                sub[6].f, sub[7].f)
-            const __m256 av = LANES(sa), bv = fmt == Q6_K ? LANES(sb) : av;
-            const __m256 cvec = fmt == Q6_K ? _mm256_setzero_ps() : LANES(ca);
-#undef LANES
+            __m256 SA[MT], SB[MT], av, bv, cvec = _mm256_setzero_ps();
+            kq_scales(fmt, blk, &av, &bv, &cvec);
             for (int t = 0; t < mt; t++) {
                 const int64_t r0 = (m0 + t) * nb + sb * 8;
                 const __m256 dav = _mm256_loadu_ps(a->da + r0);
