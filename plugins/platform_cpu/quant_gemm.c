@@ -14,7 +14,9 @@
  * lies in: Q4_1's d and m; Q4_0's d and -8d; a k-quant sub-block's d*scale and -dmin*min, or
  * Q6_K's d*scale and -32*d*scale per 16 values) and a_i = da * q_i the activation. Every row of
  * the output is the same computation whatever the batch around it: one weight row, one
- * activation row, blocks in order.
+ * activation row, blocks in order. The 32-value formats are read in corellm.quant's grouped
+ * layout (each run of 8 blocks: their scales, Q4_1's offsets, their values), the k-quants as
+ * the file lays them out.
  *
  * int8 (weight-only, per output channel): the int8 values widened to float in registers and
  * multiplied with the float activations (no activation rounding), the row's scale applied once.
