@@ -27,6 +27,7 @@ other processes took during each run (also in the tables). Examples::
 tokens): Q8_0/Q4_1 quantized by the ``gguf`` library; Q4_K as random blocks under small scales
 (no K-quant quantizer there; embedding and output Q8_0). ``--noise``: all again beside one
 process spinning on the same CPUs. ``--quick``: 2 decode, 2 TTFT, 8 concurrent; 32 new tokens.
+``--ablate``: corellm gguf once more with ``platform.weight_prefetch`` off (its own row).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")     # as under the `corellm`
 log = logger("quantized")
 ENGINES = (("corellm", "gguf", "corellm gguf"), ("corellm", "none", "corellm none (f32)"),
            ("llamacpp", None, "llama.cpp"))                # (worker, quantization, label)
+# --ablate: corellm gguf again without the CPU platform's weight prefetching
+ABLATION = ("corellm", "gguf", "gguf, no prefetch", {"weight_prefetch": False})
 
 
 def default_model() -> Path:
@@ -192,8 +195,8 @@ def worker_corellm(spec: dict, tag: str) -> dict:
     from corellm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], quantization=spec["quant"], max_num_seqs=64,
-              max_model_len=spec["max_model_len"])
+    llm = LLM({"platform": spec.get("platform") or {}}, model=spec["model"],
+              quantization=spec["quant"], max_num_seqs=64, max_model_len=spec["max_model_len"])
     load_s = time.perf_counter() - t0
 
     def gen(prompts: list[list[int]], n: int) -> tuple[list, float]:
@@ -321,9 +324,10 @@ def run_round(name: str, busy: bool, spec: dict, cpus: list[int], facts: dict) -
     out: dict[str, Any] = {"busy_neighbour": busy, "engines": {}}
     with busy_neighbour(cpus) if busy else contextlib.nullcontext():
         out["bandwidth_gb_s"] = run_worker("bandwidth", spec, cpus, f"{name} bandwidth")["gb_s"]
-        for kind, quant, label in ENGINES:
+        for kind, quant, label, *platform in (*ENGINES, *spec.get("ablations", ())):
             log(f"[{name}] {label}")
-            raw = run_worker(kind, {**spec, "quant": quant}, cpus, f"{name} {label}")
+            raw = run_worker(kind, {**spec, "quant": quant, "platform": platform[0] if platform
+                                    else None}, cpus, f"{name} {label}")
             step = facts["decode_step_bytes_f32" if quant == "none" else "decode_step_bytes"]
             out["engines"][label] = r = {
                 "decode_tok_s": statistics.median(raw["decode"]),
@@ -447,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", action="store_true", help="repeat beside one busy process")
     p.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
+    p.add_argument("--ablate", action="store_true",
+                   help="also corellm gguf with platform.weight_prefetch off")
     p.add_argument("--startup", type=int, default=0, metavar="N",
                    help="also time start to first answer, N runs of each (whole processes)")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
@@ -469,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"--threads {args.threads}: this process may use {len(cpus)} CPUs")
     facts = model_facts(model)
     spec = {"model": str(model), "threads": args.threads, "cpus": cpus,
+            "ablations": [ABLATION] if args.ablate else [],
             **make_prompts(args, facts["vocab_size"])}
     res: dict[str, Any] = {
         "cpu_model": cpu_model(), "date": datetime.datetime.now().astimezone().isoformat(

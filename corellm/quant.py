@@ -28,6 +28,7 @@ converts 8 scales with one instruction (the CPU platform's layout). ``dequantize
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -250,7 +251,20 @@ def dequantize(t: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 
 def _regroup(data: torch.Tensor, qtype: str, group: bool) -> torch.Tensor:
     """Rows of blocks between the file's layout and the grouped one: each run of ``GROUP``
-    blocks (the last run may be shorter) as [its blocks' heads][their values]."""
+    blocks (the last run may be shorter) as [its blocks' heads][their values]. One gather of
+    the row's bytes (an embedding lookup ungroups one row per token)."""
+    index = _regroup_index(qtype, data.shape[1] // FORMATS[qtype].type_size, group)
+    return data[:, index.to(data.device)]
+
+
+@functools.lru_cache(maxsize=64)
+def _regroup_index(qtype: str, nb: int, group: bool) -> torch.Tensor:
+    """Where each byte of a row of ``nb`` blocks comes from, in ``_reorder``'s new order."""
+    size = FORMATS[qtype].type_size
+    return _reorder(torch.arange(nb * size).unsqueeze(0), qtype, group)[0]
+
+
+def _reorder(data: torch.Tensor, qtype: str, group: bool) -> torch.Tensor:
     head, size = GROUPABLE[qtype], FORMATS[qtype].type_size
     rows, nb = data.shape[0], data.shape[1] // size
     runs = []

@@ -124,6 +124,71 @@ def test_workers_beyond_the_count_stay_parked(lib):
     assert after["worker_sleeps"] - before["worker_sleeps"] <= 30 + 1
 
 
+@pytest.fixture
+def long_spin():
+    """Workers that spin for 200 ms before they sleep (a worker warms only while it spins)."""
+    pool = thread_pool()
+    old = pool.spin_ns
+    pool.configure(pool.threads, 200_000_000)
+    yield pool
+    pool.configure(pool.threads, old)
+
+
+def _wait_warmed(pool, target: int, timeout: float = 0.15) -> int:
+    import time
+    deadline = time.perf_counter() + timeout
+    while pool.warmed_bytes < target and time.perf_counter() < deadline:
+        pass
+    return pool.warmed_bytes
+
+
+def test_an_idle_worker_fetches_the_ranges_given(lib, long_spin):
+    """corellm_pool_warm: between loops, worker 1 fetches every byte of the ranges, once."""
+    pool = long_spin
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in (300_000, 4097, 1 << 20)]
+    with cpu_threads(2):
+        _fill(lib, 4096, 1)                       # a worker awake and spinning
+        before = pool.warmed_bytes
+        pool.warm([(b.data_ptr(), b.numel()) for b in bufs])
+        total = sum(b.numel() for b in bufs)
+        assert _wait_warmed(pool, before + total) == before + total
+        # a loop meanwhile runs as ever, and a new range replaces what was left
+        count, _, _ = _fill(lib, 1000, 1)
+        assert torch.equal(count, torch.ones(1000, dtype=torch.int32))
+
+
+def test_warming_memory_that_is_gone_does_not_fault(lib, long_spin):
+    """The worker prefetches, never loads: a range unmapped since it was given costs
+    nothing."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 1 << 20
+    addr = libc.mmap(None, size, 3, 0x22, -1, 0)          # PROT_READ|WRITE, PRIVATE|ANONYMOUS
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    assert libc.munmap(addr, size) == 0
+    pool = long_spin
+    with cpu_threads(2):
+        _fill(lib, 4096, 1)
+        before = pool.warmed_bytes
+        pool.warm([(addr, size), (0, 4096)])
+        assert _wait_warmed(pool, before + size + 4096) == before + size + 4096
+        count, _, _ = _fill(lib, 100, 1)           # still alive, still working
+        assert torch.equal(count, torch.ones(100, dtype=torch.int32))
+
+
+def test_one_thread_warms_nothing(lib, long_spin):
+    pool = long_spin
+    buf = torch.empty(65536, dtype=torch.uint8)
+    with cpu_threads(1):
+        before = pool.warmed_bytes
+        pool.warm([(buf.data_ptr(), buf.numel())])
+        _fill(lib, 4096, 1)
+        assert _wait_warmed(pool, before + 1, timeout=0.005) == before
+
+
 def test_a_loop_inside_a_loop_runs_on_its_thread(lib):
     with cpu_threads(4):
         count = torch.zeros(16 * 33, dtype=torch.int32)

@@ -400,6 +400,79 @@ def test_multi_part_weight_with_an_int8_part(kernels):
     _check_int8(y[:, 4:], x, QuantizedWeight([(0, parts[1][1])]), bias[4:], "int8 part")
 
 
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_fused_norm_and_silu_equal_the_layers_one_by_one(kernels, qtype, m):
+    """``QuantLinear.fused``: RMSNorm before the layer and SiLU-and-multiply after it, inside
+    one C call, are the CPU platform's own element-wise kernels (cpu_ops.c), so the result is
+    the three calls' bit for bit, on 1 and 2 threads, with and without a bias."""
+    from corellm_plugins.platform_cpu.kernels import cpu_ops
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("no C compiler: cpu_ops.c did not build")
+    kernels.use_neighbours(*ops.float32_addresses())
+    k, n = 512, 2 * 19
+    plan = kernels.plan(QuantizedWeight([(0, _blocks(qtype, n, k, seed=m))]))
+    assert plan.fusable
+    x = _x(m, k, seed=m + 1) * 3
+    norm_w = torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    for threads in (1, 2):
+        with cpu_threads(threads):
+            for b in (None, bias):
+                normed = ops.rms_norm(x, norm_w, 1e-5)
+                assert torch.equal(plan.fused(x, b, (norm_w, 1e-5)), plan(normed, b))
+                both = plan.fused(x, b, (norm_w, 1e-5), silu_mul=True)
+                assert both.shape == (m, n // 2)
+                assert torch.equal(both, ops.silu_and_mul(plan(normed, b)))
+                assert torch.equal(plan.fused(x, b, None, silu_mul=True),
+                                   ops.silu_and_mul(plan(x, b)))
+                wide = torch.cat([x, x], 1)[:, :k]              # rows k + k apart
+                assert torch.equal(plan.fused(wide, b, (norm_w, 1e-5)), plan(normed, b))
+
+
+def test_layers_learn_their_successors_and_hand_them_to_the_pool(kernels):
+    """Each layer learns the layer called after it (weakly: it keeps none alive) and, once the
+    order is known, hands the pool the heads of the next layers, up to WARM_RANGES ranges and
+    WARM_BYTES, after each call; ``prefetch = False`` hands nothing. Outputs are the same."""
+    import gc
+
+    from corellm_plugins.platform_cpu.qlinear import QuantLinear
+    QuantLinear._last = None
+    layers = [kernels.plan(QuantizedWeight([(0, _blocks(q, 64, 512, seed=i))]))
+              for i, q in enumerate(["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_0"])]
+    x = _x(1, 512, seed=1)
+    first = [layer(x, None) for layer in layers]
+    assert [layer.next for layer in layers] == [*layers[1:], None]
+    assert layers[0]._follow()[1] == 4                     # the next 4 layers, whole
+    flat, n = layers[0]._warm
+    assert [(flat[2 * i], flat[2 * i + 1]) for i in range(n)] == [lay.head for lay in layers[1:]]
+    assert layers[-1].next is layers[0]                      # the order wraps round
+    assert all(torch.equal(a, layer(x, None)) for a, layer in zip(first, layers))
+    QuantLinear.WARM_BYTES, old = layers[2].head[1] + 100, QuantLinear.WARM_BYTES
+    try:
+        QuantLinear._last, layers[1]._warm = None, None
+        flat, n = layers[1]._follow()
+        assert n == 2 and (flat[1], flat[3]) == (layers[2].head[1], 100)   # capped in bytes
+    finally:
+        QuantLinear.WARM_BYTES = old
+    layers[0].prefetch = False
+    assert layers[0]._follow() == (None, 0)
+    ref = layers.pop(2)._ref
+    del first
+    gc.collect()
+    assert ref() is None and layers[1].next is None          # nothing kept it alive
+    QuantLinear._last = None
+
+
+def test_fused_declines_a_multi_part_weight(kernels):
+    """A weight in parts of different formats runs one call per part: not fusable (the
+    platform then runs the norm and SiLU as their own layers)."""
+    q = QuantizedWeight([(0, _blocks("Q8_0", 4, 256, seed=1)), (4, _blocks("Q4_K", 4, 256))])
+    assert not kernels.plan(q).fusable
+    assert not kernels.plan(QuantizedWeight([(0, quantize_int8(torch.randn(4, 64)))])).fusable
+
+
 @pytest.mark.parametrize("n", [7, 257])
 @pytest.mark.parametrize("k", [1, 16, 45, 300])
 @pytest.mark.parametrize("m", MS)

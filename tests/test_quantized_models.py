@@ -130,6 +130,42 @@ def test_default_model_kept_quantized_perplexity_within_1pct_of_dequantized():
     assert abs(results["gguf"] / results["none"] - 1) <= 0.01, results
 
 
+@needs_smollm2
+def test_default_model_norms_and_silu_run_inside_the_quantized_layers(monkeypatch):
+    """On the CPU platform each decoder layer's QKV projection runs with the RMSNorm before it,
+    and its gate/up projection with its RMSNorm and the SiLU-and-multiply after it, one C call
+    each (``QuantLinear.fused``): the log-probabilities of a text are those of the layers run
+    one by one (and without ``platform.weight_prefetch``), bit for bit."""
+    from corellm_plugins.platform_cpu.ops import CpuDeviceOps
+    from corellm_plugins.platform_cpu.qlinear import QuantLinear
+
+    calls = {"norm": 0, "norm+silu": 0}
+    fused = QuantLinear.fused
+
+    def counting(self, x, bias, norm=None, silu_mul=False):
+        calls["norm+silu" if silu_mul else "norm"] += norm is not None
+        return fused(self, x, bias, norm, silu_mul)
+
+    monkeypatch.setattr(QuantLinear, "fused", counting)
+    path, logprobs = smollm2_path(), {}
+    for how in ("fused", "one by one"):
+        if how == "one by one":
+            monkeypatch.setattr(CpuDeviceOps, "_fused_quant", lambda self, *a, **k: None)
+        with LLM({"model": {"path": str(path), "max_model_len": 256, "quantization": "gguf"},
+                  "kv_cache": {"num_blocks": 8},
+                  "platform": {"weight_prefetch": how == "fused"}}, plugins=[Plugin]) as llm:
+            kernels = [m.kernel for m in llm.engine.executor.worker.runner.model.modules()
+                       if isinstance(getattr(m, "kernel", None), QuantLinear)]
+            assert len(kernels) == 122 and {k.prefetch for k in kernels} == {how == "fused"}
+            ids = llm.tokenizer.encode(TEXT)[:40]
+            perplexity(llm, ids)
+            (logprobs[how],) = TeacherForcing.logprobs.values()
+            assert_pool_whole(llm)
+        if how == "fused":        # 30 layers, one prefill and 38 decode steps
+            assert calls == {"norm": 30 * 39, "norm+silu": 30 * 39}, calls
+    assert logprobs["fused"] == logprobs["one by one"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi"])
 def test_int8_perplexity_within_2pct_of_float32(make_checkpoint, arch):
     ckpt = make_checkpoint(arch)

@@ -31,6 +31,12 @@ class CpuOptions(PlatformOptions):
                           "compiler, the torch ops), RMSNorm and SiLU inside the GEMM of layers "
                           "planned on corellm's kernel, and greedy sampling's argmax as one "
                           "native pass.")
+    weight_prefetch: bool = Field(
+        True, description="While the host runs the code between a decode step's quantized "
+                          "layers, one idle thread of the pool fetches the weights of the layers "
+                          "that follow (up to 4 MiB ahead, in the order the layers ran) into the "
+                          "caches, so the next GEMV reads fewer of them from memory. Needs 2 or "
+                          "more threads.")
 
 
 def _make(options: CpuOptions):

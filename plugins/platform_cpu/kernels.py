@@ -44,6 +44,12 @@ class CpuOps:
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
         self._argmax.restype = None
 
+    def float32_addresses(self) -> tuple[int, int]:
+        """The addresses of the float32 RMSNorm and SiLU-and-multiply, for a library that
+        runs them around its own work (the quantized kernels' fused calls)."""
+        return tuple(ctypes.cast(fn, ctypes.c_void_p).value
+                     for fn in (self._rms[torch.float32], self._silu[torch.float32]))
+
     @classmethod
     def _takes(cls, *xs: torch.Tensor) -> bool:
         """CPU tensors of one dtype the kernels have, unit-strided in the last dimension."""

@@ -245,6 +245,9 @@ class ThreadPool:
         lib.corellm_pool_wake_ns.restype = ctypes.c_int64
         lib.corellm_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.corellm_pool_stats.restype = None
+        lib.corellm_pool_warm.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.corellm_pool_warm.restype = None
+        lib.corellm_pool_warmed_bytes.restype = ctypes.c_uint64
 
     @property
     def threads(self) -> int:
@@ -269,6 +272,18 @@ class ThreadPool:
         """The median time from waking a sleeping thread to its running (half a round trip
         between two threads that sleep in turn), in ns."""
         return int(self._lib.corellm_pool_wake_ns(rounds))
+
+    def warm(self, ranges: list[tuple[int, int]]) -> None:
+        """Memory the next loops will read, (address, bytes) ranges (at most 4), for an idle
+        worker to fetch into the caches between loops (what the quantized layers give after
+        each call; prefetches, so an address no longer mapped is harmless)."""
+        flat = (ctypes.c_int64 * (2 * len(ranges)))(*(v for r in ranges for v in r))
+        self._lib.corellm_pool_warm(flat, len(ranges))
+
+    @property
+    def warmed_bytes(self) -> int:
+        """Bytes the workers have fetched for :meth:`warm` since the pool was loaded."""
+        return int(self._lib.corellm_pool_warmed_bytes())
 
     def stats(self) -> dict[str, int]:
         """Counters since the pool was loaded: loops run on it, chunks its workers ran, and

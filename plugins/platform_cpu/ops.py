@@ -25,13 +25,17 @@ class CpuDeviceOps(DeviceOps):
     """``weight_packing``: each linear layer runs the GEMM path measured fastest for its
     weight's shape and the call's rows (``platform.weight_packing``). ``fused_ops``: the C
     element-wise kernels, RMSNorm and SiLU-and-multiply inside corellm's GEMM where a layer's
-    plan takes it, and greedy's argmax as one native pass (``platform.fused_ops``)."""
+    plan takes it, and greedy's argmax as one native pass (``platform.fused_ops``).
+    ``weight_prefetch``: quantized layers have an idle pool thread fetch the next layers'
+    weights between calls (``platform.weight_prefetch``)."""
 
     name = "cpu"
 
-    def __init__(self, weight_packing: bool = True, fused_ops: bool = True) -> None:
+    def __init__(self, weight_packing: bool = True, fused_ops: bool = True,
+                 weight_prefetch: bool = True) -> None:
         self.weight_packing = weight_packing
         self.fused_ops = fused_ops
+        self.weight_prefetch = weight_prefetch
         self.kernels: CpuOps | None = None
         self.silu_dtypes: frozenset[torch.dtype] = frozenset()
 
@@ -40,6 +44,8 @@ class CpuDeviceOps(DeviceOps):
         kernels = quant_kernels() if quantized else None
         for module in quantized if kernels is not None else ():
             module.kernel = kernels.plan(module.qweight)
+            if module.kernel is not None:
+                module.kernel.prefetch = self.weight_prefetch
         if self.weight_packing:
             pack_linear_weights(model)
         if not self.fused_ops:
@@ -54,6 +60,8 @@ class CpuDeviceOps(DeviceOps):
         # SiLU-and-multiply: only for the dtypes whose kernel measured faster than torch's.
         self.silu_dtypes = frozenset(d for d in (dtypes or {torch.float32})
                                      if _silu_kernel_is_faster(self.kernels, d))
+        if kernels is not None:     # quantized layers run with their norm and SiLU (one call)
+            kernels.use_neighbours(*self.kernels.float32_addresses())
         in_gemms = sum(1 for m in model.modules()
                        if isinstance(getattr(m, "kernel", None), PackedLinear)
                        and "native" in m.kernel.plan.paths)
@@ -96,14 +104,32 @@ class CpuDeviceOps(DeviceOps):
             return None
         return kernel.packed["native"]
 
+    def _fused_quant(self, layer: torch.nn.Module, x: torch.Tensor,
+                     norm_weight: torch.Tensor | None = None) -> QuantLinear | None:
+        """The layer's quantized kernel where it may run with its RMSNorm and SiLU in one call
+        (``QuantLinear.fused``: the platform's own float32 kernels inside it); else None."""
+        kernel = getattr(layer, "kernel", None)
+        if (not self.fused_ops or self.kernels is None or not isinstance(kernel, QuantLinear)
+                or not kernel.fusable or kernel.qweight is not layer.qweight
+                or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and x.requires_grad)):
+            return None
+        if norm_weight is not None and not (
+                norm_weight.dtype == torch.float32 and norm_weight.device.type == "cpu"
+                and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
+                and not (torch.is_grad_enabled() and norm_weight.requires_grad)):
+            return None
+        return kernel
+
     def fuses_norm(self, layer: torch.nn.Module, x: torch.Tensor) -> bool:
-        return self._native_packed(layer, x) is not None
+        return self._native_packed(layer, x) is not None or self._fused_quant(layer, x) is not None
 
     def linear_normed(self, layer: torch.nn.Module, x: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:
         packed = self._native_packed(layer, x)
         if packed is None:
-            return None
+            kernel = self._fused_quant(layer, x, norm_weight)
+            return None if kernel is None else kernel.fused(x, layer.bias, (norm_weight, eps))
         return native_gemm().linear(x, packed, layer.weight.shape[0], layer.bias,
                                     k=layer.weight.shape[1], norm=(norm_weight, eps))
 
@@ -111,7 +137,10 @@ class CpuDeviceOps(DeviceOps):
                         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         packed = self._native_packed(layer, x)
         if packed is None:
-            return None
+            if torch.float32 not in self.silu_dtypes:    # the unfused path's SiLU is torch's
+                return None
+            kernel = self._fused_quant(layer, x, None if norm is None else norm[0])
+            return None if kernel is None else kernel.fused(x, layer.bias, norm, silu_mul=True)
         return native_gemm().linear_silu_mul(x, packed, layer.weight.shape[0], layer.bias,
                                              k=layer.weight.shape[1], norm=norm)
 

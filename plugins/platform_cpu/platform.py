@@ -35,7 +35,8 @@ class CpuPlatform(Platform):
     def __init__(self, options: CpuOptions) -> None:
         super().__init__(options)
         self._ops = CpuDeviceOps(weight_packing=options.weight_packing,
-                                 fused_ops=options.fused_ops)
+                                 fused_ops=options.fused_ops,
+                                 weight_prefetch=options.weight_prefetch)
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")

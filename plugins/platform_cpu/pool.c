@@ -11,8 +11,12 @@
  *
  * Waiting threads (workers between loops, the caller for the last chunks) spin for a bounded
  * time (spin_now_ns: about twice the recent gap between loops, at least spin_ns, the measured
- * cost of a wake-up, at most SPIN_MAX_NS), then sleep on a condition variable; a loop wakes sleeping workers, and the thread that finishes its
- * last chunk wakes a sleeping caller.
+ * cost of a wake-up, at most SPIN_MAX_NS), then sleep on a condition variable; a loop wakes
+ * sleeping workers, and the thread that finishes its last chunk wakes a sleeping caller.
+ *
+ * While it spins, worker 1 fetches the memory ranges the last corellm_pool_warm gave (the next
+ * layers' weights) with prefetch instructions, 2 KiB between looks at the ticket, so a loop that
+ * begins finds it ready at once; it drops the ranges when it goes to sleep.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -53,6 +57,13 @@ static struct {
     pthread_cond_t park;                /* workers beyond the configured count wait here */
     pthread_mutex_t region;             /* one loop at a time */
     _Atomic uint64_t loops, worker_sleeps, caller_sleeps, chunks_by_workers;
+    /* memory the next loops will read, which worker 1 fetches between loops (corellm_pool_warm):
+     * ranges [warm_at[i], + warm_len[i]) for i < warm_n, warm_pos bytes of them fetched */
+    _Atomic uintptr_t warm_at[CORELLM_WARM_RANGES];
+    _Atomic int64_t warm_len[CORELLM_WARM_RANGES];
+    _Atomic int warm_n;
+    _Atomic int64_t warm_pos;
+    _Atomic uint64_t warmed_bytes;
 } P = {
     .spin_ns = 20000,
     .spin_now_ns = 20000,
@@ -118,6 +129,44 @@ static void run_chunks(uint64_t t, int tid) {
     }
 }
 
+/* Fetches into this core's caches, until a loop begins, what is left of the ranges
+ * corellm_pool_warm gave, 2 KiB at a time: prefetches, not loads, so memory freed meanwhile
+ * does not fault, and a range replaced while it is read costs a few wasted fetches at worst. */
+static void warm_some(uint32_t seen) {
+    for (;;) {
+        const uint64_t t = atomic_load_explicit(&P.ticket, memory_order_relaxed);
+        if (GEN(t) != seen && !(GEN(t) & 1)) return;           /* a loop has begun */
+        const int n = atomic_load_explicit(&P.warm_n, memory_order_acquire);
+        int64_t pos = atomic_load_explicit(&P.warm_pos, memory_order_relaxed), off = pos;
+        int r = 0;
+        for (; r < n; ++r) {
+            const int64_t len = atomic_load_explicit(&P.warm_len[r], memory_order_relaxed);
+            if (off < len) break;
+            off -= len;
+        }
+        if (r >= n) return;
+        const int64_t left = atomic_load_explicit(&P.warm_len[r], memory_order_relaxed) - off;
+        const int64_t step = left < 2048 ? left : 2048;
+        if (!atomic_compare_exchange_weak(&P.warm_pos, &pos, pos + step)) continue;
+        const char *p = (const char *)atomic_load_explicit(&P.warm_at[r],
+                                                           memory_order_relaxed) + off;
+        for (int64_t i = 0; i < step; i += 64) __builtin_prefetch(p + i, 0, 2);
+        atomic_fetch_add_explicit(&P.warmed_bytes, (uint64_t)step, memory_order_relaxed);
+    }
+}
+
+void corellm_pool_warm(const int64_t *ranges, int n) {
+    if (n > CORELLM_WARM_RANGES) n = CORELLM_WARM_RANGES;
+    atomic_store_explicit(&P.warm_n, 0, memory_order_relaxed);
+    if (!ranges || n <= 0 || atomic_load_explicit(&P.threads, memory_order_relaxed) < 2) return;
+    for (int i = 0; i < n; ++i) {
+        atomic_store_explicit(&P.warm_at[i], (uintptr_t)ranges[2 * i], memory_order_relaxed);
+        atomic_store_explicit(&P.warm_len[i], ranges[2 * i + 1], memory_order_relaxed);
+    }
+    atomic_store_explicit(&P.warm_pos, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.warm_n, n, memory_order_release);
+}
+
 static void *worker_main(void *arg) {
     const int tid = (int)(intptr_t)arg;
     uint32_t seen = GEN(atomic_load(&P.ticket));
@@ -137,9 +186,11 @@ static void *worker_main(void *arg) {
             const int64_t until = now_ns() + spin;
             for (int i = 1;; ++i) {
                 cpu_relax();
+                if (tid == 1) warm_some(seen);
                 t = atomic_load(&P.ticket);
                 if (GEN(t) != seen && !(GEN(t) & 1)) break;
                 if ((i & 31) == 0 && now_ns() >= until) {
+                    atomic_store(&P.warm_n, 0);         /* stale by the time it wakes */
                     pthread_mutex_lock(&P.lock);
                     atomic_fetch_add(&P.sleepers, 1);
                     atomic_fetch_add_explicit(&P.worker_sleeps, 1, memory_order_relaxed);
@@ -254,6 +305,7 @@ void corellm_parallel_for(int64_t n, int64_t grain, corellm_body_fn body, void *
 }
 
 int corellm_pool_threads(void) { return atomic_load(&P.threads); }
+uint64_t corellm_pool_warmed_bytes(void) { return atomic_load(&P.warmed_bytes); }
 
 /* Sets the threads loops run on (the caller included; at least 1) and the least a waiting thread
  * spins before it sleeps (spin_ns < 0: unchanged; it spins longer while loops come close

@@ -23,6 +23,12 @@
  *
  * Both run up to four activation rows against each unpacked weight row (a prefill's GEMM reuses
  * each unpacked block four times), output rows split over the platform's thread pool.
+ *
+ * A layer's call may run the RMSNorm before it and the SiLU-and-multiply after it
+ * (corellm_qlinear_fused, with the platform's own element-wise kernels), and ends by handing the
+ * pool the weights of the layers that follow (corellm_pool_warm), which an idle worker fetches
+ * while the host runs the code between two layers: a decode step reads every weight once, from
+ * memory, and the host's time between layers would otherwise leave the memory bus idle.
  */
 #include <math.h>
 #include <stdint.h>
@@ -503,7 +509,8 @@ int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t 
  * as needed, kept for the next call): one call per layer. Returns -1 for an unknown format, a K
  * that is not whole blocks, or no memory. */
 int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                    const int64_t *warm, int warm_n) {
     static __thread void *scratch = NULL;
     static __thread size_t capacity = 0;
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt] || K % 32) return -1;
@@ -518,7 +525,56 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
     float *da = scratch, *fs = da + rows * nb, *fsum = fs + rows * nb * 2;
     int8_t *qa = (int8_t *)(fsum + rows * nb);
     corellm_q8_act(x, M, K, ldx, qa, da, fs, fsum);
-    return corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, M, y, ldy, bias);
+    const int rc = corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, M, y, ldy, bias);
+    corellm_pool_warm(warm, warm_n);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ a layer with its neighbours */
+/* The CPU platform's element-wise kernels (cpu_ops.c: corellm_rms_norm_f32,
+ * corellm_silu_and_mul_f32), given by the platform once both libraries are loaded: a fused call
+ * runs the very kernels the layers around it would, so its results equal theirs bit for bit. */
+typedef void (*rms_norm_fn)(const float *x, int64_t outer_stride, int64_t inner_stride,
+                            int64_t inner, const float *w, float *out, int64_t rows, int64_t n,
+                            float eps);
+typedef void (*silu_and_mul_fn)(const float *x, float *out, int64_t rows, int64_t d);
+static rms_norm_fn RMS_NORM;
+static silu_and_mul_fn SILU_AND_MUL;
+
+void corellm_qlinear_neighbours(rms_norm_fn rms_norm, silu_and_mul_fn silu_and_mul) {
+    RMS_NORM = rms_norm;
+    SILU_AND_MUL = silu_and_mul;
+}
+
+/* corellm_qlinear with an RMSNorm before it (norm_w: its K weights, eps) and/or SiLU-and-multiply
+ * after it (silu_mul: W's rows are [gate; up], y [M, N / 2] = silu(gate) * up), y contiguous;
+ * the normalized rows and the [M, N] product in this thread's scratch. One call in place of two
+ * or three layers. Returns -1 as corellm_qlinear does, -2 where a kernel it needs was not given. */
+int corellm_qlinear_fused(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                          int64_t ldx, int64_t M, float *y, const float *bias,
+                          const float *norm_w, float eps, int silu_mul, const int64_t *warm,
+                          int warm_n) {
+    static __thread float *scratch = NULL;
+    static __thread size_t capacity = 0;
+    if ((norm_w && !RMS_NORM) || (silu_mul && (!SILU_AND_MUL || N % 2))) return -2;
+    const size_t normed = norm_w ? (size_t)M * (size_t)K : 0;
+    const size_t need = normed + (silu_mul ? (size_t)M * (size_t)N : 0);
+    if (need > capacity) {
+        free(scratch);
+        scratch = malloc(need * sizeof(float));
+        capacity = scratch ? need : 0;
+        if (!scratch) return -1;
+    }
+    if (norm_w) {
+        RMS_NORM(x, ldx, 0, 1, norm_w, scratch, M, K, eps);
+        x = scratch;
+        ldx = K;
+    }
+    float *out = silu_mul ? scratch + normed : y;
+    const int rc = corellm_qlinear(fmt, w, N, K, x, ldx, M, out, N, bias, NULL, 0);
+    if (rc == 0 && silu_mul) SILU_AND_MUL(out, y, M, N / 2);
+    corellm_pool_warm(warm, warm_n);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ int8 per channel */
@@ -577,7 +633,9 @@ static void i8_body(void *ctx, int64_t n0, int64_t n1, int tid) {
 /* y[m, n] = scale[n] * sum_k w[n, k] x[m, k] (+ bias[n]); w int8 [N, K], x float32 rows ldx
  * apart. */
 void corellm_i8gemm(const int8_t *w, const float *scale, int64_t N, int64_t K, const float *x,
-                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+                    int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                    const int64_t *warm, int warm_n) {
     i8_args a = {w, scale, x, bias, K, ldx, M, ldy, y};
     corellm_parallel_for(N, grain(K, M), i8_body, &a);
+    corellm_pool_warm(warm, warm_n);
 }

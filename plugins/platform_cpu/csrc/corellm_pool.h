@@ -37,4 +37,11 @@ void corellm_parallel_for(int64_t n, int64_t grain, corellm_body_fn body, void *
 /* The threads a loop may run on, the caller included (what corellm_pool_configure set). */
 int corellm_pool_threads(void);
 
+/* Memory the next loops will read (the next layers' weights): n ranges (address, bytes), at most
+ * CORELLM_WARM_RANGES, that an idle worker fetches into the caches between loops, in order,
+ * pausing while a loop runs. Replaces the ranges given before (n = 0: none). Copied: the array
+ * may be reused at once. A pool of one thread ignores it. */
+#define CORELLM_WARM_RANGES 4
+void corellm_pool_warm(const int64_t *ranges, int n);
+
 #endif
