@@ -27,7 +27,8 @@ other processes took during each run (also in the tables). Examples::
 tokens): Q8_0/Q4_1 quantized by the ``gguf`` library; Q4_K as random blocks under small scales
 (no K-quant quantizer there; embedding and output Q8_0). ``--noise``: all again beside one
 process spinning on the same CPUs. ``--quick``: 2 decode, 2 TTFT, 8 concurrent; 32 new tokens.
-``--ablate``: corellm gguf once more with ``platform.weight_prefetch`` off (its own row).
+``--ablate``: in corellm gguf's process, ``platform.weight_prefetch`` on and off alternating
+over the decode prompts twice (paired ratios: less exposed to a noisy machine than two runs).
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")     # as under the `corellm`
 log = logger("quantized")
 ENGINES = (("corellm", "gguf", "corellm gguf"), ("corellm", "none", "corellm none (f32)"),
            ("llamacpp", None, "llama.cpp"))                # (worker, quantization, label)
-# --ablate: corellm gguf again without the CPU platform's weight prefetching
-ABLATION = ("corellm", "gguf", "gguf, no prefetch", {"weight_prefetch": False})
 
 
 def default_model() -> Path:
@@ -195,8 +194,8 @@ def worker_corellm(spec: dict, tag: str) -> dict:
     from corellm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM({"platform": spec.get("platform") or {}}, model=spec["model"],
-              quantization=spec["quant"], max_num_seqs=64, max_model_len=spec["max_model_len"])
+    llm = LLM(model=spec["model"], quantization=spec["quant"], max_num_seqs=64,
+              max_model_len=spec["max_model_len"])
     load_s = time.perf_counter() - t0
 
     def gen(prompts: list[list[int]], n: int) -> tuple[list, float]:
@@ -216,8 +215,34 @@ def worker_corellm(spec: dict, tag: str) -> dict:
         return sum(len(o.outputs[0].token_ids) for o in outs), wall
 
     res = measure(spec, tag, load_s, one, many)
+    if spec.get("ablate") and spec["quant"] == "gguf":
+        res["prefetch_pairs"] = prefetch_pairs(llm, spec, tag, one)
     llm.shutdown()
     return res
+
+
+def prefetch_pairs(llm, spec: dict, tag: str, one) -> dict:
+    """``platform.weight_prefetch`` on and off in this one process, alternating (on/off, then
+    off/on), a decode prompt per pair: the decode rates and their paired ratios."""
+    from corellm_plugins.platform_cpu.qlinear import QuantLinear
+    model = llm.engine.executor.worker.runner.model
+    kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None),
+                                                                QuantLinear)]
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    prompts = spec["decode"] * 2
+    for i, p in enumerate(prompts):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            for k in kernels:
+                k.prefetch = on
+            rates[on].append(one(p, spec["new_tokens"])[1])
+        log(f"{tag}: prefetch pair {i + 1}/{len(prompts)}: on {rates[True][-1]:.1f}, off "
+            f"{rates[False][-1]:.1f} tok/s")
+    for k in kernels:
+        k.prefetch = True
+    ratios = [a / b for a, b in zip(rates[True], rates[False])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"on": rates[True], "off": rates[False], "ratio_median": statistics.median(ratios),
+            "ratio_q1": q1, "ratio_q3": q3}
 
 
 def worker_llamacpp(spec: dict, tag: str) -> dict:
@@ -324,17 +349,17 @@ def run_round(name: str, busy: bool, spec: dict, cpus: list[int], facts: dict) -
     out: dict[str, Any] = {"busy_neighbour": busy, "engines": {}}
     with busy_neighbour(cpus) if busy else contextlib.nullcontext():
         out["bandwidth_gb_s"] = run_worker("bandwidth", spec, cpus, f"{name} bandwidth")["gb_s"]
-        for kind, quant, label, *platform in (*ENGINES, *spec.get("ablations", ())):
+        for kind, quant, label in ENGINES:
             log(f"[{name}] {label}")
-            raw = run_worker(kind, {**spec, "quant": quant, "platform": platform[0] if platform
-                                    else None}, cpus, f"{name} {label}")
+            raw = run_worker(kind, {**spec, "quant": quant}, cpus, f"{name} {label}")
             step = facts["decode_step_bytes_f32" if quant == "none" else "decode_step_bytes"]
             out["engines"][label] = r = {
                 "decode_tok_s": statistics.median(raw["decode"]),
                 "ttft_ms": 1e3 * statistics.median(raw["ttft"]), "decode_all": raw["decode"],
                 "ttft_all_ms": [1e3 * t for t in raw["ttft"]], "_ids": raw["token_ids"],
                 "floor_ms": 1e3 * step / (out["bandwidth_gb_s"] * 1e9),
-                **{k: raw[k] for k in ("load_s", "others_cpu_share", "concurrent") if k in raw}}
+                **{k: raw[k] for k in ("load_s", "others_cpu_share", "concurrent",
+                                       "prefetch_pairs") if k in raw}}
             r["ms_per_token"] = 1e3 / r["decode_tok_s"]
     base = out["engines"].get("llama.cpp")
     for label, r in out["engines"].items():
@@ -379,6 +404,14 @@ def format_tables(res: dict[str, Any]) -> str:
                              if conc else f"{r['decode_tok_s']:>15.1f}*{'1.00x':>12}")
                          + f"{r['load_s']:>8.1f}")
         for label, r in rnd["engines"].items():
+            if "prefetch_pairs" in r:
+                pp = r["prefetch_pairs"]
+                lines.append(f"  {label}, platform.weight_prefetch on/off alternating in one "
+                             f"process ({len(pp['on'])} pairs): decode "
+                             f"{statistics.median(pp['on']):.1f} / "
+                             f"{statistics.median(pp['off']):.1f} tok/s (medians), paired ratio "
+                             f"{pp['ratio_median']:.3f} (quartiles {pp['ratio_q1']:.3f}-"
+                             f"{pp['ratio_q3']:.3f})")
             if "decode_vs_llamacpp" in r:
                 a, first = r["greedy_agreement_with_llamacpp"], ""
                 if a["median_first_divergence"] is not None:
@@ -428,7 +461,7 @@ def write_plot(res: dict[str, Any], path: str) -> bool:
                           [get(rnd["engines"][lb]) for lb in labels], width, label=name)
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks([i + width * (len(rounds) - 1) / 2 for i in range(len(labels))], labels,
-                      fontsize=8)
+                      fontsize=8, rotation=20, ha="right")
         ax.set_title(title, fontsize=9)
         ax.margins(y=0.15)
         ax.legend(fontsize=8)
@@ -452,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", action="store_true", help="repeat beside one busy process")
     p.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
     p.add_argument("--ablate", action="store_true",
-                   help="also corellm gguf with platform.weight_prefetch off")
+                   help="also time corellm gguf's decode with platform.weight_prefetch "
+                        "off, alternating with on, in one process")
     p.add_argument("--startup", type=int, default=0, metavar="N",
                    help="also time start to first answer, N runs of each (whole processes)")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
@@ -475,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"--threads {args.threads}: this process may use {len(cpus)} CPUs")
     facts = model_facts(model)
     spec = {"model": str(model), "threads": args.threads, "cpus": cpus,
-            "ablations": [ABLATION] if args.ablate else [],
+            "ablate": args.ablate,
             **make_prompts(args, facts["vocab_size"])}
     res: dict[str, Any] = {
         "cpu_model": cpu_model(), "date": datetime.datetime.now().astimezone().isoformat(
