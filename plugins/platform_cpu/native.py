@@ -231,6 +231,11 @@ def _read_quota(path: Path, files: tuple[str, ...]) -> float | None:
         return None
 
 
+def warm_ranges(ranges: list[tuple[int, int]]) -> ctypes.Array:
+    """(address, bytes) ranges as the flat int64 array ``corellm_pool_warm`` reads."""
+    return (ctypes.c_int64 * (2 * len(ranges)))(*(v for r in ranges for v in r))
+
+
 class ThreadPool:
     """The platform's thread pool (``pool.c``), through ctypes."""
 
@@ -277,8 +282,7 @@ class ThreadPool:
         """Memory the next loops will read, (address, bytes) ranges (at most 4), for an idle
         worker to fetch into the caches between loops (what the quantized layers give after
         each call; prefetches, so an address no longer mapped is harmless)."""
-        flat = (ctypes.c_int64 * (2 * len(ranges)))(*(v for r in ranges for v in r))
-        self._lib.corellm_pool_warm(flat, len(ranges))
+        self._lib.corellm_pool_warm(warm_ranges(ranges), len(ranges))
 
     @property
     def warmed_bytes(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from corellm.quant import GGUF_FORMATS, GROUPABLE, QuantizedWeight
+from corellm_plugins.platform_cpu.native import warm_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,11 @@ class QuantKernels:
         self._neighbours = lib.corellm_qlinear_neighbours
         self._neighbours.argtypes = [ptr, ptr]
         self._neighbours.restype = None
-        self.fuses = False
 
     def use_neighbours(self, rms_norm: int, silu_and_mul: int) -> None:
         """Give the kernels the addresses of the platform's float32 RMSNorm and
         SiLU-and-multiply (cpu_ops.c), which :meth:`QuantLinear.fused` runs around a layer."""
         self._neighbours(rms_norm, silu_and_mul)
-        self.fuses = True
 
     def plan(self, q: QuantizedWeight) -> QuantLinear | None:
         """The per-layer calls for ``q`` (None if a part is in a format or place the kernels do
@@ -120,11 +119,7 @@ class QuantLinear:
         """``silu_and_mul(self(rms_norm(x)))`` in one C call, the norm (``(weight, eps)``,
         float32) and SiLU-and-multiply each optional: the platform's own kernels run inside it,
         so the result equals the three calls'. For a :attr:`fusable` layer, float32 x."""
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        m, k = x.shape
-        if k != self.cols:
-            raise ValueError(f"input of {k} features for a weight of {self.cols}")
+        x, m, k = self._input(x)
         y = torch.empty(m, self.rows // 2 if silu_mul else self.rows, dtype=torch.float32)
         if m == 0:
             return y
@@ -138,12 +133,16 @@ class QuantLinear:
                              else "the fused call needs the platform's element-wise kernels")
         return y
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _input(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
         if k != self.cols:
             raise ValueError(f"input of {k} features for a weight of {self.cols}")
+        return x, m, k
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x, m, k = self._input(x)
         y = torch.empty(m, self.rows, dtype=torch.float32)
         if m == 0:
             return y if bias is None else y + bias
@@ -184,7 +183,7 @@ class QuantLinear:
                 layer = layer.next
             if not ranges:
                 return (None, 0)
-            flat = (ctypes.c_int64 * (2 * len(ranges)))(*(v for r in ranges for v in r))
+            flat = warm_ranges(ranges)
             if len(ranges) < self.WARM_RANGES and total < self.WARM_BYTES:
                 return (flat, len(ranges))          # the order is not known that far yet
             self._warm = (flat, len(ranges))
