@@ -27,8 +27,9 @@ other processes took during each run (also in the tables). Examples::
 tokens): Q8_0/Q4_1 quantized by the ``gguf`` library; Q4_K as random blocks under small scales
 (no K-quant quantizer there; embedding and output Q8_0). ``--noise``: all again beside one
 process spinning on the same CPUs. ``--quick``: 2 decode, 2 TTFT, 8 concurrent; 32 new tokens.
-``--ablate``: in corellm gguf's process, ``platform.weight_prefetch`` on and off alternating
-over the decode prompts twice (paired ratios: less exposed to a noisy machine than two runs).
+``--ablate``: in corellm gguf's process, ``platform.weight_prefetch`` and then
+``platform.cpu_graphs`` on and off alternating over the decode prompts twice (paired ratios:
+less exposed to a noisy machine than two runs).
 """
 
 from __future__ import annotations
@@ -216,29 +217,55 @@ def worker_corellm(spec: dict, tag: str) -> dict:
 
     res = measure(spec, tag, load_s, one, many)
     if spec.get("ablate") and spec["quant"] == "gguf":
-        res["prefetch_pairs"] = prefetch_pairs(llm, spec, tag, one)
+        res["pairs"] = {}
+        for name, (toggle, restore) in ablations(llm).items():
+            res["pairs"][name] = paired(name, toggle, spec, tag, one)
+            restore()
     llm.shutdown()
     return res
 
 
-def prefetch_pairs(llm, spec: dict, tag: str, one) -> dict:
-    """``platform.weight_prefetch`` on and off in this one process, alternating (on/off, then
-    off/on), a decode prompt per pair: the decode rates and their paired ratios."""
+def ablations(llm) -> dict:
+    """Options switched on and off inside the running engine: name -> (set(on), restore the
+    engine's own setting)."""
     from corellm_plugins.platform_cpu.qlinear import QuantLinear
-    model = llm.engine.executor.worker.runner.model
-    kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None),
-                                                                QuantLinear)]
+    runner = llm.engine.executor.worker.runner
+    kernels = [m.kernel for m in runner.model.modules()
+               if isinstance(getattr(m, "kernel", None), QuantLinear)]
+    prefetching = [k.prefetch for k in kernels]
+    graphs_off = runner.stepper.off
+
+    def prefetch(on: bool) -> None:
+        for k in kernels:
+            k.prefetch = on
+
+    def graphs(on: bool) -> None:                 # the recorded programs are kept while off
+        runner.stepper.off = None if on else "off for the ablation"
+
+    def restore_prefetch() -> None:
+        for k, on in zip(kernels, prefetching):
+            k.prefetch = on
+
+    def restore_graphs() -> None:
+        runner.stepper.off = graphs_off
+
+    found = {"platform.weight_prefetch": (prefetch, restore_prefetch)}
+    if graphs_off is None:                        # only where the engine records steps
+        found["platform.cpu_graphs"] = (graphs, restore_graphs)
+    return found
+
+
+def paired(name: str, toggle, spec: dict, tag: str, one) -> dict:
+    """``name`` on and off in this one process, alternating (on/off, then off/on), a decode
+    prompt per pair: the decode rates and their paired ratios."""
     rates: dict[bool, list[float]] = {True: [], False: []}
     prompts = spec["decode"] * 2
     for i, p in enumerate(prompts):
         for on in ((True, False) if i % 2 == 0 else (False, True)):
-            for k in kernels:
-                k.prefetch = on
+            toggle(on)
             rates[on].append(one(p, spec["new_tokens"])[1])
-        log(f"{tag}: prefetch pair {i + 1}/{len(prompts)}: on {rates[True][-1]:.1f}, off "
+        log(f"{tag}: {name} pair {i + 1}/{len(prompts)}: on {rates[True][-1]:.1f}, off "
             f"{rates[False][-1]:.1f} tok/s")
-    for k in kernels:
-        k.prefetch = True
     ratios = [a / b for a, b in zip(rates[True], rates[False])]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return {"on": rates[True], "off": rates[False], "ratio_median": statistics.median(ratios),
@@ -359,7 +386,7 @@ def run_round(name: str, busy: bool, spec: dict, cpus: list[int], facts: dict) -
                 "ttft_all_ms": [1e3 * t for t in raw["ttft"]], "_ids": raw["token_ids"],
                 "floor_ms": 1e3 * step / (out["bandwidth_gb_s"] * 1e9),
                 **{k: raw[k] for k in ("load_s", "others_cpu_share", "concurrent",
-                                       "prefetch_pairs") if k in raw}}
+                                       "pairs") if k in raw}}
             r["ms_per_token"] = 1e3 / r["decode_tok_s"]
     base = out["engines"].get("llama.cpp")
     for label, r in out["engines"].items():
@@ -404,9 +431,8 @@ def format_tables(res: dict[str, Any]) -> str:
                              if conc else f"{r['decode_tok_s']:>15.1f}*{'1.00x':>12}")
                          + f"{r['load_s']:>8.1f}")
         for label, r in rnd["engines"].items():
-            if "prefetch_pairs" in r:
-                pp = r["prefetch_pairs"]
-                lines.append(f"  {label}, platform.weight_prefetch on/off alternating in one "
+            for option, pp in r.get("pairs", {}).items():
+                lines.append(f"  {label}, {option} on/off alternating in one "
                              f"process ({len(pp['on'])} pairs): decode "
                              f"{statistics.median(pp['on']):.1f} / "
                              f"{statistics.median(pp['off']):.1f} tok/s (medians), paired ratio "
@@ -485,8 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", action="store_true", help="repeat beside one busy process")
     p.add_argument("--quick", action="store_true", help="fewer, shorter repetitions")
     p.add_argument("--ablate", action="store_true",
-                   help="also time corellm gguf's decode with platform.weight_prefetch "
-                        "off, alternating with on, in one process")
+                   help="also time corellm gguf's decode with platform.weight_prefetch, "
+                        "then platform.cpu_graphs, off, alternating with on, in one process")
     p.add_argument("--startup", type=int, default=0, metavar="N",
                    help="also time start to first answer, N runs of each (whole processes)")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")

@@ -101,6 +101,12 @@ class AttentionMetadataBuilder(ABC):
 
     batch_order: ClassVar[BatchOrder] = BatchOrder.DECODES_FIRST
     cuda_graphs: ClassVar[bool] = False
+    #: Plugin API 1.10: True promises what a platform that records a decode-only step and
+    #: replays its calls (the CPU platform's ``cpu_graphs``) needs: for decode-only steps of the
+    #: same number of rows within the limits, the metadata is at the same addresses with the
+    #: same strides (``DeviceArray(fixed=True)``), and the backend's ``forward`` makes the same
+    #: calls with the same arguments. May be set per instance (a backend with several paths).
+    replayable: bool = False
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any:
@@ -120,16 +126,26 @@ class DeviceArray:
     grows (doubling) when a step exceeds it, which moves it: ``cuda_graphs`` address stability
     holds only for steps within the limits. Give each array its own ``DeviceArray``: a second
     ``put`` overwrites the view the first returned.
+
+    ``fixed`` (on the host): the values are copied into a persistent buffer of ``shape`` and
+    returned as its leading corner (a 2-D array keeps the buffer's row stride), so that values
+    within ``shape`` always land at the same addresses with the same strides, which a
+    ``replayable`` builder promises; values beyond ``shape`` come back as a view of their own.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 fixed: bool = False) -> None:
         self.dtype, self.device = dtype, device
         self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
         self._event: Any = None
         self.capacity = 0
         self.on_host = host_visible(device)
+        self.fixed: torch.Tensor | None = None
         if not self.on_host:
             self._alloc(int(np.prod(shape)))
+        elif fixed:
+            self.fixed = torch.zeros(shape, dtype=dtype)
+            self._fixed_np = self.fixed.numpy()
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
@@ -142,6 +158,12 @@ class DeviceArray:
         """The values on the device: a contiguous view of the buffer's first ``values.size``
         elements, in ``values``' shape."""
         if self.on_host:
+            fixed = self.fixed
+            if (fixed is not None and values.ndim == fixed.dim()
+                    and all(v <= f for v, f in zip(values.shape, fixed.shape))):
+                corner = tuple(slice(0, v) for v in values.shape)
+                self._fixed_np[corner] = values
+                return fixed[corner]
             if values.dtype != self._np_dtype:
                 values = values.astype(self._np_dtype)
             return torch.from_numpy(np.ascontiguousarray(values))

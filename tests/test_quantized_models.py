@@ -135,7 +135,8 @@ def test_default_model_norms_and_silu_run_inside_the_quantized_layers(monkeypatc
     """On the CPU platform each decoder layer's QKV projection runs with the RMSNorm before it,
     and its gate/up projection with its RMSNorm and the SiLU-and-multiply after it, one C call
     each (``QuantLinear.fused``): the log-probabilities of a text are those of the layers run
-    one by one (and without ``platform.weight_prefetch``), bit for bit."""
+    one by one (and without ``platform.weight_prefetch``), bit for bit. Eager steps (no
+    ``cpu_graphs``): the calls are counted in Python."""
     from corellm_plugins.platform_cpu.ops import CpuDeviceOps
     from corellm_plugins.platform_cpu.qlinear import QuantLinear
 
@@ -153,7 +154,8 @@ def test_default_model_norms_and_silu_run_inside_the_quantized_layers(monkeypatc
             monkeypatch.setattr(CpuDeviceOps, "_fused_quant", lambda self, *a, **k: None)
         with LLM({"model": {"path": str(path), "max_model_len": 256, "quantization": "gguf"},
                   "kv_cache": {"num_blocks": 8},
-                  "platform": {"weight_prefetch": how == "fused"}}, plugins=[Plugin]) as llm:
+                  "platform": {"weight_prefetch": how == "fused", "cpu_graphs": False}},
+                 plugins=[Plugin]) as llm:
             kernels = [m.kernel for m in llm.engine.executor.worker.runner.model.modules()
                        if isinstance(getattr(m, "kernel", None), QuantLinear)]
             assert len(kernels) == 122 and {k.prefetch for k in kernels} == {how == "fused"}

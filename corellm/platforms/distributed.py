@@ -178,6 +178,13 @@ def init_parallel(cfg: ParallelConfig, rank: int, init_method: str,
                            cpu_group=cpu_group, backend=backend)
 
 
+def world_size() -> int:
+    """The ranks of this process's ``torch.distributed`` group (1 where none is initialised):
+    what a platform asks before capturing or recording steps, whose collectives it cannot."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def destroy_parallel(ctx: ParallelContext) -> None:
     if ctx.tp_size > 1:
         import torch.distributed as dist

@@ -99,6 +99,25 @@ class ModelStepper:
         return token_ids.tolist()
 
 
+def steps_refused(option: str, enabled: bool, builder: Any, promise: str,
+                  tp_size: int) -> str | None:
+    """Why a stepper captures or records no decode steps (None: it does), the same reasons on
+    every platform: its option ``option`` is off; the model runner gave it no attention
+    metadata builder; the builder does not declare ``promise`` (the attribute that says its
+    metadata is where a replay reads it: ``cuda_graphs``, ``replayable``); tensor parallelism
+    (collectives are not captured)."""
+    if not enabled:
+        return f"{option} is false"
+    if builder is None:
+        return "the model runner gave the stepper no attention metadata builder"
+    if not getattr(builder, promise, False):
+        return (f"the attention backend's metadata builder ({type(builder).__name__}) does not "
+                f"declare {promise}")
+    if tp_size > 1:
+        return f"tensor parallelism ({tp_size} ranks): collectives are not captured"
+    return None
+
+
 class Platform(ABC):
     """One kind of device, as the engine sees it. Built by its spec's factory with the validated
     ``platform`` options, once in each process that runs or plans for the device (the config

@@ -94,9 +94,13 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         dev, n = limits.device, limits.max_num_seqs
         self.native_decode = native_decode
         self.native_prefill = native_prefill
-        self._slots = DeviceArray((limits.max_num_batched_tokens,), torch.int64, dev)
-        self._seq = DeviceArray((n,), torch.int64, dev)
-        self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int64, dev)
+        # The native decode path: one kernel call per layer reading these buffers, the same
+        # call for every decode-only step of a row count, so a step may be recorded and
+        # replayed (the CPU platform's cpu_graphs) when they stay where they are.
+        self.replayable = fixed = native_decode and host_visible(dev)
+        self._slots = DeviceArray((limits.max_num_batched_tokens,), torch.int64, dev, fixed)
+        self._seq = DeviceArray((n,), torch.int64, dev, fixed)
+        self._table = DeviceArray((n, limits.max_blocks_per_seq), torch.int64, dev, fixed)
 
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         bs = common.block_size

@@ -32,11 +32,24 @@ class CpuOptions(PlatformOptions):
                           "planned on corellm's kernel, and greedy sampling's argmax as one "
                           "native pass.")
     weight_prefetch: bool = Field(
-        True, description="While the host runs the code between a decode step's quantized "
-                          "layers, one idle thread of the pool fetches the weights of the layers "
-                          "that follow (up to 4 MiB ahead, in the order the layers ran) into the "
-                          "caches, so the next GEMV reads fewer of them from memory. Needs 2 or "
-                          "more threads.")
+        False, description="While the host runs the code between a decode step's quantized "
+                           "layers, one idle thread of the pool fetches the weights of the "
+                           "layers that follow (up to 4 MiB ahead, in the order the layers ran) "
+                           "into the caches, so the next GEMV reads fewer of them from memory. "
+                           "Needs 2 or more threads. Off by default: with cpu_graphs the time "
+                           "between layers is too short for it to pay.")
+    cpu_graphs: bool = Field(
+        True, description="Record a decode-only step of up to cpu_graph_max_rows rows once, as "
+                          "the kernel calls and torch operations it made, and replay them for "
+                          "later steps of that many rows without the Python around them (the "
+                          "CPU analogue of CUDA graphs; a recording is used once its first "
+                          "replay matched an eager step bit for bit). Needs an attention "
+                          "backend whose metadata builder is replayable.")
+    cpu_graph_max_rows: int = Field(
+        8, ge=1, le=1024,
+        description="The largest decode batch (rows) recorded by cpu_graphs; each recorded "
+                    "size keeps its intermediate tensors (about 1 MB per row for a 135M-"
+                    "parameter model). Larger batches run eagerly, where the kernels dominate.")
 
 
 def _make(options: CpuOptions):

@@ -155,7 +155,8 @@ def _load(name: str, source: str | os.PathLike, flags: tuple[str, ...] = (),
         logger.info("built native library %s in %.1f s: %s", name, time.perf_counter() - t0,
                     target)
     try:
-        lib = ctypes.CDLL(str(target), mode=mode)
+        from corellm_plugins.platform_cpu.replay import RecordingLibrary
+        lib = RecordingLibrary(str(target), mode=mode)
     except OSError as exc:
         raise NativeBuildError(f"loading {target} failed: {exc}") from exc
     _loaded[target] = lib

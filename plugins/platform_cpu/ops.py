@@ -32,7 +32,7 @@ class CpuDeviceOps(DeviceOps):
     name = "cpu"
 
     def __init__(self, weight_packing: bool = True, fused_ops: bool = True,
-                 weight_prefetch: bool = True) -> None:
+                 weight_prefetch: bool = False) -> None:
         self.weight_packing = weight_packing
         self.fused_ops = fused_ops
         self.weight_prefetch = weight_prefetch

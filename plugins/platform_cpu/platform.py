@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import platform as _platform
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from corellm.platforms import NativeUnavailable, Platform, host_memory_available
+from corellm.platforms import ModelStepper, NativeUnavailable, Platform, host_memory_available
+from corellm.platforms.distributed import world_size
 from corellm_plugins.platform_cpu.memory import tune_malloc, zeroed_cpu_tensor
 from corellm_plugins.platform_cpu.ops import CpuDeviceOps
 
@@ -98,6 +99,18 @@ class CpuPlatform(Platform):
         if requested == "auto" and checkpoint_dtype == "float16":
             return "float32"
         return super().resolve_dtype(requested, checkpoint_dtype)
+
+    def make_stepper(self, model: Any, device: torch.device, limits: Any) -> ModelStepper:
+        """Decode steps replayed from recordings (``cpu_graphs``); others eager."""
+        from corellm_plugins.platform_cpu.replay import CpuStepper
+        return CpuStepper(model, device, limits, self.options.cpu_graph_max_rows)
+
+    def warm_up(self, stepper: ModelStepper) -> None:
+        """Let the stepper record decode steps, or say why it never will."""
+        from corellm_plugins.platform_cpu.replay import CpuStepper, replay_refused
+        if isinstance(stepper, CpuStepper):
+            stepper.enable(replay_refused(self.options.cpu_graphs, stepper.attn_builder,
+                                          world_size()))
 
     @property
     def ops(self) -> CpuDeviceOps:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from corellm.attention import AttentionBuildLimits, CommonAttentionMetadata
-from corellm.platforms import StepInputs
+from corellm.platforms import StepInputs, steps_refused
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +72,7 @@ def graphs_refused(enabled: bool, builder: Any, tp_size: int) -> str | None:
     """Why no graph is captured (None: they are): the option, an attention metadata builder
     that does not declare ``cuda_graphs`` (its metadata is not at fixed addresses, or has no
     padding rows), tensor parallelism (collectives inside graphs are not verified here)."""
-    if not enabled:
-        return "platform.cuda_graphs is false"
-    if builder is None:
-        return "the model runner gave the stepper no attention metadata builder"
-    if not getattr(builder, "cuda_graphs", False):
-        return (f"the attention backend's metadata builder ({type(builder).__name__}) does not "
-                "declare cuda_graphs")
-    if tp_size > 1:
-        return (f"tensor parallelism ({tp_size} ranks): collectives are not captured in "
-                "graphs")
-    return None
+    return steps_refused("platform.cuda_graphs", enabled, builder, "cuda_graphs", tp_size)
 
 
 class DecodeGraphs:

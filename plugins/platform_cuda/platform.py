@@ -16,6 +16,7 @@ from corellm.attention import AttentionBuildLimits
 from corellm.ops import DeviceOps
 from corellm.errors import ConfigError
 from corellm.platforms import ModelStepper, Platform, StepInputs
+from corellm.platforms.distributed import world_size
 from corellm_plugins.platform_cuda.graphs import (DecodeGraphs, capture_sizes, graphs_refused,
                                                   padding_metadata)
 from corellm_plugins.platform_cuda.memory import MemorySnapshot, kv_budget_bytes
@@ -185,7 +186,7 @@ class CudaPlatform(Platform):
         """Capture the decode graphs (``cuda_graphs``), or say why none are."""
         if not isinstance(stepper, CudaStepper):
             return
-        refused = graphs_refused(self.options.cuda_graphs, stepper.attn_builder, _tp_size())
+        refused = graphs_refused(self.options.cuda_graphs, stepper.attn_builder, world_size())
         if refused:
             logger.info("CUDA graphs: none captured (%s)", refused)
             return
@@ -203,11 +204,6 @@ class CudaPlatform(Platform):
         logger.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1f s, %.0f MiB",
                     len(sizes), _ranges(sizes), time.perf_counter() - t0,
                     (torch.cuda.memory_reserved(stepper.device) - reserved) / 2**20)
-
-
-def _tp_size() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _ranges(sizes: Sequence[int]) -> str:
