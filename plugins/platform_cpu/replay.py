@@ -212,7 +212,6 @@ class CpuStepper(ModelStepper):
     def __init__(self, model: Any, device: torch.device, limits: Any, max_rows: int) -> None:
         super().__init__(model, device)
         self.limits = limits
-        self.max_rows = max_rows
         self.programs: dict[int, StepProgram] = {}
         self.refused: dict[int, str] = {}
         self.off: str | None = "the platform has not warmed the stepper up"
