@@ -20,10 +20,19 @@ Formats:
 Rows are independent, so a weight is split between tensor-parallel ranks by rows freely and by
 columns at block boundaries.
 
-Layouts: a tensor's rows are in the file's layout (``gguf``: each block's scale bytes, then its
-values) or, for the 32-value formats, ``grouped``: each run of 8 blocks stores the 8 blocks'
-scales together (and Q4_1's 8 offsets), then their values, the same bytes reordered, so a kernel
-converts 8 scales with one instruction (the CPU platform's layout). ``dequantize`` reads both.
+Layouts, each the file's bytes reordered (``dequantize`` reads them all):
+
+* ``gguf``: the file's, each block's scale bytes, then its values.
+* ``grouped`` (the 32-value formats): each run of 8 blocks of a row stores the 8 blocks' scales
+  together (and Q4_1's 8 offsets), then their values, so a kernel converts 8 scales with one
+  instruction.
+* ``interleaved`` (every GGUF format): the rows in groups of 8, each block of a group stored as
+  the 8 rows' scales side by side, then their values four bytes at a time (the 8 rows' first
+  four, the 8 rows' next four...), so one vector of bytes holds 4 values of 8 rows and a
+  kernel multiplies it with 4 activations into 8 output columns at once (the layout of
+  llama.cpp's repacked CPU kernels). The rows after the last whole group follow in the
+  ``grouped`` layout (the k-quants: the file's). A row's bytes are spread over its group's
+  ``data`` rows: ``rows`` and ``narrow`` gather them back.
 """
 
 from __future__ import annotations
@@ -54,6 +63,10 @@ def _fmt(name: str, block: int, type_size: int) -> QuantFormat:
 #: Bytes of scale (and offset) at the head of a block, for the formats that may be ``grouped``.
 GROUPABLE = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
 GROUP = 8
+#: The formats that may be ``interleaved``, and the rows of a group.
+INTERLEAVABLE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+INTERLEAVE = 8
+LAYOUTS = ("gguf", "grouped", "interleaved")
 
 #: The GGUF formats kept quantized (the others dequantize at load).
 GGUF_FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
@@ -71,7 +84,8 @@ class QuantizedTensor:
                  scale: torch.Tensor | None = None, layout: str = "gguf") -> None:
         self.format = FORMATS[qtype]
         self.qtype, self.data, self.cols, self.scale = qtype, data, int(cols), scale
-        if layout not in ("gguf", "grouped") or (layout == "grouped" and qtype not in GROUPABLE):
+        if layout not in LAYOUTS or (layout == "grouped" and qtype not in GROUPABLE) or (
+                layout == "interleaved" and qtype not in INTERLEAVABLE):
             raise ValueError(f"no {layout!r} layout for {qtype}")
         self.layout = layout
         if data.dim() != 2:
@@ -95,6 +109,9 @@ class QuantizedTensor:
 
     def narrow(self, dim: int, start: int, size: int) -> QuantizedTensor:
         """Rows ``[start, start + size)`` (dim 0), or columns (dim 1) on block boundaries."""
+        if dim == 0 and self.layout == "interleaved" and (
+                start % INTERLEAVE or size % INTERLEAVE or start + size > self._whole):
+            return self.ungrouped().narrow(dim, start, size)
         if dim == 0:
             scale = None if self.scale is None else self.scale.narrow(0, start, size)
             return QuantizedTensor(self.data.narrow(0, start, size), self.qtype, self.cols,
@@ -120,10 +137,33 @@ class QuantizedTensor:
 
     def map_rows(self, fn) -> QuantizedTensor:
         """The same values with the rows reordered by ``fn`` (applied to the row-major data)."""
+        if self.layout == "interleaved":
+            return self.ungrouped().map_rows(fn)
         scale = None if self.scale is None else fn(self.scale.unsqueeze(1)).squeeze(1)
         return QuantizedTensor(fn(self.data), self.qtype, self.cols, scale, self.layout)
 
+    @property
+    def _whole(self) -> int:
+        """The rows in whole groups of ``INTERLEAVE`` (what the interleaved layout reorders)."""
+        return self.data.shape[0] - self.data.shape[0] % INTERLEAVE
+
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """Rows ``index`` (an interleaved tensor's come back in the file's layout: their bytes
+        gathered from their groups, or ungrouped from the rows after them, whichever holds
+        each; no value is read back to the host)."""
+        if self.layout == "interleaved":
+            rb, whole = self.data.shape[1], self._whole
+            out = None
+            if whole:
+                flat = self.data[:whole].reshape(-1, INTERLEAVE * rb)
+                inverse = _interleave_inverse(self.qtype, rb).to(flat.device)
+                i = index.clamp(max=whole - 1)
+                out = flat[(i // INTERLEAVE).unsqueeze(-1), inverse[i % INTERLEAVE]]
+            if whole < self.data.shape[0]:
+                rest = _untail(self.data[whole:], self.qtype)[(index - whole).clamp(min=0)]
+                out = rest if out is None else torch.where(
+                    (index < whole).unsqueeze(-1), out, rest)
+            return QuantizedTensor(out, self.qtype, self.cols)
         scale = None if self.scale is None else self.scale[index]
         return QuantizedTensor(self.data[index], self.qtype, self.cols, scale, self.layout)
 
@@ -131,13 +171,33 @@ class QuantizedTensor:
         """This tensor in the ``grouped`` layout (a new buffer of the same size)."""
         if self.layout == "grouped":
             return self
-        return QuantizedTensor(_regroup(self.data, self.qtype, group=True), self.qtype,
-                               self.cols, layout="grouped")
+        return QuantizedTensor(_regroup(self.ungrouped().data, self.qtype, group=True),
+                               self.qtype, self.cols, layout="grouped")
+
+    def interleaved(self) -> QuantizedTensor:
+        """This tensor in the ``interleaved`` layout (a new buffer of the same size)."""
+        if self.layout == "interleaved":
+            return self
+        data = self.ungrouped().data
+        rb, whole = data.shape[1], self._whole
+        index = _interleave_index(self.qtype, rb).to(data.device)
+        parts = [data[:whole].reshape(-1, INTERLEAVE * rb)[:, index].view(-1, rb)]
+        if whole < data.shape[0]:
+            rest = data[whole:]
+            parts.append(_regroup(rest, self.qtype, True) if self.qtype in GROUPABLE else rest)
+        return QuantizedTensor(torch.cat(parts).contiguous(), self.qtype, self.cols,
+                               layout="interleaved")
 
     def ungrouped(self) -> QuantizedTensor:
         """This tensor in the file's layout."""
         if self.layout == "gguf":
             return self
+        if self.layout == "interleaved":
+            rb, whole = self.data.shape[1], self._whole
+            inverse = _interleave_inverse(self.qtype, rb).to(self.data.device).reshape(-1)
+            groups = self.data[:whole].reshape(-1, INTERLEAVE * rb)[:, inverse].view(-1, rb)
+            return QuantizedTensor(torch.cat([groups, _untail(self.data[whole:], self.qtype)]),
+                                   self.qtype, self.cols)
         return QuantizedTensor(_regroup(self.data, self.qtype, group=False), self.qtype,
                                self.cols)
 
@@ -159,7 +219,9 @@ class QuantizedWeight:
         for start, t in parts:                    # adjacent parts of one format: one tensor
             if merged and merged[-1][1].qtype == t.qtype and t.qtype != "int8" and (
                     merged[-1][1].layout == t.layout
-                    and merged[-1][0] + merged[-1][1].shape[0] == start):
+                    and merged[-1][0] + merged[-1][1].shape[0] == start
+                    and (t.layout != "interleaved" or merged[-1][1].shape[0] % INTERLEAVE == 0
+                         and t.shape[0] % INTERLEAVE == 0)):
                 s0, prev = merged[-1]
                 merged[-1] = (s0, QuantizedTensor(torch.cat([prev.data, t.data]), t.qtype,
                                                   t.cols, layout=t.layout))
@@ -285,6 +347,52 @@ def _reorder(data: torch.Tensor, qtype: str, group: bool) -> torch.Tensor:
             values = run[:, head * n:].reshape(rows, n, size - head)
             runs.append(torch.cat([*parts, values], dim=2).reshape(rows, -1))
     return torch.cat(runs, dim=1).contiguous()
+
+
+def _untail(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The rows after an interleaved tensor's whole groups, in the file's layout."""
+    return _regroup(rows, qtype, False) if qtype in GROUPABLE else rows
+
+
+#: Each format's block, field by field, in the order the interleaved layout stores the fields
+#: of a group's 8 rows: (first byte, end, how): ``f16``: the rows' 2-byte fields side by side;
+#: ``bytes``: one byte of each row at a time; ``runs``: 32-byte chunks (or the whole field if
+#: shorter), each as runs of 4 bytes of each row in turn.
+_INTERLEAVED_FIELDS = {
+    "Q8_0": ((0, 2, "f16"), (2, 34, "runs")),
+    "Q4_0": ((0, 2, "f16"), (2, 18, "runs")),
+    "Q4_1": ((0, 2, "f16"), (2, 4, "f16"), (4, 20, "runs")),
+    "Q4_K": ((0, 2, "f16"), (2, 4, "f16"), (4, 16, "bytes"), (16, 144, "runs")),
+    "Q5_K": ((0, 2, "f16"), (2, 4, "f16"), (4, 16, "bytes"), (16, 48, "runs"),
+             (48, 176, "runs")),
+    "Q6_K": ((208, 210, "f16"), (192, 208, "bytes"), (0, 128, "runs"), (128, 192, "runs")),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _interleave_index(qtype: str, row_bytes: int) -> torch.Tensor:
+    """For a group of ``INTERLEAVE`` rows of ``row_bytes`` each (the file's layout, row after
+    row), where each byte of the interleaved group comes from: block by block, the fields of
+    ``_INTERLEAVED_FIELDS`` in order."""
+    size, r = FORMATS[qtype].type_size, INTERLEAVE
+    nb = row_bytes // size
+    src = torch.arange(r * row_bytes).view(r, nb, size).transpose(0, 1)     # [block, row, byte]
+    fields = []
+    for lo, hi, how in _INTERLEAVED_FIELDS[qtype]:
+        f = src[..., lo:hi]                                                  # [block, row, width]
+        if how == "bytes":
+            f = f.transpose(1, 2)
+        elif how == "runs":
+            chunk = min(32, hi - lo)
+            f = f.reshape(nb, r, (hi - lo) // chunk, chunk // 4, 4).permute(0, 2, 3, 1, 4)
+        fields.append(f.reshape(nb, -1))
+    return torch.cat(fields, dim=1).reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _interleave_inverse(qtype: str, row_bytes: int) -> torch.Tensor:
+    """Where byte j of row i of a group lies in the interleaved group: [INTERLEAVE, row_bytes]."""
+    return torch.argsort(_interleave_index(qtype, row_bytes)).view(INTERLEAVE, row_bytes)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:

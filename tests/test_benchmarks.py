@@ -401,3 +401,19 @@ def test_the_scripts_plot_with_the_bench_plugins_helper(monkeypatch):
     assert common.pyplot("x.png", logged.append) is None
     assert logged == ["--plot x.png: matplotlib is not installed (pip install matplotlib); "
                       "skipped"]
+
+
+def test_quant_kernels_benchmark(tmp_path):
+    bench = load("quant_kernels")
+    args = bench.build_parser().parse_args([
+        "--formats", "Q4_1,Q6_K", "--shapes", "16x256,9x512", "--rows", "1,5", "--rounds", "2",
+        "--seconds", "0.001"])
+    results = bench.run(args)
+    cases = results["cases"]
+    assert [(c["format"], c["n"], c["k"], c["rows"]) for c in cases] == [
+        (q, n, k, m) for q in ("Q4_1", "Q6_K") for n, k in ((16, 256), (9, 512)) for m in (1, 5)]
+    assert all(c["gflops"]["interleaved"] > 0 and c["gflops"]["rows"] > 0 for c in cases)
+    # the same blocks in both layouts: the outputs differ only in the last bits
+    assert all(c["max_rel_diff"] < 1e-5 for c in cases), cases
+    assert "interleaved GF/s" in bench.format_tables(results)
+    assert bench.write_plot(results, str(tmp_path / "q.png"))

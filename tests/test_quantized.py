@@ -17,12 +17,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from corellm.quant import (GGUF_FORMATS, QuantizedTensor, QuantizedWeight, dequantize,
-                           quantize_int8)
+from corellm.quant import (GGUF_FORMATS, GROUPABLE, INTERLEAVABLE, QuantizedTensor,
+                           QuantizedWeight, dequantize, quantize_int8)
 from tests.cpu_threads import cpu_threads
 
 GGUF = list(GGUF_FORMATS)
@@ -247,7 +249,7 @@ def test_dequantize_extreme_scales_stay_finite(qtype):
 
 
 # ---------------------------------------------------------------------- kernels vs reference
-MS = (1, 2, 3, 4, 5, 9, 33)         # the kernels tile activation rows by 4
+MS = (1, 2, 3, 4, 5, 7, 9, 14, 33)  # the kernels tile activation rows by 4 or 8
 
 
 @pytest.mark.parametrize("n,kblocks", [(7, 1), (257, 3)], ids=["N7-K1blk", "N257-Kbig"])
@@ -348,25 +350,46 @@ def test_gguf_kernel_matches_simulated_int8_activations(kernels, qtype):
 
 @pytest.mark.parametrize("qtype", [*GGUF, "int8"])
 def test_rows_do_not_depend_on_the_batch(kernels, qtype):
-    """Row m of a batch of 9 (tiles of 4, 4 and 1) is the same bits as row m alone."""
+    """Row m of a batch of 13 (tiles of 8 and 5, or of 4, 4, 4 and 1) is the same bits as row m
+    alone, in the interleaved kernels' groups of 8 output columns and in the 1 column after
+    them."""
     k = 512
     if qtype == "int8":
         t = quantize_int8(torch.randn(41, k, generator=torch.Generator().manual_seed(6)))
     else:
         t = _blocks(qtype, 41, k, seed=6)
     q = QuantizedWeight([(0, t)])
-    x = _x(9, k, seed=6)
+    x = _x(13, k, seed=6)
     bias = torch.randn(41, generator=torch.Generator().manual_seed(6))
     for threads in (1, 2):
         batch = _run(kernels, q, x, bias, threads)
-        for m in range(9):
+        for m in range(13):
             alone = _run(kernels, q, x[m:m + 1].clone(), bias, threads)
             assert torch.equal(alone[0], batch[m]), (
-                f"{qtype}, {threads} threads: row {m} alone differs from row {m} of 9 by up to "
+                f"{qtype}, {threads} threads: row {m} alone differs from row {m} of 13 by up to "
                 f"{(alone[0] - batch[m]).abs().max().item():.6g}")
         # and inside other batches: the first 5 rows, the last 4
         assert torch.equal(_run(kernels, q, x[:5].clone(), bias, threads), batch[:5])
         assert torch.equal(_run(kernels, q, x[5:].clone(), bias, threads), batch[5:])
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVABLE)
+def test_interleaved_kernels_without_vnni_give_the_same_bits(qtype):
+    """The interleaved kernels built for a CPU with AVX2 but neither AVX-512 nor VNNI (byte
+    products through vpmaddubsw + vpmaddwd, Q8_0's signs moved onto the activations, tiles of
+    4 rows) give this CPU's build's results bit for bit: the same integers, then the same float
+    operations per output element."""
+    from corellm_plugins.platform_cpu import native
+    from corellm_plugins.platform_cpu.qlinear import _SOURCE, QuantKernels, quant_kernels
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2: only the plain-C build runs here")
+    here = quant_kernels()
+    avx2 = QuantKernels(native.load_library("corellm_quant_gemm_avx2_only", _SOURCE,
+                                            ("-mno-avx512f", "-mno-avxvnni")))
+    for m in (1, 3, 8, 13):
+        q = QuantizedWeight([(0, _blocks(qtype, 24, 512, seed=m))])
+        x = _x(m, 512, seed=m)
+        assert torch.equal(here.linear(q, x, None), avx2.linear(q, x, None)), (qtype, m)
 
 
 def test_multi_part_weight_columns_land_in_place(kernels):
@@ -602,3 +625,37 @@ def test_grouped_layout_is_the_same_bytes_reordered(qtype, nblocks):
     if nblocks >= 2:      # run 0: block 1's scale follows block 0's
         size = t.format.type_size
         assert torch.equal(g.data[:, 2:4], t.data[:, size:size + 2])
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVABLE)
+@pytest.mark.parametrize("rows", [3, 8, 21])
+def test_interleaved_layout_is_the_same_bytes_reordered(qtype, rows):
+    """The interleaved layout (rows in groups of 8, each block's 8 scales side by side, the
+    values 4 bytes of each row in turn; the rows after the last whole group grouped or as they
+    are) round-trips to the file's bytes, dequantizes, looks up rows (in a group, in the rest,
+    both at once) and narrows as the file's, and merges with an adjacent part only where both
+    hold whole groups."""
+    block = GGUF_FORMATS[qtype].block
+    t = _blocks(qtype, rows, block * 3, seed=rows)
+    x = t.interleaved()
+    assert x.layout == "interleaved" and x.data.shape == t.data.shape
+    assert x.interleaved() is x
+    assert torch.equal(x.ungrouped().data, t.data)
+    assert torch.equal(x.grouped().dequantize() if qtype in GROUPABLE else x.dequantize(),
+                       t.dequantize())
+    idx = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    assert torch.equal(x.rows(idx).data, t.data[idx])
+    for start, size in [(0, min(rows, 8)), (rows - 2, 2), (1, rows - 1)]:
+        assert torch.equal(x.narrow(0, start, size).dequantize(),
+                           t.dequantize()[start:start + size]), (start, size)
+    assert torch.equal(x.narrow(1, block, block).dequantize(),
+                       t.dequantize()[:, block:2 * block])
+    if rows >= 8:       # the group's first block opens with its 8 rows' fp16 scales
+        d = 208 if qtype == "Q6_K" else 0                 # Q6_K's d ends its block
+        assert torch.equal(x.data.reshape(-1)[:16], t.data[:8, d:d + 2].reshape(-1))
+    other = _blocks(qtype, 8, block * 3, seed=99).interleaved()
+    merged = QuantizedWeight([(0, x), (rows, other)])
+    assert len(merged.parts) == (1 if rows % 8 == 0 else 2)
+    assert torch.equal(merged.dequantize(), torch.cat([t.dequantize(), other.dequantize()]))
+    assert torch.equal(merged.embed(torch.tensor([rows + 7, 2]), torch.float32),
+                       merged.dequantize()[[rows + 7, 2]])

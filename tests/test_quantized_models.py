@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,40 +228,66 @@ QUESTIONS = ["Name the capital of France.", "What is the capital of France?",
              "Explain photosynthesis in two sentences."]
 
 
+# A greedy token may differ from llama.cpp's only where llama.cpp's own two best logits are
+# closer than this (a near tie that rounding decides).
+NEAR_TIE = 0.5
+
+
 @needs_smollm2
 def test_greedy_matches_llama_cpp_on_the_default_model():
     """Token for token against llama.cpp on the same Q4_1 file, 48 tokens per chat prompt.
 
-    Both quantize the activations to int8 per 32-value block and multiply the blocks the same
-    way; what still differs is rounding: llama.cpp computes RoPE's angles by repeated float32
-    multiplication, sums its attention and reductions in another order, and keeps its KV cache
-    in fp16 unless told otherwise (here f32, as corellm's). A last-bit difference upstream of an
-    activation that lies on an int8 rounding boundary becomes a whole quantization step, so a
-    long greedy continuation can part at a near tie. Measured: three of the six prompts agree for
-    all 48 tokens, and the others for their first 3-19 tokens."""
+    Both quantize the activations to int8 per 32-value block and multiply the blocks exactly in
+    integers; what differs is float rounding: the order in which the blocks' products are summed
+    (llama.cpp's Q4_1 dot product keeps 8 partial sums per row; corellm's interleaved kernels one
+    per output, a block at a time), RoPE's angles (llama.cpp multiplies them up in float32),
+    attention and the norms' reductions. A last-bit difference upstream of an activation that
+    lies on an int8 rounding boundary becomes a whole quantization step, so the log-probabilities
+    differ by up to a few tenths and a free-running greedy continuation parts at the first near
+    tie, after which the two texts are no longer comparable.
+
+    So each of llama.cpp's 48 greedy tokens is checked given the same context (llama.cpp's own
+    continuation so far, fed to corellm as the prompt): corellm's greedy token must be
+    llama.cpp's wherever llama.cpp's top two logits are NEAR_TIE or more apart. Measured: 283 of
+    the 288 positions agree, and the 5 that differ lie at margins of 0.011-0.239. The README's
+    prompt also runs free: 48 tokens equal, and its answer."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the reference "
                                     "here (pip install llama-cpp-python==0.3.36)")
     path = str(smollm2_path())
     n = 48
+    ref = llama_cpp.Llama(path, n_threads=2, n_ctx=1024, verbose=False, seed=0,
+                          type_k=0, type_v=0, logits_all=True)   # GGML_TYPE_F32 KV cache
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     with LLM({"model": {"path": path, "max_model_len": 512},
-              "kv_cache": {"num_blocks": 16}}) as llm:
+              "kv_cache": {"num_blocks": 64}}) as llm:
         prompts = [list(llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
             return_dict=False)) for q in QUESTIONS]
-        ours = [list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)]
-        readme_answer = llm.tokenizer.decode(ours[0]).split("<|im_end|>")[0]
-    ref = llama_cpp.Llama(path, n_threads=2, n_ctx=1024, verbose=False, seed=0,
-                          type_k=0, type_v=0)                  # GGML_TYPE_F32 KV cache
-    agree = []
-    for prompt, mine in zip(prompts, ours):
-        theirs = []
-        for token in ref.generate(prompt, temp=0.0, top_k=1, reset=True):
-            theirs.append(token)
-            if len(theirs) == n:
-                break
-        agree.append(next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), n))
+        theirs, margins = [], []
+        for prompt in prompts:
+            tokens = []
+            for token in ref.generate(prompt, temp=0.0, top_k=1, reset=True):
+                tokens.append(token)
+                if len(tokens) == n:
+                    break
+            ref.reset()
+            ref.eval(prompt + tokens)
+            top2 = np.sort(np.asarray(ref.scores[len(prompt) - 1:len(prompt) + n - 1],
+                                      dtype=np.float64), axis=1)[:, -2:]
+            theirs.append(tokens)
+            margins.append(top2[:, 1] - top2[:, 0])
+        forced = llm.generate([{"prompt_token_ids": p + t[:i]} for p, t in zip(prompts, theirs)
+                               for i in range(n)],
+                              SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        ours = np.array([o.outputs[0].token_ids[0] for o in forced]).reshape(len(prompts), n)
+        free = list(llm.generate([{"prompt_token_ids": prompts[0]}], greedy,
+                                 use_tqdm=False)[0].outputs[0].token_ids)
+        readme_answer = llm.tokenizer.decode(free).split("<|im_end|>")[0]
+        assert_pool_whole(llm)
+    parted = [(q, i, round(float(margins[q][i]), 3)) for q in range(len(prompts))
+              for i in range(n) if ours[q][i] != theirs[q][i]]
+    assert all(margin < NEAR_TIE for _, _, margin in parted), (
+        f"(prompt, position, llama.cpp's top-2 margin) where the greedy tokens differ: {parted}")
+    assert len(parted) <= len(prompts) * n // 20, parted        # at most 5% of the positions
     assert readme_answer == "The capital of France is Paris.", readme_answer
-    assert agree[0] == n, agree                               # the README's prompt
-    assert sum(a == n for a in agree) >= 3 and min(agree) >= 3, agree
+    assert free == theirs[0], (free, theirs[0])               # the README's prompt, free-running

@@ -1,9 +1,11 @@
 """The CPU platform's quantized linear layers (quant_gemm.c): a layer's ``qweight`` multiplied in
 its blocks, one C call per part (which quantizes the activations for the GGUF formats).
 
-The k-quants are read as the file lays them out; the 32-value formats (Q8_0, Q4_0, Q4_1) are
-regrouped once, when a layer is planned, so that each run of 8 blocks has its scales together
-(``corellm.quant``'s ``grouped`` layout: the same bytes, in place of the file's order).
+Each part is reordered once, when its layer is planned (the same bytes, in place of the
+file's order): Q8_0, Q4_0, Q4_1 and Q4_K with their rows ``interleaved`` by 8 (``corellm.quant``;
+a kernel multiplies 4 values of 8 rows at once; the rows past the last whole group of 8 read
+one at a time, as Q5_K and Q6_K are, in the file's layout or, for the 32-value formats, the
+``grouped`` one).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from corellm.quant import GGUF_FORMATS, GROUPABLE, QuantizedWeight
+from corellm.quant import GGUF_FORMATS, INTERLEAVABLE, QuantizedTensor, QuantizedWeight
 from corellm_plugins.platform_cpu.native import warm_ranges
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 FORMAT_IDS = {name: i for i, name in enumerate(GGUF_FORMATS)}    # the C enum's order
+INTERLEAVED = 16                                   # quant_gemm.c's X8: the format's flag
 _ACT_BLOCK = 32
 
 
@@ -51,19 +54,19 @@ class QuantKernels:
 
     def plan(self, q: QuantizedWeight) -> QuantLinear | None:
         """The per-layer calls for ``q`` (None if a part is in a format or place the kernels do
-        not take). The 32-value formats' parts are put in the grouped layout the kernels read
-        (``corellm.quant``; in place: the same bytes reordered, once)."""
+        not take). The parts are put in the layouts the kernels read (``_layout``; in place:
+        the same bytes reordered, once)."""
         if any(not (t.data.device.type == "cpu" and t.data.is_contiguous()) for _, t in q.parts):
             return None
-        q.parts = [(start, t.grouped() if t.qtype in GROUPABLE else t) for start, t in q.parts]
+        q.parts = [(start, _layout(t)) for start, t in q.parts]
         calls = []
         for start, t in q.parts:
             if t.qtype == "int8":
                 calls.append((self._i8, None, t.data.data_ptr(), t.scale.data_ptr(),
                                t.shape[0], start))
             elif t.qtype in FORMAT_IDS:
-                calls.append((self._q, FORMAT_IDS[t.qtype], t.data.data_ptr(), None,
-                              t.shape[0], start))
+                fmt = FORMAT_IDS[t.qtype] | (INTERLEAVED if t.layout == "interleaved" else 0)
+                calls.append((self._q, fmt, t.data.data_ptr(), None, t.shape[0], start))
             else:
                 return None
         return QuantLinear(q, calls, self._fused)
@@ -75,6 +78,12 @@ class QuantKernels:
         if plan is None:
             raise ValueError(f"the CPU kernels do not take {q}")
         return plan(x, bias)
+
+
+def _layout(t: QuantizedTensor) -> QuantizedTensor:
+    """A part in the layout the kernels read: interleaved where the format has that layout
+    (the rows after its last whole group of 8 grouped, or as they are), else as it is."""
+    return t.interleaved() if t.qtype in INTERLEAVABLE else t
 
 
 class QuantLinear:

@@ -14,15 +14,21 @@
  * lies in: Q4_1's d and m; Q4_0's d and -8d; a k-quant sub-block's d*scale and -dmin*min, or
  * Q6_K's d*scale and -32*d*scale per 16 values) and a_i = da * q_i the activation. Every row of
  * the output is the same computation whatever the batch around it: one weight row, one
- * activation row, blocks in order. The 32-value formats are read in corellm.quant's grouped
- * layout (each run of 8 blocks: their scales, Q4_1's offsets, their values), the k-quants as
- * the file lays them out.
+ * activation row, blocks in order.
+ *
+ * Two kinds of kernels: Q8_0, Q4_0, Q4_1 and Q4_K with W's rows interleaved by 8
+ * (corellm.quant's interleaved layout; "rows interleaved by 8" below), 8 output columns per
+ * vector, and the row kernels, one weight row at a time, for Q5_K, Q6_K and the rows after the
+ * last whole group of 8: the 32-value formats in corellm.quant's grouped layout (each run of 8
+ * blocks: their scales, Q4_1's offsets, their values), the k-quants as the file lays them out.
  *
  * int8 (weight-only, per output channel): the int8 values widened to float in registers and
  * multiplied with the float activations (no activation rounding), the row's scale applied once.
  *
- * Both run up to four activation rows against each unpacked weight row (a prefill's GEMM reuses
- * each unpacked block four times), output rows split over the platform's thread pool.
+ * The row kernels run up to four activation rows against each unpacked weight row, the
+ * interleaved ones up to eight (four without AVX-512's 32 vector registers): a prefill's GEMM
+ * reuses each unpacked block that many times. Output columns are split over the platform's
+ * thread pool.
  *
  * A layer's call may run the RMSNorm before it and the SiLU-and-multiply after it
  * (corellm_qlinear_fused, with the platform's own element-wise kernels), and ends by handing the
@@ -98,7 +104,13 @@ static inline float as_f16(float v) {
 }
 
 /* ------------------------------------------------------------------ activations to int8 blocks */
-typedef struct { const float *x; int64_t M, K, ldx; int8_t *qa; float *da, *fs, *fsum; } act_args;
+typedef struct {
+    const float *x;
+    int64_t M, K, ldx;
+    int8_t *qa;
+    float *da, *fs, *fsum;
+    int32_t *isum;
+} act_args;
 
 static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
     (void)tid;
@@ -122,17 +134,19 @@ static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
             a->fs[r * nb + b] = d * (float)s0;
             a->fs[(a->M + r) * nb + b] = d * (float)s1;
             a->fsum[r * nb + b] = as_f16(d * (float)(s0 + s1));
+            a->isum[r * nb + b] = s0 + s1;
         }
     }
 }
 
 /* x [M, K] float32 (rows ldx apart), K a multiple of 32 -> qa int8 [M, K], da [M, K/32] (the
  * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [2, M, K/32]
- * (each half's sum of values times the block's scale: the first halves', then the second's)
- * and fsum [M, K/32] (the whole block's, rounded to fp16 as block_q8_1's s). */
+ * (each half's sum of values times the block's scale: the first halves', then the second's),
+ * fsum [M, K/32] (the whole block's, rounded to fp16 as block_q8_1's s) and isum [M, K/32]
+ * (the block's sum of int8 values). */
 void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *qa, float *da,
-                    float *fs, float *fsum) {
-    act_args a = {x, M, K, ldx, qa, da, fs, fsum};
+                    float *fs, float *fsum, int32_t *isum) {
+    act_args a = {x, M, K, ldx, qa, da, fs, fsum, isum};
     corellm_parallel_for(M, K >= 4096 ? 1 : 4096 / K, quantize_rows, &a);
 }
 
@@ -258,6 +272,8 @@ typedef struct {
     const int8_t *qa;
     const float *da, *fs, *fs1, *fsum, *bias;
     float *y;
+    const int32_t *isum;     /* the activation blocks' integer sums */
+    int64_t N, groups;       /* the interleaved layout: W's rows, its whole groups of XR */
     /* Q4_1 with MT rows or more: fsum regrouped [M / MT][K / 32][MT], so that a group of MT
      * rows' offset terms of one block are one vector (NULL: the scalar loop) */
     const float *fsum4;
@@ -498,6 +514,367 @@ Q_FMT(Q6_K)
 static corellm_body_fn const Q_BODY[6] = {q_body_Q8_0, q_body_Q4_0, q_body_Q4_1,
                                           q_body_Q4_K, q_body_Q5_K, q_body_Q6_K};
 
+/* ------------------------------------------------------------------ rows interleaved by 8 */
+/* The interleaved layout (corellm.quant's ``interleaved``, flag X8 on the format): W's rows in
+ * groups of XR = 8, each block of the group stored as its 8 rows' scales side by side (8 fp16:
+ * one vector), Q4_1's 8 offsets, then the values four at a time, the 8 rows' first four values,
+ * the 8 rows' next four, and so on (Q4_0/Q4_1: byte j of a row holds values j and j + 16, so
+ * one 32-byte vector's low nibbles are values 4g..4g+3 of the 8 rows, its high nibbles values
+ * 16+4g..16+4g+3). Q4_K's super-blocks the same way: the 8 rows' d, their dmin, each of the 12
+ * scale bytes for the 8 rows, then the 128 value bytes in 4-byte runs.
+ *
+ * One byte multiply-add of a 32-byte vector of weights with one activation row's four values
+ * broadcast gives 8 output columns at once, each in its own lane, summed across a block in
+ * integers (exactly) and converted once per block: no horizontal sums. Each output element is
+ * still the same sequence of operations whatever the batch or the tile it falls in (lane n of
+ * row m: the blocks' integer products, each block's one fused multiply-add), so rows do not
+ * depend on the batch. Q4_0's values are used as unsigned nibbles and Q8_0's as bytes + 128
+ * (VNNI) and the activations' integer sum times 8 (128) subtracted, the same integers as the
+ * signed products. */
+#define X8 16                                /* flag on the format: the interleaved layout */
+#define XR 8                                 /* rows of W per interleaved group */
+#if defined(__AVX512VL__)
+#define XMT 8          /* activation rows per tile: 32 vector registers hold 8 rows' sums */
+#else
+#define XMT 4
+#endif
+
+/* Where a k-quant's parts lie in an interleaved super-block of 8 rows (XR * type_size bytes):
+ * the 8 rows' fp16 d, then (Q4_K, Q5_K) their dmin, their scale bytes one byte of the 8 rows
+ * at a time (12; Q6_K 16), then the values: Q5_K's high bits (32 bytes a row), the 4-bit values
+ * (Q6_K: the low 4 bits) in 32-byte chunks, and Q6_K's high 2 bits in 32-byte chunks, each
+ * chunk as 8 runs of 4 bytes of the 8 rows. */
+enum { KQ_SC = 2 * XR };                    /* Q6_K's scales (Q4_K, Q5_K: 4 * XR) */
+static inline int kq_qh(int fmt) {          /* Q5_K's high bits, Q6_K's */
+    return fmt == Q5_K ? 16 * XR : 18 * XR + 128 * XR;
+}
+static inline int kq_ql(int fmt) {          /* the 4-bit values (Q6_K: the low 4 bits) */
+    return fmt == Q4_K ? 16 * XR : fmt == Q5_K ? 48 * XR : 18 * XR;
+}
+
+#if defined(QG_AVX2) && defined(__F16C__)
+/* acc + in each int32 lane the 4 products of unsigned bytes u and signed bytes q; u < 128
+ * without VNNI (vpmaddubsw's 16-bit sums saturate past that). */
+static inline __m256i dp_acc(__m256i acc, __m256i u, __m256i q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, q);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, q);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define QG_VNNI 1
+#endif
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Output columns [8 * g, 8 * g + 8) for activation rows [m0, m0 + mt), a 32-value format. */
+static inline __attribute__((always_inline)) void x8_q32(const q_args *a, int fmt, int mt,
+                                                          int64_t m0, int64_t g) {
+    const int64_t nb = a->K / 32, ts = TYPE_SIZE[fmt], K = a->K;
+    const int head = fmt == Q4_1 ? 4 : 2;
+    const uint8_t *grp = a->w + g * XR * a->rb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[XMT];
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + b * XR * ts, *vals = blk + XR * head;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const int8_t *q0 = a->qa + m0 * K + b * 32;
+        __m256i ia[XMT];
+        for (int t = 0; t < mt; t++) ia[t] = _mm256_setzero_si256();
+        if (fmt == Q8_0) {
+            for (int k = 0; k < 8; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(vals + 32 * k));
+#ifdef QG_VNNI
+                const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+                for (int t = 0; t < mt; t++)
+                    ia[t] = dp_acc(ia[t], u, bcast4(q0 + t * K + 4 * k));
+#else
+                const __m256i u = _mm256_sign_epi8(v, v);
+                for (int t = 0; t < mt; t++)
+                    ia[t] = dp_acc(ia[t], u, _mm256_sign_epi8(bcast4(q0 + t * K + 4 * k), v));
+#endif
+            }
+        } else {
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(vals + 32 * k));
+                const __m256i lo = _mm256_and_si256(v, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int t = 0; t < mt; t++) {
+                    ia[t] = dp_acc(ia[t], lo, bcast4(q0 + t * K + 4 * k));
+                    ia[t] = dp_acc(ia[t], hi, bcast4(q0 + t * K + 16 + 4 * k));
+                }
+            }
+        }
+        const __m256 mw = fmt == Q4_1
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : dw;
+        for (int t = 0; t < mt; t++) {
+            const int64_t r = (m0 + t) * nb + b;
+            __m256i i = ia[t];
+            if (fmt == Q4_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(8 * a->isum[r]));
+#ifdef QG_VNNI
+            if (fmt == Q8_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(128 * a->isum[r]));
+#endif
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(a->da[r])), acc[t]);
+            if (fmt == Q4_1) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->fsum[r]), acc[t]);
+        }
+    }
+    const __m256 bias = a->bias ? _mm256_loadu_ps(a->bias + g * XR) : _mm256_setzero_ps();
+    for (int t = 0; t < mt; t++)
+        _mm256_storeu_ps(a->y + (m0 + t) * a->ldy + g * XR, _mm256_add_ps(acc[t], bias));
+}
+
+/* 8 bytes (one per row of the group) -> 8 floats. */
+static inline __m256 u8x8(uint64_t v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+}
+
+/* Output columns [8 * g, 8 * g + 8) for activation rows [m0, m0 + mt), a k-quant: per
+ * super-block the 8 rows' scales (Q4_K, Q5_K: 6-bit scales and minimums unpacked 8 rows at a
+ * time, one 64-bit word per scale byte, llama.cpp's masks; Q6_K: signed bytes per 16 values),
+ * then per 32-value sub-block the byte products (Q6_K: per 16 values, each half its scale)
+ * and the offset terms (-dmin * min, or Q6_K's -32 * scale, against the activation sums). */
+static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt, int mt,
+                                                         int64_t m0, int64_t g) {
+    const int64_t nsb = a->K / 256, nb = a->K / 32, K = a->K, bs = XR * TYPE_SIZE[fmt];
+    const uint8_t *grp = a->w + g * XR * a->rb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256 acc[XMT];
+    for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = grp + sb * bs, *ql = blk + kq_ql(fmt), *qh = blk + kq_qh(fmt);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        float sv[16][8], mv[8][8];          /* Q6_K: 16 scales; else 8 scales and 8 offsets */
+        if (fmt == Q6_K) {
+            for (int i = 0; i < 16; i++) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + KQ_SC + XR * i));
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                _mm256_storeu_ps(sv[i], _mm256_mul_ps(d, sc));
+            }
+        } else {
+            const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR))));
+            uint64_t B[12];
+            memcpy(B, blk + 4 * XR, 12 * XR);
+            const uint64_t k1 = 0x3f3f3f3f3f3f3f3full, k2 = 0x0f0f0f0f0f0f0f0full,
+                           k3 = 0x0303030303030303ull;
+            for (int j = 0; j < 8; j++) {
+                uint64_t sc, mn;
+                if (j < 4) {
+                    sc = B[j] & k1;
+                    mn = B[j + 4] & k1;
+                } else {
+                    sc = (B[j + 4] & k2) | (((B[j - 4] >> 6) & k3) << 4);
+                    mn = ((B[j + 4] >> 4) & k2) | (((B[j] >> 6) & k3) << 4);
+                }
+                _mm256_storeu_ps(sv[j], _mm256_mul_ps(d, u8x8(sc)));
+                _mm256_storeu_ps(mv[j], _mm256_mul_ps(ndmin, u8x8(mn)));
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            /* sub-block j's 4-bit values: chunk j / 2's low or high nibbles (Q6_K: chunk
+             * 2 (j / 4) + j % 2, high nibbles from j % 4 = 2; its high bits: chunk j / 4, bits
+             * 2 (j % 4)) */
+            const int six = fmt == Q6_K, c = six ? 2 * (j / 4) + j % 2 : j / 2;
+            const int high = six ? (j % 4) >= 2 : j & 1;
+            const uint8_t *v0 = ql + 32 * XR * c, *h0 = qh + (six ? 32 * XR * (j / 4) : 0);
+            const __m128i hshift = _mm_cvtsi32_si128(six ? 2 * (j % 4) : j);
+            const int8_t *q0 = a->qa + m0 * K + sb * 256 + 32 * j;
+            __m256i ia[XMT], ib[XMT];
+            for (int t = 0; t < mt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(v0 + 32 * k));
+                __m256i u = _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, m4);
+                if (fmt != Q4_K) {
+                    const __m256i h = _mm256_srl_epi16(
+                        _mm256_loadu_si256((const __m256i *)(h0 + 32 * k)), hshift);
+                    const __m256i hb = _mm256_and_si256(h, six ? m3 : one);
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
+                }
+                for (int t = 0; t < mt; t++) {
+                    if (six && k >= 4)
+                        ib[t] = dp_acc(ib[t], u, bcast4(q0 + t * K + 4 * k));
+                    else
+                        ia[t] = dp_acc(ia[t], u, bcast4(q0 + t * K + 4 * k));
+                }
+            }
+            if (six) {
+                const int base = 8 * (j / 4) + 2 * (j % 4);
+                const __m256 sa = _mm256_loadu_ps(sv[base]), sbv = _mm256_loadu_ps(sv[base + 1]);
+                const __m256 m32 = _mm256_set1_ps(-32.f);
+                const __m256 ca = _mm256_mul_ps(sa, m32), cb = _mm256_mul_ps(sbv, m32);
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r = (m0 + t) * nb + sb * 8 + j;
+                    const __m256 da = _mm256_set1_ps(a->da[r]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(sa, da),
+                                             acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[t]), _mm256_mul_ps(sbv, da),
+                                             acc[t]);
+                    acc[t] = _mm256_fmadd_ps(ca, _mm256_set1_ps(a->fs[r]), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(cb, _mm256_set1_ps(a->fs1[r]), acc[t]);
+                }
+            } else {
+                const __m256 sj = _mm256_loadu_ps(sv[j]), cj = _mm256_loadu_ps(mv[j]);
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r = (m0 + t) * nb + sb * 8 + j;
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]),
+                                             _mm256_mul_ps(sj, _mm256_set1_ps(a->da[r])), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(cj, _mm256_set1_ps(a->fs[r] + a->fs1[r]), acc[t]);
+                }
+            }
+        }
+    }
+    const __m256 bias = a->bias ? _mm256_loadu_ps(a->bias + g * XR) : _mm256_setzero_ps();
+    for (int t = 0; t < mt; t++)
+        _mm256_storeu_ps(a->y + (m0 + t) * a->ldy + g * XR, _mm256_add_ps(acc[t], bias));
+}
+#define X8_TILE(F, mt, m0, g) ((F) >= Q4_K ? x8_kq(a, F, mt, m0, g) : x8_q32(a, F, mt, m0, g))
+#else
+/* Plain C: the same integers and the same float operations per output element, one column at
+ * a time (the value of row n's byte i of block b read through the interleaved order). */
+static inline int x8_value(int fmt, const uint8_t *vals, int n, int i) {
+    if (fmt == Q8_0) return (int8_t)vals[32 * (i / 4) + 4 * n + i % 4];
+    const int j = i % 16, byte = vals[32 * (j / 4) + 4 * n + j % 4];
+    return i < 16 ? byte & 0xF : byte >> 4;
+}
+
+/* Row n's super-block in the file's layout, from an interleaved super-block of 8 rows. */
+static void x8_kq_row(int fmt, const uint8_t *blk, int n, uint8_t *out) {
+    const int nsc = fmt == Q6_K ? 16 : 12, dpos = fmt == Q6_K ? 208 : 0;
+    const int sc_in = fmt == Q6_K ? 2 * XR : 4 * XR, sc_out = fmt == Q6_K ? 192 : 4;
+    memcpy(out + dpos, blk + 2 * n, 2);
+    if (fmt != Q6_K) memcpy(out + 2, blk + 2 * XR + 2 * n, 2);
+    for (int i = 0; i < nsc; i++) out[sc_out + i] = blk[sc_in + XR * i + n];
+    /* the values' chunks of 32 bytes, each 8 runs of 4 bytes of the 8 rows: (interleaved
+     * offset, file offset, chunks), the 4-bit values then the high bits */
+    const int runs[2][3] = {
+        {kq_ql(fmt), fmt == Q4_K ? 16 : fmt == Q5_K ? 48 : 0, 4},
+        {kq_qh(fmt), fmt == Q5_K ? 16 : 128, fmt == Q4_K ? 0 : fmt == Q5_K ? 1 : 2}};
+    for (int part = 0; part < 2; part++)
+        for (int c = 0; c < runs[part][2]; c++)
+            for (int k = 0; k < 8; k++)
+                memcpy(out + runs[part][1] + 32 * c + 4 * k,
+                       blk + runs[part][0] + 32 * XR * c + 32 * k + 4 * n, 4);
+}
+
+static inline void x8_tile(const q_args *a, int fmt, int mt, int64_t m0, int64_t g) {
+    const int64_t K = a->K, nb = K / 32;
+    const uint8_t *grp = a->w + g * XR * a->rb;
+    for (int n = 0; n < XR; n++) {
+        float acc[XMT] = {0};
+        if (fmt >= Q4_K) {
+            const int64_t ts = TYPE_SIZE[fmt];
+            for (int64_t sb = 0; sb < K / 256; sb++) {
+                uint8_t file[210];                       /* row n's super-block, the file's */
+                x8_kq_row(fmt, grp + sb * XR * ts, n, file);
+                sub_t sub[8];
+                decode_block(fmt, file, sub);
+                for (int j = 0; j < 8; j++) {
+                    int16_t u[32];
+                    unpack_scalar(fmt, file, j, u);
+                    for (int t = 0; t < mt; t++) {
+                        const int64_t r = (m0 + t) * nb + sb * 8 + j;
+                        const int8_t *q = a->qa + (m0 + t) * K + sb * 256 + 32 * j;
+                        int32_t s0 = 0, s1 = 0;
+                        for (int i = 0; i < 16; i++) s0 += u[i] * q[i];
+                        for (int i = 16; i < 32; i++) s1 += u[i] * q[i];
+                        if (fmt == Q6_K) {
+                            acc[t] = fmaf((float)s0, sub[j].sa * a->da[r], acc[t]);
+                            acc[t] = fmaf((float)s1, sub[j].sb * a->da[r], acc[t]);
+                            acc[t] = fmaf(sub[j].ca, a->fs[r], acc[t]);
+                            acc[t] = fmaf(sub[j].cb, a->fs1[r], acc[t]);
+                        } else {
+                            acc[t] = fmaf((float)(s0 + s1), sub[j].sa * a->da[r], acc[t]);
+                            acc[t] = fmaf(sub[j].ca, a->fs[r] + a->fs1[r], acc[t]);
+                        }
+                    }
+                }
+            }
+        } else {
+            const int64_t ts = TYPE_SIZE[fmt];
+            const int head = fmt == Q4_1 ? 4 : 2;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = grp + b * XR * ts, *vals = blk + XR * head;
+                const float d = f16(blk + 2 * n), m = fmt == Q4_1 ? f16(blk + 16 + 2 * n) : 0.f;
+                for (int t = 0; t < mt; t++) {
+                    const int64_t r = (m0 + t) * nb + b;
+                    const int8_t *q = a->qa + (m0 + t) * K + b * 32;
+                    int32_t s = 0;
+                    for (int i = 0; i < 32; i++) s += x8_value(fmt, vals, n, i) * q[i];
+                    if (fmt == Q4_0) s -= 8 * a->isum[r];
+                    acc[t] = fmaf((float)s, d * a->da[r], acc[t]);
+                    if (fmt == Q4_1) acc[t] = fmaf(m, a->fsum[r], acc[t]);
+                }
+            }
+        }
+        const float bias = a->bias ? a->bias[g * XR + n] : 0.f;
+        for (int t = 0; t < mt; t++) a->y[(m0 + t) * a->ldy + g * XR + n] = acc[t] + bias;
+    }
+}
+#define X8_TILE(F, mt, m0, g) x8_tile(a, F, mt, m0, g)
+#endif
+
+/* Items: the groups of 8 output columns, then (one more item) the columns after the last whole
+ * group, whose rows W stores in the format's own layout (after the groups) and the row kernels
+ * above read. */
+/* The activation rows after the last whole tile of XMT. */
+#if XMT == 8
+#define X8_REST(F, m0, g)                                                                    \
+    switch (a->M - m0) {                                                                     \
+    case 7: X8_TILE(F, 7, m0, g); break;                                                     \
+    case 6: X8_TILE(F, 6, m0, g); break;                                                     \
+    case 5: X8_TILE(F, 5, m0, g); break;                                                     \
+    case 4: X8_TILE(F, 4, m0, g); break;                                                     \
+    case 3: X8_TILE(F, 3, m0, g); break;                                                     \
+    case 2: X8_TILE(F, 2, m0, g); break;                                                     \
+    case 1: X8_TILE(F, 1, m0, g); break;                                                     \
+    default: break;                                                                          \
+    }
+#else
+#define X8_REST(F, m0, g)                                                                    \
+    switch (a->M - m0) {                                                                     \
+    case 3: X8_TILE(F, 3, m0, g); break;                                                     \
+    case 2: X8_TILE(F, 2, m0, g); break;                                                     \
+    case 1: X8_TILE(F, 1, m0, g); break;                                                     \
+    default: break;                                                                          \
+    }
+#endif
+
+/* Items: the groups of 8 output columns, then (one more item) the columns after the last whole
+ * group, whose rows W stores in the format's own layout (after the groups) and the row kernels
+ * above read. */
+#define X8_FMT(F)                                                                            \
+static void x8_body_##F(void *ctx, int64_t g0, int64_t g1, int tid) {                       \
+    const q_args *a = ctx;                                                                   \
+    for (int64_t g = g0; g < g1; g++) {                                                      \
+        if (g == a->groups) {                                                                \
+            Q_BODY[F](ctx, g * XR, a->N, tid);                                               \
+            continue;                                                                        \
+        }                                                                                    \
+        int64_t m0 = 0;                                                                      \
+        for (; m0 + XMT <= a->M; m0 += XMT) X8_TILE(F, XMT, m0, g);                          \
+        X8_REST(F, m0, g)                                                                    \
+    }                                                                                        \
+}
+X8_FMT(Q8_0)
+X8_FMT(Q4_0)
+X8_FMT(Q4_1)
+X8_FMT(Q4_K)
+X8_FMT(Q5_K)
+X8_FMT(Q6_K)
+
+static corellm_body_fn const X8_BODY[6] = {x8_body_Q8_0, x8_body_Q4_0, x8_body_Q4_1,
+                                           x8_body_Q4_K, x8_body_Q5_K, x8_body_Q6_K};
+
 /* Rows of output per chunk a thread claims: about 16 KiB of weight blocks per activation row. */
 static inline int64_t grain(int64_t row_bytes, int64_t M) {
     const int64_t work = row_bytes * (M < MT ? M : MT);
@@ -508,12 +885,17 @@ static inline int64_t grain(int64_t row_bytes, int64_t M) {
  * blocks, each row K / block * type_size bytes; x as corellm_q8_act made it. Returns -1 for an
  * unknown format or a K that is not whole blocks. */
 int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *qa,
-                  const float *da, const float *fs, const float *fsum, int64_t M, float *y,
-                  int64_t ldy,
-                  const float *bias) {
+                  const float *da, const float *fs, const float *fsum, const int32_t *isum,
+                  int64_t M, float *y, int64_t ldy, const float *bias) {
+    const int x8 = fmt & X8;
+    fmt &= ~X8;
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
     q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fs + M * (K / 32),
-                fsum, bias, y, NULL};
+                fsum, bias, y, isum, N, N / XR, NULL};
+    if (x8) {
+        corellm_parallel_for(a.groups + (N % XR != 0), grain(XR * a.rb, M), X8_BODY[fmt], &a);
+        return 0;
+    }
     float *fsum4 = NULL;
 #if defined(QG_AVX2) && defined(__F16C__) && MT == 4
     if (fmt == Q4_1 && M >= MT) {       /* the rows' block sums, MT rows' side by side */
@@ -540,9 +922,10 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
                     const int64_t *warm, int warm_n) {
     static __thread void *scratch = NULL;
     static __thread size_t capacity = 0;
-    if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt] || K % 32) return -1;
+    const int base = fmt & ~X8;
+    if (base < 0 || base > Q6_K || K % BLOCK[base] || K % 32) return -1;
     const size_t nb = (size_t)(K / 32), rows = (size_t)M;
-    const size_t need = rows * (size_t)K + rows * nb * 5 * sizeof(float) + 64;
+    const size_t need = rows * (size_t)K + rows * nb * 6 * sizeof(float) + 64;
     if (need > capacity) {
         free(scratch);
         scratch = malloc(need);
@@ -550,9 +933,10 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
         if (!scratch) return -1;
     }
     float *da = scratch, *fs = da + rows * nb, *fsum = fs + rows * nb * 2;
-    int8_t *qa = (int8_t *)(fsum + rows * nb);
-    corellm_q8_act(x, M, K, ldx, qa, da, fs, fsum);
-    const int rc = corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, M, y, ldy, bias);
+    int32_t *isum = (int32_t *)(fsum + rows * nb);
+    int8_t *qa = (int8_t *)(isum + rows * nb);
+    corellm_q8_act(x, M, K, ldx, qa, da, fs, fsum, isum);
+    const int rc = corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, isum, M, y, ldy, bias);
     corellm_pool_warm(warm, warm_n);
     return rc;
 }
