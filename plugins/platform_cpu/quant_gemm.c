@@ -27,8 +27,9 @@
  *
  * The row kernels run up to four activation rows against each unpacked weight row, the
  * interleaved ones up to eight (four without AVX-512's 32 vector registers): a prefill's GEMM
- * reuses each unpacked block that many times. Output columns are split over the platform's
- * thread pool.
+ * reuses each unpacked block that many times. The interleaved kernels also ask for the weight
+ * bytes PF_BYTES ahead of each block (a decode step streams its weights from memory). Output
+ * columns are split over the platform's thread pool.
  *
  * A layer's call may run the RMSNorm before it and the SiLU-and-multiply after it
  * (corellm_qlinear_fused, with the platform's own element-wise kernels), and ends by handing the
@@ -569,6 +570,13 @@ static inline __m256i dp_acc(__m256i acc, __m256i u, __m256i q) {
 #define QG_VNNI 1
 #endif
 
+/* A decode step streams every weight from memory once, and the hardware's prefetcher alone
+ * leaves the bus idle part of the time: each block asks for the bytes PF_BYTES after it
+ * (prefetches never fault, so past a weight's end they fetch nothing useful, harmlessly). */
+#ifndef PF_BYTES
+#define PF_BYTES 9216
+#endif
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -586,6 +594,8 @@ static inline __attribute__((always_inline)) void x8_q32(const q_args *a, int fm
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = grp + b * XR * ts, *vals = blk + XR * head;
+        for (int64_t o = 0; o < XR * ts; o += 64)      /* the weights ahead: see PF_BYTES */
+            _mm_prefetch((const char *)(blk + PF_BYTES + o), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const int8_t *q0 = a->qa + m0 * K + b * 32;
         __m256i ia[XMT];
@@ -652,6 +662,8 @@ static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt
     for (int t = 0; t < mt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = grp + sb * bs, *ql = blk + kq_ql(fmt), *qh = blk + kq_qh(fmt);
+        for (int64_t o = 0; o < bs; o += 64)           /* the weights ahead: see PF_BYTES */
+            _mm_prefetch((const char *)(blk + PF_BYTES + o), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         float sv[16][8], mv[8][8];          /* Q6_K: 16 scales; else 8 scales and 8 offsets */
         if (fmt == Q6_K) {
