@@ -1,11 +1,10 @@
 """The CPU platform's quantized linear layers (quant_gemm.c): a layer's ``qweight`` multiplied in
 its blocks, one C call per part (which quantizes the activations for the GGUF formats).
 
-Each part is reordered once, when its layer is planned (the same bytes, in place of the
-file's order): Q8_0, Q4_0, Q4_1 and Q4_K with their rows ``interleaved`` by 8 (``corellm.quant``;
-a kernel multiplies 4 values of 8 rows at once; the rows past the last whole group of 8 read
-one at a time, as Q5_K and Q6_K are, in the file's layout or, for the 32-value formats, the
-``grouped`` one).
+Each GGUF part is reordered once, when its layer is planned (the same bytes, in place of the
+file's order), with its rows ``interleaved`` by 8 (``corellm.quant``; a kernel multiplies 4
+values of 8 rows at once); the rows past the last whole group of 8 are read one at a time, in
+the file's layout or, for the 32-value formats, the ``grouped`` one.
 """
 
 from __future__ import annotations

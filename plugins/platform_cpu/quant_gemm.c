@@ -16,11 +16,11 @@
  * the output is the same computation whatever the batch around it: one weight row, one
  * activation row, blocks in order.
  *
- * Two kinds of kernels: Q8_0, Q4_0, Q4_1 and Q4_K with W's rows interleaved by 8
- * (corellm.quant's interleaved layout; "rows interleaved by 8" below), 8 output columns per
- * vector, and the row kernels, one weight row at a time, for Q5_K, Q6_K and the rows after the
- * last whole group of 8: the 32-value formats in corellm.quant's grouped layout (each run of 8
- * blocks: their scales, Q4_1's offsets, their values), the k-quants as the file lays them out.
+ * Two kinds of kernels: every format with W's rows interleaved by 8 (corellm.quant's
+ * interleaved layout; "rows interleaved by 8" below), 8 output columns per vector, and the row
+ * kernels, one weight row at a time, for the rows after the last whole group of 8: the 32-value
+ * formats in corellm.quant's grouped layout (each run of 8 blocks: their scales, Q4_1's
+ * offsets, their values), the k-quants as the file lays them out.
  *
  * int8 (weight-only, per output channel): the int8 values widened to float in registers and
  * multiplied with the float activations (no activation rounding), the row's scale applied once.
@@ -521,8 +521,8 @@ static corellm_body_fn const Q_BODY[6] = {q_body_Q8_0, q_body_Q4_0, q_body_Q4_1,
  * one vector), Q4_1's 8 offsets, then the values four at a time, the 8 rows' first four values,
  * the 8 rows' next four, and so on (Q4_0/Q4_1: byte j of a row holds values j and j + 16, so
  * one 32-byte vector's low nibbles are values 4g..4g+3 of the 8 rows, its high nibbles values
- * 16+4g..16+4g+3). Q4_K's super-blocks the same way: the 8 rows' d, their dmin, each of the 12
- * scale bytes for the 8 rows, then the 128 value bytes in 4-byte runs.
+ * 16+4g..16+4g+3). The k-quants' super-blocks the same way (kq_ql below: the 8 rows' d, Q4_K's
+ * and Q5_K's dmin, each scale byte for the 8 rows, then the value bytes in 4-byte runs).
  *
  * One byte multiply-add of a 32-byte vector of weights with one activation row's four values
  * broadcast gives 8 output columns at once, each in its own lane, summed across a block in
