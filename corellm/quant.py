@@ -152,14 +152,18 @@ class QuantizedTensor:
         gathered from their groups, or ungrouped from the rows after them, whichever holds
         each; no value is read back to the host)."""
         if self.layout == "interleaved":
-            rb, whole = self.data.shape[1], self._whole
+            n, rb, whole = self.data.shape[0], self.data.shape[1], self._whole
+            # ids counted from the end as indexing counts them; an id outside [-n, n) made one
+            # that indexing below refuses (IndexError), as it refuses it in the file's layout
+            index = torch.where(index < 0, index + n, index)
+            index = torch.where((index < 0) | (index >= n), n + INTERLEAVE * n, index)
             out = None
             if whole:
                 flat = self.data[:whole].reshape(-1, INTERLEAVE * rb)
                 inverse = _interleave_inverse(self.qtype, rb).to(flat.device)
-                i = index.clamp(max=whole - 1)
+                i = index.clamp(max=whole - 1) if whole < n else index
                 out = flat[(i // INTERLEAVE).unsqueeze(-1), inverse[i % INTERLEAVE]]
-            if whole < self.data.shape[0]:
+            if whole < n:
                 rest = _untail(self.data[whole:], self.qtype)[(index - whole).clamp(min=0)]
                 out = rest if out is None else torch.where(
                     (index < whole).unsqueeze(-1), out, rest)

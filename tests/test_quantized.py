@@ -659,3 +659,23 @@ def test_interleaved_layout_is_the_same_bytes_reordered(qtype, rows):
     assert torch.equal(merged.dequantize(), torch.cat([t.dequantize(), other.dequantize()]))
     assert torch.equal(merged.embed(torch.tensor([rows + 7, 2]), torch.float32),
                        merged.dequantize()[[rows + 7, 2]])
+
+
+@pytest.mark.parametrize("rows", [16, 21])
+def test_interleaved_rows_index_as_the_file_layout_does(rows):
+    """An interleaved tensor's rows (and a weight's embedding lookup) take ids counted from the
+    end, and refuse ids past either end with indexing's IndexError, whole groups only or with
+    rows after them."""
+    t = _blocks("Q8_0", rows, 64, seed=rows)
+    x = t.interleaved()
+    ids = torch.tensor([-1, -rows, 0, rows - 1])
+    assert torch.equal(x.rows(ids).data, t.data[ids])
+    q = QuantizedWeight([(0, x)])
+    assert torch.equal(q.embed(ids, torch.float32), t.dequantize()[ids])
+    for bad in (rows, rows + 7, 1000, -rows - 1):
+        with pytest.raises(IndexError):
+            t.rows(torch.tensor([bad]))
+        with pytest.raises(IndexError):
+            x.rows(torch.tensor([3, bad]))
+        with pytest.raises(IndexError):
+            q.embed(torch.tensor([bad]), torch.float32)
