@@ -275,9 +275,6 @@ typedef struct {
     float *y;
     const int32_t *isum;     /* the activation blocks' integer sums */
     int64_t N, groups;       /* the interleaved layout: W's rows, its whole groups of XR */
-    /* Q4_1 with MT rows or more: fsum regrouped [M / MT][K / 32][MT], so that a group of MT
-     * rows' offset terms of one block are one vector (NULL: the scalar loop) */
-    const float *fsum4;
 } q_args;
 
 #ifndef QG_AVX2
@@ -341,24 +338,13 @@ static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int 
                     const int64_t r0 = (m0 + t) * nb + g0;
                     _mm256_storeu_ps(sc[t], _mm256_mul_ps(dv, _mm256_loadu_ps(a->da + r0)));
                 }
-                if (fmt == Q4_1) {
-                    /* the offsets' terms summed block by block, in llama.cpp's order (each
-                     * row's sum the same sequence of fused multiply-adds, whether the rows'
-                     * sums run in the lanes of one vector or one by one) */
+                if (fmt == Q4_1) {       /* the offsets' terms, block by block (llama.cpp's order) */
                     float m8[8];
                     _mm256_storeu_ps(m8, _mm256_cvtph_ps(
                         _mm_loadu_si128((const __m128i *)(run + 16))));
-                    if (mt == MT && a->fsum4) {
-                        const float *f4 = a->fsum4 + ((m0 / MT) * nb + g0) * MT;
-                        __m128 c4 = _mm_loadu_ps(corr);
-                        for (int j = 0; j < 8; j++)
-                            c4 = _mm_fmadd_ps(_mm_set1_ps(m8[j]), _mm_loadu_ps(f4 + MT * j), c4);
-                        _mm_storeu_ps(corr, c4);
-                    } else {
-                        for (int t = 0; t < mt; t++) {
-                            const float *fsum = a->fsum + (m0 + t) * nb + g0;
-                            for (int j = 0; j < 8; j++) corr[t] = fmaf(m8[j], fsum[j], corr[t]);
-                        }
+                    for (int t = 0; t < mt; t++) {
+                        const float *fsum = a->fsum + (m0 + t) * nb + g0;
+                        for (int j = 0; j < 8; j++) corr[t] = fmaf(m8[j], fsum[j], corr[t]);
                     }
                 }
             } else
@@ -903,26 +889,12 @@ int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t 
     fmt &= ~X8;
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
     q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fs + M * (K / 32),
-                fsum, bias, y, isum, N, N / XR, NULL};
+                fsum, bias, y, isum, N, N / XR};
     if (x8) {
         corellm_parallel_for(a.groups + (N % XR != 0), grain(XR * a.rb, M), X8_BODY[fmt], &a);
         return 0;
     }
-    float *fsum4 = NULL;
-#if defined(QG_AVX2) && defined(__F16C__) && MT == 4
-    if (fmt == Q4_1 && M >= MT) {       /* the rows' block sums, MT rows' side by side */
-        const int64_t nb = K / 32, groups = M / MT;
-        fsum4 = malloc((size_t)(groups * nb * MT) * sizeof(float));
-        if (fsum4)
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t b = 0; b < nb; b++)
-                    for (int t = 0; t < MT; t++)
-                        fsum4[(g * nb + b) * MT + t] = fsum[(g * MT + t) * nb + b];
-        a.fsum4 = fsum4;
-    }
-#endif
     corellm_parallel_for(N, grain(a.rb, M), Q_BODY[fmt], &a);
-    free(fsum4);
     return 0;
 }
 
