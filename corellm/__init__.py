@@ -11,7 +11,7 @@ from corellm.sampling_params import SamplingParams
 
 _imports.install()      # the modules' paths before 0.6 (CorellmDeprecationWarning)
 
-__version__ = "0.6.5"
+__version__ = "0.6.6"
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "hookimpl", "load_config", "__version__"]

@@ -39,7 +39,14 @@ QUANT_BYTES = {"Q8_0": (2, 34), "Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 1
 # the smallest normal, negative ones, zero (with nonzero quantized values).
 EDGE_SCALES = (65504.0, -65504.0, 2.0 ** -24, -(2.0 ** -24), 1023 * 2.0 ** -24, 2.0 ** -14,
                -(2.0 ** -14), 0.0, -1.0, 0.5)
-ACT_BLOCK = 32
+ACT_BLOCK = 32    # values per activation scale: llama.cpp's q8_0 / q8_1 blocks
+KQ_ACT_BLOCK = 256   # and its q8_K super-blocks, which the k-quants multiply
+
+
+def _act_block(q: QuantizedWeight) -> int:
+    """The most values one activation scale covers in ``q``'s kernels."""
+    return max(KQ_ACT_BLOCK if GGUF_FORMATS[t.qtype].block == 256 else ACT_BLOCK
+               for _, t in q.parts)
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -117,14 +124,15 @@ def _weight_ref(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
 FP16_ULP_MIN = 2.0 ** -24          # fp16's subnormal spacing
 
 
-def _act_error(x: torch.Tensor) -> torch.Tensor:
+def _act_error(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
     """float64 [M, K]: how far an activation may move when rounded to int8 (|q| <= 127) in its
-    32-value block: half a step d = amax / 127; and with the step rounded to fp16 (by at most
-    2^-11 of itself, or half fp16's subnormal spacing), that rounding times |q|."""
+    block of ``block`` values: half a step d = amax / 127; and with the step rounded to fp16 (by
+    at most 2^-11 of itself, or half fp16's subnormal spacing; the q8_0 / q8_1 blocks' scales),
+    that rounding times |q|."""
     xd = x.double()
     m, k = xd.shape
-    amax = xd.abs().reshape(m, k // ACT_BLOCK, ACT_BLOCK).amax(-1)
-    half_step = (0.5 * amax / 127 * (1 + 2.0 ** -10)).repeat_interleave(ACT_BLOCK, 1)
+    amax = xd.abs().reshape(m, k // block, block).amax(-1)
+    half_step = (0.5 * amax / 127 * (1 + 2.0 ** -10)).repeat_interleave(block, 1)
     return (half_step + (2.0 ** -11 + 1e-6) * (xd.abs() + half_step)
             + 127 * FP16_ULP_MIN / 2)
 
@@ -140,7 +148,7 @@ def _check_gguf(y: torch.Tensor, x: torch.Tensor, q: QuantizedWeight,
     where the scales' terms do not (llama.cpp's block_q8_1 keeps its sum in fp16), 2^-11 of
     each such activation, twice, times |c|."""
     w, offs, mag = _weight_ref(q)
-    xd, err = x.double(), _act_error(x)
+    xd, err = x.double(), _act_error(x, _act_block(q))
     b = torch.zeros(q.rows, dtype=torch.float64) if bias is None else bias.double()
     ref = xd @ w.T + b
     xa = xd.abs() + err
@@ -307,12 +315,13 @@ def test_gguf_kernel_large_activations(kernels, qtype):
     _check_gguf(y, x, q, None, f"{qtype}, a block of activations ~4000")
 
 
-def _simulated_int8_activations(x: torch.Tensor, fp16_scale: bool) -> torch.Tensor:
-    """The activations as the kernels round them, float64 [M, K]: per 32-value block d =
-    amax / 127 in float32, q = round-half-even(x * (127 / amax)) (0 for an all-zero block),
-    d * q with d rounded to fp16 or not."""
+def _simulated_int8_activations(x: torch.Tensor, fp16_scale: bool,
+                                block: int = ACT_BLOCK) -> torch.Tensor:
+    """The activations as the kernels round them, float64 [M, K]: per block of ``block``
+    values d = amax / 127 in float32, q = round-half-even(x * (127 / amax)) (0 for an all-zero
+    block), d * q with d rounded to fp16 or not."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    xb = x.float().reshape(m, k // block, block)
     amax = xb.abs().amax(-1, keepdim=True)
     d = amax / 127
     inv = torch.where(d > 0, 127 / amax, torch.zeros_like(amax))
@@ -324,20 +333,23 @@ def _simulated_int8_activations(x: torch.Tensor, fp16_scale: bool) -> torch.Tens
 
 @pytest.mark.parametrize("qtype", GGUF)
 def test_gguf_kernel_matches_simulated_int8_activations(kernels, qtype):
-    """Tighter: against the activations rounded as the kernels round them (scale amax / 127,
-    in float32 or rounded to fp16: whichever the build does), the output is off by float32
-    accumulation alone, plus the offsets' terms' fp16 rounding (``_check_gguf``)."""
+    """Tighter: against the activations rounded as the kernels round them (scale amax / 127
+    per 32 values, in float32 or rounded to fp16: whichever the build does; the k-quants' per
+    256 values, in float32, as llama.cpp's q8_K), the output is off by float32 accumulation
+    alone, plus the offsets' terms' fp16 rounding (``_check_gguf``)."""
     k = 768
     q = QuantizedWeight([(0, _blocks(qtype, 33, k, seed=11))])
     x = _x(9, k, seed=4)
     bias = torch.randn(33, generator=torch.Generator().manual_seed(3))
     y = _run(kernels, q, x, bias, 2).double()
     w, offs, mag = _weight_ref(q)
-    xa = x.double().abs() + _act_error(x)
+    block = _act_block(q)
+    err = _act_error(x, block)
+    xa = x.double().abs() + err
     worst = []
-    for fp16_scale in (False, True):
-        xq = _simulated_int8_activations(x, fp16_scale)
-        assert ((xq - x.double()).abs() <= _act_error(x)).all()
+    for fp16_scale in (False,) if block == KQ_ACT_BLOCK else (False, True):
+        xq = _simulated_int8_activations(x, fp16_scale, block)
+        assert ((xq - x.double()).abs() <= err).all()
         ref = xq @ w.T + bias.double()
         bound = ACC * (xa @ mag.T + bias.double().abs()) + 2.0 ** -10 * xa @ offs.T
         diff = (y - ref).abs()

@@ -1,11 +1,12 @@
 /* Quantized linear layers on the CPU: y = x @ W^T with W kept in its blocks.
  *
  * GGUF formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), llama.cpp's scheme: the activations are
- * quantized to int8 per block of 32 values (one float scale per block, and the scaled sums of
- * each half, for the formats' offsets), each weight block is unpacked in registers to 32
- * unsigned bytes (signed for Q8_0) with a float scale per half, and the block's dot product is
- * one integer multiply-add of bytes (AVX-512 VNNI / AVX-VNNI `vpdpbusd` where the CPU has it, AVX2
- * `vpmaddubsw` + `vpmaddwd` otherwise, plain C elsewhere), then scaled in float:
+ * quantized to int8 with one float scale per block of 32 values (per 256 for the k-quants, as
+ * llama.cpp's q8_K), with the sums of each 16 values for the formats' offsets; each weight
+ * block is unpacked in registers to 32 unsigned bytes (signed for Q8_0) with a float scale per
+ * half, and the block's dot product is one integer multiply-add of bytes (AVX-512 VNNI /
+ * AVX-VNNI `vpdpbusd` where the CPU has it, AVX2 `vpmaddubsw` + `vpmaddwd` otherwise, plain C
+ * elsewhere), then scaled in float:
  *
  *   sum_i w_i a_i = sa * da * sum_{i<16} u_i q_i + sb * da * sum_{i>=16} u_i q_i
  *                   + ca * da * sum_{i<16} q_i  + cb * da * sum_{i>=16} q_i
@@ -107,75 +108,86 @@ static inline float as_f16(float v) {
 /* ------------------------------------------------------------------ activations to int8 blocks */
 typedef struct {
     const float *x;
-    int64_t M, K, ldx;
+    int64_t M, K, ldx, per;
     int8_t *qa;
     float *da, *fs, *fsum;
     int32_t *isum;
+    int16_t *hs;
 } act_args;
 
 static void quantize_rows(void *ctx, int64_t r0, int64_t r1, int tid) {
     (void)tid;
     const act_args *a = ctx;
-    const int64_t nb = a->K / 32;
+    const int64_t nb = a->K / 32, per = a->per;
     for (int64_t r = r0; r < r1; r++) {
         const float *x = a->x + r * a->ldx;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + b * 32;
+        for (int64_t c = 0; c < a->K; c += per) {
             float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            for (int64_t i = 0; i < per; i++) amax = fmaxf(amax, fabsf(x[c + i]));
             const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
-            int8_t *q = a->qa + r * a->K + b * 32;
-            int s0 = 0, s1 = 0;
-            for (int i = 0; i < 32; i++) {
-                const int v = (int)nearbyintf(xb[i] * id);
-                q[i] = (int8_t)v;
-                if (i < 16) s0 += v; else s1 += v;
+            for (int64_t b = c / 32; b < (c + per) / 32; b++) {
+                const float *xb = x + b * 32;
+                int8_t *q = a->qa + r * a->K + b * 32;
+                int s0 = 0, s1 = 0;
+                for (int i = 0; i < 32; i++) {
+                    const int v = (int)nearbyintf(xb[i] * id);
+                    q[i] = (int8_t)v;
+                    if (i < 16) s0 += v; else s1 += v;
+                }
+                a->da[r * nb + b] = per == 32 ? as_f16(d) : d;
+                a->fs[r * nb + b] = d * (float)s0;
+                a->fs[(a->M + r) * nb + b] = d * (float)s1;
+                a->fsum[r * nb + b] = as_f16(d * (float)(s0 + s1));
+                a->isum[r * nb + b] = s0 + s1;
+                a->hs[r * 2 * nb + 2 * b] = (int16_t)s0;
+                a->hs[r * 2 * nb + 2 * b + 1] = (int16_t)s1;
             }
-            a->da[r * nb + b] = as_f16(d);
-            a->fs[r * nb + b] = d * (float)s0;
-            a->fs[(a->M + r) * nb + b] = d * (float)s1;
-            a->fsum[r * nb + b] = as_f16(d * (float)(s0 + s1));
-            a->isum[r * nb + b] = s0 + s1;
         }
     }
 }
 
-/* x [M, K] float32 (rows ldx apart), K a multiple of 32 -> qa int8 [M, K], da [M, K/32] (the
- * blocks' scales, rounded to fp16 as llama.cpp's block_q8_0/q8_1 store them), fs [2, M, K/32]
- * (each half's sum of values times the block's scale: the first halves', then the second's),
- * fsum [M, K/32] (the whole block's, rounded to fp16 as block_q8_1's s) and isum [M, K/32]
- * (the block's sum of int8 values). */
-void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *qa, float *da,
-                    float *fs, float *fsum, int32_t *isum) {
-    act_args a = {x, M, K, ldx, qa, da, fs, fsum, isum};
+/* x [M, K] float32 (rows ldx apart), K a multiple of per -> qa int8 [M, K], quantized with one
+ * scale per `per` values: 32 (llama.cpp's block_q8_0/q8_1, for the 32-value formats) or 256
+ * (its block_q8_K, for the k-quants); da [M, K/32] (the scale of each block of 32 values: rounded
+ * to fp16 as block_q8_0/q8_1 store it, or (per 256) in float32 as block_q8_K keeps it, the same
+ * for a super-block's 8 blocks), fs [2, M, K/32] (each half's sum of values times the scale: the
+ * first halves', then the second's), fsum [M, K/32] (the whole block's, rounded to fp16 as
+ * block_q8_1's s), isum [M, K/32] (the block's sum of int8 values) and hs [M, K/16] (each half's,
+ * as int16: block_q8_K's bsums). */
+void corellm_q8_act(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t per, int8_t *qa,
+                    float *da, float *fs, float *fsum, int32_t *isum, int16_t *hs) {
+    act_args a = {x, M, K, ldx, per, qa, da, fs, fsum, isum, hs};
     corellm_parallel_for(M, K >= 4096 ? 1 : 4096 / K, quantize_rows, &a);
 }
 
 /* ------------------------------------------------------------------ k-quants: sub-blocks of 32 */
 typedef struct { float sa, sb, ca, cb; } sub_t;
 
+/* A k-quant super-block's integer scales: Q4_K, Q5_K: 8 scales and 8 minimums of 6 bits, one
+ * per 32-value sub-block; Q6_K: 16 signed scales, one per 16 values (mn untouched). */
+static inline void kq_ints(int fmt, const uint8_t *blk, int *sc, int *mn) {
+    if (fmt == Q6_K) {
+        for (int i = 0; i < 16; i++) sc[i] = (int8_t)blk[192 + i];
+        return;
+    }
+    const uint8_t *s = blk + 4;
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+    }
+}
+
 /* A super-block's scales and offsets, per 32-value sub-block. */
 static inline int decode_block(int fmt, const uint8_t *blk, sub_t *s) {
-    switch (fmt) {
-    case Q4_K: case Q5_K: {
-        const float d = f16(blk), dmin = f16(blk + 2);
-        const uint8_t *sc = blk + 4;
-        for (int j = 0; j < 8; j++) {
-            int scale, mn;
-            if (j < 4) {
-                scale = sc[j] & 63; mn = sc[j + 4] & 63;
-            } else {
-                scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-                mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            }
-            const float a = d * (float)scale, c = -dmin * (float)mn;
-            s[j] = (sub_t){a, a, c, c};
-        }
-        return 8;
-    }
-    default: {                                                         /* Q6_K */
+    int sc[16], mn[8];
+    kq_ints(fmt, blk, sc, mn);
+    if (fmt == Q6_K) {
         const float d = f16(blk + 208);
-        const int8_t *sc = (const int8_t *)(blk + 192);
         for (int j = 0; j < 8; j++) {               /* half n = j/4, quarter k = j%4 */
             const int base = 8 * (j / 4) + 2 * (j % 4);
             const float a = d * (float)sc[base], b = d * (float)sc[base + 1];
@@ -183,7 +195,12 @@ static inline int decode_block(int fmt, const uint8_t *blk, sub_t *s) {
         }
         return 8;
     }
+    const float d = f16(blk), dmin = f16(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        const float a = d * (float)sc[j], c = -dmin * (float)mn[j];
+        s[j] = (sub_t){a, a, c, c};
     }
+    return 8;
 }
 
 /* The 32 values of sub-block j as unsigned bytes (0..63). */
@@ -274,6 +291,7 @@ typedef struct {
     const float *da, *fs, *fs1, *fsum, *bias;
     float *y;
     const int32_t *isum;     /* the activation blocks' integer sums */
+    const int16_t *hs;       /* their halves' (k-quants: one scale per 256 values) */
     int64_t N, groups;       /* the interleaved layout: W's rows, its whole groups of XR */
 } q_args;
 
@@ -338,7 +356,7 @@ static inline __attribute__((always_inline)) void q32_rows(const q_args *a, int 
                     const int64_t r0 = (m0 + t) * nb + g0;
                     _mm256_storeu_ps(sc[t], _mm256_mul_ps(dv, _mm256_loadu_ps(a->da + r0)));
                 }
-                if (fmt == Q4_1) {       /* the offsets' terms, block by block (llama.cpp's order) */
+                if (fmt == Q4_1) {     /* the offsets' terms, block by block (llama.cpp's order) */
                     float m8[8];
                     _mm256_storeu_ps(m8, _mm256_cvtph_ps(
                         _mm_loadu_si128((const __m128i *)(run + 16))));
@@ -629,16 +647,38 @@ static inline __attribute__((always_inline)) void x8_q32(const q_args *a, int fm
         _mm256_storeu_ps(a->y + (m0 + t) * a->ldy + g * XR, _mm256_add_ps(acc[t], bias));
 }
 
-/* 8 bytes (one per row of the group) -> 8 floats. */
-static inline __m256 u8x8(uint64_t v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+/* acc + in each int32 lane the 2 products of signed 16-bit halves of a and b. */
+static inline __m256i dpw_acc(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 
-/* Output columns [8 * g, 8 * g + 8) for activation rows [m0, m0 + mt), a k-quant: per
- * super-block the 8 rows' scales (Q4_K, Q5_K: 6-bit scales and minimums unpacked 8 rows at a
- * time, one 64-bit word per scale byte, llama.cpp's masks; Q6_K: signed bytes per 16 values),
- * then per 32-value sub-block the byte products (Q6_K: per 16 values, each half its scale)
- * and the offset terms (-dmin * min, or Q6_K's -32 * scale, against the activation sums). */
+/* 8 bytes (one per row of the group) -> 8 int32 lanes, unsigned or signed. */
+static inline __m256i u8x8i(uint64_t v) {
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v));
+}
+static inline __m256i s8x8i(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+/* Lanes of two 16-bit halves: lo's low 16 bits, hi's. */
+static inline __m256i pair16(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(hi, 16));
+}
+
+/* Output columns [8 * g, 8 * g + 8) for activation rows [m0, m0 + mt), a k-quant, against
+ * activations with one scale per super-block (llama.cpp's q8_K): per super-block the 8 rows'
+ * value scales as floats (Q4_K, Q5_K: d * the 6-bit scale, unpacked 8 rows at a time, one
+ * 64-bit word per scale byte, llama.cpp's masks; Q6_K: d * a signed byte per 16 values), each
+ * 32-value sub-block's byte products (Q6_K: each 16 values') times its scale summed in float,
+ * then once the activation scale; and the offsets (-dmin * min per sub-block, Q6_K's -32 d *
+ * scale per 16 values) summed in integers against the activation halves' sums (vpdpwssd), times
+ * -dmin (or -32 d) and the activation scale once. */
 static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt, int mt,
                                                          int64_t m0, int64_t g) {
     const int64_t nsb = a->K / 256, nb = a->K / 32, K = a->K, bs = XR * TYPE_SIZE[fmt];
@@ -651,15 +691,24 @@ static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt
         for (int64_t o = 0; o < bs; o += 64)           /* the weights ahead: see PF_BYTES */
             _mm_prefetch((const char *)(blk + PF_BYTES + o), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        float sv[16][8], mv[8][8];          /* Q6_K: 16 scales; else 8 scales and 8 offsets */
+        /* per sub-block: the value scales (Q6_K: of each half), the offsets' integer factors
+         * as 16-bit pairs against the activation halves' sums (Q4_K, Q5_K: min, min; Q6_K: the
+         * halves' scales); off: the offsets' float factor */
+        float sv[8][2][8];
+        __m256i op[8];
+        __m256 off;
         if (fmt == Q6_K) {
-            for (int i = 0; i < 16; i++) {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + KQ_SC + XR * i));
-                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-                _mm256_storeu_ps(sv[i], _mm256_mul_ps(d, sc));
+            for (int j = 0; j < 8; j++) {
+                const int base = 8 * (j / 4) + 2 * (j % 4);
+                const __m256i s0 = s8x8i(blk + KQ_SC + XR * base);
+                const __m256i s1 = s8x8i(blk + KQ_SC + XR * (base + 1));
+                _mm256_storeu_ps(sv[j][0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(s0)));
+                _mm256_storeu_ps(sv[j][1], _mm256_mul_ps(d, _mm256_cvtepi32_ps(s1)));
+                op[j] = pair16(s0, s1);
             }
+            off = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
         } else {
-            const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(),
+            off = _mm256_sub_ps(_mm256_setzero_ps(),
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * XR))));
             uint64_t B[12];
             memcpy(B, blk + 4 * XR, 12 * XR);
@@ -674,10 +723,13 @@ static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt
                     sc = (B[j + 4] & k2) | (((B[j - 4] >> 6) & k3) << 4);
                     mn = ((B[j + 4] >> 4) & k2) | (((B[j] >> 6) & k3) << 4);
                 }
-                _mm256_storeu_ps(sv[j], _mm256_mul_ps(d, u8x8(sc)));
-                _mm256_storeu_ps(mv[j], _mm256_mul_ps(ndmin, u8x8(mn)));
+                _mm256_storeu_ps(sv[j][0], _mm256_mul_ps(d, _mm256_cvtepi32_ps(u8x8i(sc))));
+                const __m256i m = u8x8i(mn);
+                op[j] = pair16(m, m);
             }
         }
+        __m256 fa[XMT];
+        for (int t = 0; t < mt; t++) fa[t] = _mm256_setzero_ps();
         for (int j = 0; j < 8; j++) {
             /* sub-block j's 4-bit values: chunk j / 2's low or high nibbles (Q6_K: chunk
              * 2 (j / 4) + j % 2, high nibbles from j % 4 = 2; its high bits: chunk j / 4, bits
@@ -687,8 +739,8 @@ static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt
             const uint8_t *v0 = ql + 32 * XR * c, *h0 = qh + (six ? 32 * XR * (j / 4) : 0);
             const __m128i hshift = _mm_cvtsi32_si128(six ? 2 * (j % 4) : j);
             const int8_t *q0 = a->qa + m0 * K + sb * 256 + 32 * j;
-            __m256i ia[XMT], ib[XMT];
-            for (int t = 0; t < mt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
+            __m256i ia[XMT];
+            for (int t = 0; t < mt; t++) ia[t] = _mm256_setzero_si256();
             for (int k = 0; k < 8; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(v0 + 32 * k));
                 __m256i u = _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, m4);
@@ -698,37 +750,27 @@ static inline __attribute__((always_inline)) void x8_kq(const q_args *a, int fmt
                     const __m256i hb = _mm256_and_si256(h, six ? m3 : one);
                     u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
                 }
-                for (int t = 0; t < mt; t++) {
-                    if (six && k >= 4)
-                        ib[t] = dp_acc(ib[t], u, bcast4(q0 + t * K + 4 * k));
-                    else
-                        ia[t] = dp_acc(ia[t], u, bcast4(q0 + t * K + 4 * k));
+                for (int t = 0; t < mt; t++) ia[t] = dp_acc(ia[t], u, bcast4(q0 + t * K + 4 * k));
+                if (six && k == 3) {                   /* Q6_K: the first half's own scale */
+                    const __m256 s0 = _mm256_loadu_ps(sv[j][0]);
+                    for (int t = 0; t < mt; t++) {
+                        fa[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), s0, fa[t]);
+                        ia[t] = _mm256_setzero_si256();
+                    }
                 }
             }
-            if (six) {
-                const int base = 8 * (j / 4) + 2 * (j % 4);
-                const __m256 sa = _mm256_loadu_ps(sv[base]), sbv = _mm256_loadu_ps(sv[base + 1]);
-                const __m256 m32 = _mm256_set1_ps(-32.f);
-                const __m256 ca = _mm256_mul_ps(sa, m32), cb = _mm256_mul_ps(sbv, m32);
-                for (int t = 0; t < mt; t++) {
-                    const int64_t r = (m0 + t) * nb + sb * 8 + j;
-                    const __m256 da = _mm256_set1_ps(a->da[r]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(sa, da),
-                                             acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[t]), _mm256_mul_ps(sbv, da),
-                                             acc[t]);
-                    acc[t] = _mm256_fmadd_ps(ca, _mm256_set1_ps(a->fs[r]), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(cb, _mm256_set1_ps(a->fs1[r]), acc[t]);
-                }
-            } else {
-                const __m256 sj = _mm256_loadu_ps(sv[j]), cj = _mm256_loadu_ps(mv[j]);
-                for (int t = 0; t < mt; t++) {
-                    const int64_t r = (m0 + t) * nb + sb * 8 + j;
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]),
-                                             _mm256_mul_ps(sj, _mm256_set1_ps(a->da[r])), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(cj, _mm256_set1_ps(a->fs[r] + a->fs1[r]), acc[t]);
-                }
-            }
+            const __m256 s = _mm256_loadu_ps(sv[j][six]);
+            for (int t = 0; t < mt; t++)
+                fa[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), s, fa[t]);
+        }
+        for (int t = 0; t < mt; t++) {
+            const int64_t r = m0 + t;
+            const int8_t *h = (const int8_t *)(a->hs + r * 2 * nb + sb * 16);
+            __m256i o = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) o = dpw_acc(o, op[j], bcast4(h + 4 * j));
+            const __m256 da = _mm256_set1_ps(a->da[r * nb + sb * 8]);
+            acc[t] = _mm256_fmadd_ps(fa[t], da, acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_mul_ps(off, da), acc[t]);
         }
     }
     const __m256 bias = a->bias ? _mm256_loadu_ps(a->bias + g * XR) : _mm256_setzero_ps();
@@ -771,30 +813,42 @@ static inline void x8_tile(const q_args *a, int fmt, int mt, int64_t m0, int64_t
         float acc[XMT] = {0};
         if (fmt >= Q4_K) {
             const int64_t ts = TYPE_SIZE[fmt];
+            const int six = fmt == Q6_K;
             for (int64_t sb = 0; sb < K / 256; sb++) {
                 uint8_t file[210];                       /* row n's super-block, the file's */
                 x8_kq_row(fmt, grp + sb * XR * ts, n, file);
-                sub_t sub[8];
-                decode_block(fmt, file, sub);
+                int sc[16], mn[8];
+                kq_ints(fmt, file, sc, mn);
+                const float d = f16(file + (six ? 208 : 0));
+                const float off = six ? d * -32.f : -f16(file + 2);
+                float fa[XMT] = {0};
+                int32_t o[XMT] = {0};
                 for (int j = 0; j < 8; j++) {
                     int16_t u[32];
                     unpack_scalar(fmt, file, j, u);
+                    const int base = six ? 8 * (j / 4) + 2 * (j % 4) : j;
+                    const float s0 = d * (float)sc[base];
+                    const float s1 = six ? d * (float)sc[base + 1] : s0;
                     for (int t = 0; t < mt; t++) {
-                        const int64_t r = (m0 + t) * nb + sb * 8 + j;
                         const int8_t *q = a->qa + (m0 + t) * K + sb * 256 + 32 * j;
-                        int32_t s0 = 0, s1 = 0;
-                        for (int i = 0; i < 16; i++) s0 += u[i] * q[i];
-                        for (int i = 16; i < 32; i++) s1 += u[i] * q[i];
-                        if (fmt == Q6_K) {
-                            acc[t] = fmaf((float)s0, sub[j].sa * a->da[r], acc[t]);
-                            acc[t] = fmaf((float)s1, sub[j].sb * a->da[r], acc[t]);
-                            acc[t] = fmaf(sub[j].ca, a->fs[r], acc[t]);
-                            acc[t] = fmaf(sub[j].cb, a->fs1[r], acc[t]);
+                        const int16_t *h = a->hs + (m0 + t) * 2 * nb + sb * 16 + 2 * j;
+                        int32_t p0 = 0, p1 = 0;
+                        for (int i = 0; i < 16; i++) p0 += u[i] * q[i];
+                        for (int i = 16; i < 32; i++) p1 += u[i] * q[i];
+                        if (six) {
+                            fa[t] = fmaf((float)p0, s0, fa[t]);
+                            fa[t] = fmaf((float)p1, s1, fa[t]);
+                            o[t] += sc[base] * h[0] + sc[base + 1] * h[1];
                         } else {
-                            acc[t] = fmaf((float)(s0 + s1), sub[j].sa * a->da[r], acc[t]);
-                            acc[t] = fmaf(sub[j].ca, a->fs[r] + a->fs1[r], acc[t]);
+                            fa[t] = fmaf((float)(p0 + p1), s0, fa[t]);
+                            o[t] += mn[j] * h[0] + mn[j] * h[1];
                         }
                     }
+                }
+                for (int t = 0; t < mt; t++) {
+                    const float da = a->da[(m0 + t) * nb + sb * 8];
+                    acc[t] = fmaf(fa[t], da, acc[t]);
+                    acc[t] = fmaf((float)o[t], off * da, acc[t]);
                 }
             }
         } else {
@@ -884,12 +938,12 @@ static inline int64_t grain(int64_t row_bytes, int64_t M) {
  * unknown format or a K that is not whole blocks. */
 int corellm_qgemm(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *qa,
                   const float *da, const float *fs, const float *fsum, const int32_t *isum,
-                  int64_t M, float *y, int64_t ldy, const float *bias) {
+                  const int16_t *hs, int64_t M, float *y, int64_t ldy, const float *bias) {
     const int x8 = fmt & X8;
     fmt &= ~X8;
     if (fmt < 0 || fmt > Q6_K || K % BLOCK[fmt]) return -1;
     q_args a = {fmt, w, K, M, ldy, K / BLOCK[fmt] * TYPE_SIZE[fmt], qa, da, fs, fs + M * (K / 32),
-                fsum, bias, y, isum, N, N / XR};
+                fsum, bias, y, isum, hs, N, N / XR};
     if (x8) {
         corellm_parallel_for(a.groups + (N % XR != 0), grain(XR * a.rb, M), X8_BODY[fmt], &a);
         return 0;
@@ -909,7 +963,7 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
     const int base = fmt & ~X8;
     if (base < 0 || base > Q6_K || K % BLOCK[base] || K % 32) return -1;
     const size_t nb = (size_t)(K / 32), rows = (size_t)M;
-    const size_t need = rows * (size_t)K + rows * nb * 6 * sizeof(float) + 64;
+    const size_t need = rows * (size_t)K + rows * nb * (6 * sizeof(float) + 4) + 64;
     if (need > capacity) {
         free(scratch);
         scratch = malloc(need);
@@ -918,9 +972,10 @@ int corellm_qlinear(int fmt, const uint8_t *w, int64_t N, int64_t K, const float
     }
     float *da = scratch, *fs = da + rows * nb, *fsum = fs + rows * nb * 2;
     int32_t *isum = (int32_t *)(fsum + rows * nb);
-    int8_t *qa = (int8_t *)(isum + rows * nb);
-    corellm_q8_act(x, M, K, ldx, qa, da, fs, fsum, isum);
-    const int rc = corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, isum, M, y, ldy, bias);
+    int16_t *hs = (int16_t *)(isum + rows * nb);
+    int8_t *qa = (int8_t *)(hs + 2 * rows * nb);
+    corellm_q8_act(x, M, K, ldx, base >= Q4_K ? 256 : 32, qa, da, fs, fsum, isum, hs);
+    const int rc = corellm_qgemm(fmt, w, N, K, qa, da, fs, fsum, isum, hs, M, y, ldy, bias);
     corellm_pool_warm(warm, warm_n);
     return rc;
 }
