@@ -14,7 +14,7 @@ _imports.install()      # the modules' paths before 0.6 (CorellmDeprecationWarni
 __version__ = "0.6.6"
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "hookimpl", "load_config", "__version__"]
+           "CompletionOutput", "LoRARequest", "hookimpl", "load_config", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,6 +28,9 @@ def __getattr__(name: str):
     if name in ("EngineConfig", "load_config"):
         from corellm.config import compose
         return getattr(compose, name)
+    if name == "LoRARequest":
+        from corellm.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from corellm import outputs
         return getattr(outputs, name)

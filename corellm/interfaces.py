@@ -455,6 +455,9 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     architecture: str
+    # With LoRA on: the modules an adapter may target (checkpoint module name -> its full
+    # (in_features, out_features)), what a request's adapter is checked against before it runs.
+    lora_targets: dict[str, tuple[int, int]] | None = None
 
 
 class Frontend(ABC):

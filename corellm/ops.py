@@ -9,7 +9,7 @@ overrides what it runs faster; what it does not override stays the reference.
 
 Two kinds of methods:
 
-* **ops** (``linear``, ``quantized_linear``, ``rms_norm``, ``add_rms_norm``,
+* **ops** (``linear``, ``quantized_linear``, ``lora_linear``, ``rms_norm``, ``add_rms_norm``,
   ``silu_and_mul``, ``rotary``, ``argmax``) always return their result: a subclass that
   cannot take an input falls back to ``super()``.
 * **fusions** (``linear_normed``, ``linear_silu_mul``, ``rotary_normed``) return None where the
@@ -61,6 +61,23 @@ class DeviceOps:
         ``corellm.quant.FORMATS``). The reference dequantizes it to ``x``'s dtype for the call
         (correct anywhere, slow); a platform multiplies the blocks directly."""
         return F.linear(x, layer.qweight.dequantize(x.dtype), bias)
+
+    def lora_linear(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    groups: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+        """``y`` plus the LoRA adapters' products (multi-LoRA): for each ``(slot, tokens)`` of
+        ``groups``, rows ``tokens`` of ``y`` [T, N] get ``(x[tokens] @ a[slot].T) @
+        b[slot].T`` (the shrink, then the expand), ``tokens`` an int64 index tensor, or None for
+        every row. ``a`` [slots, R, K] and ``b`` [slots, N, R] hold each device slot's adapter
+        for this layer (its parts side by side, zero where an adapter has no weights; B scaled),
+        ``x`` [T, K]. The reference gathers each adapter's rows and runs two matmuls per
+        adapter; ``y`` may be updated in place and returned."""
+        for slot, tokens in groups:
+            if tokens is None:
+                y = y + (x @ a[slot].T.to(x.dtype)) @ b[slot].T.to(x.dtype)
+            else:
+                h = x.index_select(0, tokens) @ a[slot].T.to(x.dtype)
+                y = y.index_add(0, tokens, (h @ b[slot].T.to(x.dtype)).to(y.dtype))
+        return y
 
     def linear_normed(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from corellm.lora.request import LoRARequest
 from corellm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     eos_token_id: int | None = None
+    lora_slot: int = -1           # the device slot of its LoRA adapter (-1: the base model)
 
 
 @dataclass
@@ -57,6 +59,9 @@ class SchedulerOutput:
     # each (a partial prefill chunk samples nothing), in plan order.
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     sampling_req_ids: list[str] = field(default_factory=list)
+    # LoRA adapters to load into device slots before this step runs: slot -> adapter (a slot
+    # is reassigned only when no running request uses its adapter).
+    lora_loads: dict[int, LoRARequest] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
+from corellm.lora.request import LoRARequest
 from corellm.sampling_params import SamplingParams
 
 
@@ -62,6 +63,7 @@ class EngineCoreRequest:
     # The client request this one belongs to: the samples (n) and prompts of one API call share
     # it, so the scheduler can keep one call from taking every seat. None: a group of its own.
     group_id: str | None = None
+    lora_request: LoRARequest | None = None   # the adapter it runs (None: the base model)
 
 
 _arrival_counter = itertools.count()
@@ -83,7 +85,7 @@ class Request:
         "arrival_time", "arrival_seq", "priority", "status", "num_computed_tokens",
         "num_preemptions", "stop_reason", "max_model_len", "num_cached_tokens",
         "first_scheduled_time", "first_token_time", "user", "session_id", "group_id",
-        "num_output_placeholders",
+        "num_output_placeholders", "lora_request", "lora_slot",
     )
 
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
@@ -98,6 +100,8 @@ class Request:
         self.user = core_request.user
         self.session_id = core_request.session_id
         self.group_id = core_request.group_id or core_request.request_id
+        self.lora_request = core_request.lora_request
+        self.lora_slot = -1             # the adapter's device slot while running (-1: none)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens being sampled by steps planned but not yet updated (1 between a step's plan

@@ -38,13 +38,13 @@ CORE_LAYERS: dict[str, list[str]] = {
     "foundation": ["errors", "clock", "_imports", "plugins.deprecation", "platforms.devices",
                    "checkpoint.cache", "engine.logs", "serving"],
     "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling",
-                   "serving.constraint_shape", "tool_calls", "quant"],
+                   "serving.constraint_shape", "tool_calls", "quant", "lora.request"],
     "interfaces": ["attention", "policy_view", "interfaces"],
     "component specs": ["specs"],
     "config": ["config.schema"],
     "registry": ["hookspecs", "plugins"],
     "composition": ["platforms", "checkpoint", "config", "components"],
-    "libraries": ["kv", "scheduling", "wrappers", "layers", "serving.chat_output"],
+    "libraries": ["kv", "scheduling", "wrappers", "layers", "serving.chat_output", "lora"],
     "engine": ["engine", "worker", "cli", "__main__"],
 }
 

@@ -67,6 +67,12 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
         else:
             g.add_argument(flag, *aliases, dest=dest, type=typ, help=f"{text} ({key})")
     if frontend:
+        g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                       help="LoRA adapters served from the start, each a PEFT directory "
+                            "(lora.modules; needs --enable-lora)")
+        g.add_argument("--allowed-lora-paths", nargs="+", metavar="DIR",
+                       help="directories adapters may be loaded from at run time "
+                            "(frontend.allowed_lora_paths)")
         g.add_argument("--enable-reasoning", action="store_true",
                        help="vLLM's earlier spelling, accepted: reasoning is split whenever "
                             "--reasoning-parser is given, which this flag needs")
@@ -102,6 +108,10 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
             overrides.append((key, getattr(args, dest)))
     if args.enable_prefix_caching is not None:
         overrides.append(("kv_cache.enable_prefix_caching", args.enable_prefix_caching))
+    if frontend and args.lora_modules:
+        overrides.append(("lora.modules", _lora_modules(args.lora_modules)))
+    if frontend and args.allowed_lora_paths:
+        overrides.append(("frontend.allowed_lora_paths", list(args.allowed_lora_paths)))
     if frontend and args.enable_reasoning and args.reasoning_parser is None \
             and not (data.get("frontend") or {}).get("reasoning_parser") \
             and not any(o.startswith("frontend.reasoning_parser=") for o in args.overrides):
@@ -126,6 +136,29 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
         if not default_model()[1]:
             print(f"corellm: {DEMO_HINT}", file=sys.stderr)
     return config, registry
+
+
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    """vLLM's ``--lora-modules`` values: ``name=path``, or JSON ``{"name": ..., "path": ...}``."""
+    import json
+
+    from corellm.errors import ConfigError
+    modules: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError([("lora.modules", f"--lora-modules {item!r}: expected "
+                                                    '{"name": ..., "path": ...}')]) from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError([("lora.modules", f"--lora-modules {item!r}: expected "
+                                                    "NAME=PATH")])
+        modules[name] = path
+    return modules
 
 
 def _launched_rank(config: Any, registry: Any) -> int | None:

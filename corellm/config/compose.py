@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 # The configuration's shape is public here too.
 from corellm.config.schema import (REMOVED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa: F401
-                                   SECTIONS, EngineConfig, LogitsProcessorsConfig, ModelConfig,
-                                   ParallelConfig,
+                                   SECTIONS, EngineConfig, LogitsProcessorsConfig, LoRAConfig,
+                                   ModelConfig, ParallelConfig,
                                    PluginsConfig, apply_overrides, did_you_mean,
                                    parse_override, read_config_file)
 from corellm.errors import ConfigError, PluginError
@@ -64,6 +64,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     data = _move_tp_shorthand(data, problems)
     values["parallel"] = _validate_model(ParallelConfig, data.get("parallel"), "parallel",
                                          problems)
+    values["lora"] = _validate_model(LoRAConfig, data.get("lora"), "lora", problems)
     if values["plugins"] is None:
         raise ConfigError(problems, source=origin)
     if registry is None:
@@ -330,6 +331,7 @@ def config_schema(registry: Registry) -> dict[str, Any]:
         "parallel": ParallelConfig.model_json_schema(),
         "plugins": PluginsConfig.model_json_schema(),
         "logits_processors": LogitsProcessorsConfig.model_json_schema(),
+        "lora": LoRAConfig.model_json_schema(),
     }
     for section in PLUGIN_SECTIONS:
         variants = []

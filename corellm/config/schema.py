@@ -129,6 +129,45 @@ class LogitsProcessorsConfig(BaseModel):
                                      "size in bytes (keys included).")
 
 
+class LoRAConfig(BaseModel):
+    """The ``lora`` section (owned by the core: the scheduler, the workers and the front end all
+    read it): serving LoRA adapters over the base model (``docs/lora.md``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable: bool = Field(False, description="Serve LoRA adapters (vLLM's --enable-lora): every "
+                                            "linear layer gets max_loras adapter slots.")
+    max_loras: int = Field(1, ge=1, description="Adapters on the device at once: the distinct "
+                                                "adapters one step can mix.")
+    max_lora_rank: int = Field(16, ge=1, description="The largest adapter rank accepted (the "
+                                                     "slots' width).")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept in host memory, least recently used evicted; "
+                                "default: max_loras.")
+    modules: dict[str, str] = Field(
+        default_factory=dict, description="Adapters served from the start, name -> PEFT "
+                                          "directory (vLLM's --lora-modules name=path).")
+
+    @field_validator("max_cpu_loras")
+    @classmethod
+    def _at_least_max_loras(cls, value: int | None, info: Any) -> int | None:
+        max_loras = info.data.get("max_loras", 1)
+        if value is not None and value < max_loras:
+            raise ValueError(f"must be at least max_loras ({max_loras})")
+        return value
+
+    @field_validator("modules")
+    @classmethod
+    def _modules_need_enable(cls, value: dict[str, str], info: Any) -> dict[str, str]:
+        if value and not info.data.get("enable"):
+            raise ValueError("serving adapters needs lora.enable: true (--enable-lora)")
+        return value
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 class EngineConfig(BaseModel):
     """The whole engine configuration. Build it with ``load_config``."""
 
@@ -145,6 +184,7 @@ class EngineConfig(BaseModel):
     sampler: SerializeAsAny[SamplerOptions] = Field(default_factory=SamplerOptions)
     frontend: SerializeAsAny[FrontendOptions] | None = None
     logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,7 +199,7 @@ PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
     "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
 }
 SECTIONS = ["model", "platform", "parallel", *(s for s in PLUGIN_SECTIONS if s != "platform"),
-            "logits_processors", "plugins"]
+            "logits_processors", "lora", "plugins"]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -228,6 +268,10 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
                      "(weight-only, quantized at load)"),
     "async_scheduling": ("scheduler.async_scheduling", bool,
                          "overlap steps: plan step N+1 while step N runs"),
+    "enable_lora": ("lora.enable", bool, "serve LoRA adapters"),
+    "max_loras": ("lora.max_loras", int, "adapters on the device at once"),
+    "max_lora_rank": ("lora.max_lora_rank", int, "the largest adapter rank accepted"),
+    "max_cpu_loras": ("lora.max_cpu_loras", int, "adapters kept in host memory"),
 }
 # vLLM's dtype spellings -> corellm's.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",

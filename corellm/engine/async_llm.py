@@ -30,6 +30,7 @@ from corellm.engine.output_processor import OutputProcessor, RequestOutputKind, 
 from corellm.engine.processor import Processor, PromptType
 from corellm.config.logits_processors import RequestChecker
 from corellm.checkpoint.reader import load_generation_eos_ids, model_path
+from corellm.lora.request import LoRARequest
 from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.sampling_params import SamplingParams
 
@@ -83,7 +84,8 @@ class AsyncLLM:
         client = await starting
         try:
             processor = Processor(tokenizer, client.model_info, load_generation_eos_ids(path),
-                                  RequestChecker.for_config(config, registry))
+                                  RequestChecker.for_config(config, registry),
+                                  max_lora_rank=config.lora.max_lora_rank)
             return cls(config, client, tokenizer, processor)
         except BaseException:
             await client.shutdown_async()
@@ -104,6 +106,7 @@ class AsyncLLM:
                        user: str | None = None, session_id: str | None = None,
                        group_id: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Submit one request and iterate over its outputs (deltas by default).
 
@@ -113,7 +116,8 @@ class AsyncLLM:
         """
         stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
                                         user=user, session_id=session_id,
-                                        group_id=group_id, output_kind=output_kind)
+                                        group_id=group_id, output_kind=output_kind,
+                                        lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -125,7 +129,8 @@ class AsyncLLM:
                           user: str | None = None, session_id: str | None = None,
                           group_id: str | None = None,
                           output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                          params_checked: bool = False) -> RequestStream:
+                          params_checked: bool = False,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and submit a request now; return the iterator of its outputs. A server uses
         this to answer bad input with an error status before it starts a streaming response.
         Requests given the same ``group_id`` (the prompts of one client call) share that call's
@@ -141,7 +146,8 @@ class AsyncLLM:
         text, core_request = self.processor.process(rid, prompt, sampling_params, priority,
                                                     user=user, session_id=session_id,
                                                     group_id=group_id,
-                                                    params_checked=params_checked)
+                                                    params_checked=params_checked,
+                                                    lora_request=lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         state = self.output_processor.add_request(rid, text, core_request, output_kind, queue)
         try:

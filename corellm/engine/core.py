@@ -106,6 +106,8 @@ class EngineCore:
                                     registry.get("kv_cache", config.kv_cache.name).describe())
             ctx.kv_cache_manager = self.kv_cache_manager
             self.scheduler: Scheduler = ctx.build(config.scheduler)
+            if config.lora.enable:
+                self._enable_lora(config)
             # The executor's clock when it keeps one (a simulated executor's virtual time),
             # else the wall clock; the scheduler reads the same one.
             self.clock: Clock = WALL_CLOCK
@@ -181,6 +183,17 @@ class EngineCore:
                            entry.describe(), type(self.scheduler).__name__)
             return False
         return True
+
+    def _enable_lora(self, config: EngineConfig) -> None:
+        """Give the scheduler the device's adapter slots (it admits a request for an adapter
+        only when the adapter has one)."""
+        from corellm.lora.slots import LoRASlots
+        if not hasattr(self.scheduler, "lora"):
+            entry = self.registry.get("scheduler", config.scheduler.name)
+            raise ConfigError([("lora.enable", f"scheduler {entry.describe()} "
+                                f"({type(self.scheduler).__name__}) does not schedule LoRA "
+                                "adapters (a corellm.scheduling.BatchScheduler does)")])
+        self.scheduler.lora = LoRASlots(config.lora.max_loras)  # type: ignore[attr-defined]
 
     def set_clock(self, clock: Clock) -> None:
         """Run the engine (and its scheduler) on ``clock`` from now on."""

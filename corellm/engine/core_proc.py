@@ -378,7 +378,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     mi = engine.model_info
     try:
         ready.send(("ready", {"vocab_size": mi.vocab_size, "max_model_len": mi.max_model_len,
-                              "architecture": mi.architecture, "pid": os.getpid()}))
+                              "architecture": mi.architecture,
+                              "lora_targets": mi.lora_targets, "pid": os.getpid()}))
         ready.close()
     except OSError:                # the parent died while we loaded: the watch stops the loop
         pass

@@ -18,6 +18,7 @@ from corellm.errors import InvalidRequestError
 from corellm.checkpoint.reader import (  # noqa: F401  (load_tokenizer: importable here too)
     load_generation_eos_ids, load_tokenizer, model_path, plain_fast_tokenizer_name,
     tokenizer_path)
+from corellm.lora.request import LoRARequest
 from corellm.outputs import EngineStats, RequestOutput, StepStats
 from corellm.config.logits_processors import RequestChecker
 from corellm.plugins.discovery import Registry, load_registry
@@ -172,7 +173,8 @@ class LLM:
         if self.tokenizer is None and not eos_ids:
             eos_ids = _config_eos_ids(path)     # no tokenizer to name it: config.json does
         self.processor = Processor(self.tokenizer, self.model_info, eos_ids,
-                                   RequestChecker.for_config(self.config, self.registry))
+                                   RequestChecker.for_config(self.config, self.registry),
+                                   max_lora_rank=self.config.lora.max_lora_rank)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -180,12 +182,16 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: int | Sequence[int] = 0,
                  user: str | None | Sequence[str | None] = None,
-                 session_id: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+                 session_id: str | None | Sequence[str | None] = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate completions; returns one RequestOutput per prompt, in input order.
 
         ``priority`` (lower runs first under the ``priority`` scheduler), ``user`` (a tenant)
         and ``session_id`` are scheduling attributes for the policy: one value for every
-        prompt, or one per prompt.
+        prompt, or one per prompt. ``lora_request``: the LoRA adapter to run (an engine made
+        with ``enable_lora=True``), one for every prompt or one (or None: the base model) per
+        prompt.
 
         Every prompt is validated before any is scheduled: a bad one raises
         ``InvalidRequestError`` naming the field and leaves the engine untouched.
@@ -199,16 +205,19 @@ class LLM:
         priorities = _per_prompt("priority", priority, len(prompts), int)
         users = _per_prompt("user", user, len(prompts), (str, type(None)))
         sessions = _per_prompt("session_id", session_id, len(prompts), (str, type(None)))
+        loras = _per_prompt("lora_request", lora_request, len(prompts),
+                            (LoRARequest, type(None)))
 
         processed = []
         # On the engine's clock (virtual under a simulated executor), so RequestMetrics agree
         # with it; an engine process runs on the wall clock of this host.
         now = self.engine.clock.time() if self.engine is not None else None
-        for i, (prompt, sp, prio, u, sid) in enumerate(zip(prompts, params, priorities, users,
-                                                            sessions)):
+        for i, (prompt, sp, prio, u, sid, lora) in enumerate(zip(prompts, params, priorities,
+                                                                  users, sessions, loras)):
             try:
                 processed.append(self.processor.process(str(next(self._ids)), prompt, sp, prio,
-                                                        user=u, session_id=sid, arrival_time=now))
+                                                        user=u, session_id=sid, arrival_time=now,
+                                                        lora_request=lora))
             except InvalidRequestError as exc:
                 if len(prompts) > 1:
                     raise InvalidRequestError(f"prompts[{i}].{exc.field}", exc.message) from exc

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Union
 
 from corellm.errors import InvalidRequestError
 from corellm.interfaces import ModelInfo
 from corellm.config.logits_processors import RequestChecker
+from corellm.lora.request import LoRAError, LoRARequest
 from corellm.request import EngineCoreRequest
 from corellm.sampling_params import SamplingParams
 
@@ -30,7 +32,7 @@ def _all_ints(ids: list[int] | tuple[int, ...]) -> bool:
 
 class Processor:
     def __init__(self, tokenizer: Any, model_info: ModelInfo, extra_eos_ids: list[int],
-                 checker: RequestChecker | None = None) -> None:
+                 checker: RequestChecker | None = None, max_lora_rank: int = 0) -> None:
         # tokenizer None (LLM(skip_tokenizer_init=True)): token-id prompts only, and the end of
         # a sequence is the checkpoint's end-of-sequence ids (extra_eos_ids, the first as EOS).
         self.tokenizer = tokenizer
@@ -41,6 +43,32 @@ class Processor:
         # The enabled logits processors' checks (None: no processor is enabled, and structured
         # outputs are refused as the checker would refuse them).
         self.checker = checker if checker is not None else RequestChecker([])
+        # LoRA adapters checked against the model (model_info.lora_targets), most recent last.
+        self.max_lora_rank = max_lora_rank
+        self._loras_checked: OrderedDict[LoRARequest, None] = OrderedDict()
+
+    def check_lora(self, lora: Any) -> None:
+        """An ``InvalidRequestError`` (field ``lora_request``) unless ``lora`` is a
+        ``LoRARequest`` whose adapter fits this model: its files, rank and modules are read
+        and checked once (``corellm.lora.adapter.check_adapter``), then remembered."""
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequestError("lora_request", f"expected a corellm.LoRARequest, got "
+                                      f"{type(lora).__name__}")
+        targets = self.model_info.lora_targets
+        if targets is None:
+            raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters "
+                                      "(set lora.enable, or LLM(..., enable_lora=True))")
+        if lora in self._loras_checked:
+            self._loras_checked.move_to_end(lora)
+            return
+        from corellm.lora.adapter import check_adapter
+        try:
+            check_adapter(lora, targets, self.max_lora_rank)
+        except LoRAError as exc:
+            raise InvalidRequestError("lora_request", str(exc)) from None
+        self._loras_checked[lora] = None
+        if len(self._loras_checked) > 1024:
+            self._loras_checked.popitem(last=False)
 
     def check_params(self, params: SamplingParams) -> None:
         """The enabled logits processors' checks of ``params`` (a structured-output schema
@@ -103,10 +131,12 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, *, user: str | None = None, session_id: str | None = None,
                 group_id: str | None = None, arrival_time: float | None = None,
-                params_checked: bool = False) -> tuple[str | None, EngineCoreRequest]:
+                params_checked: bool = False, lora_request: LoRARequest | None = None,
+                ) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one request. ``priority`` (lower runs first), ``user`` (tenant),
         ``session_id`` and ``group_id`` (the client call it belongs to) are scheduling
-        attributes: policies read them, the model never does.
+        attributes: policies read them, the model never does. ``lora_request``: the LoRA
+        adapter the request runs (``check_lora``).
         ``arrival_time`` defaults to now (``time.time()``); a caller driving an engine on a
         virtual clock passes that clock's ``time()``. ``params_checked``: ``check_params``
         has run on ``params`` already (a server runs it in processes a deadline can kill)."""
@@ -129,6 +159,8 @@ class Processor:
                                       "(skip_tokenizer_init) does not make; use stop_token_ids")
         if not params_checked:
             self.check_params(params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text, ids = self.tokenize(prompt)
         vocab = self.model_info.vocab_size
         for t in params.stop_token_ids:
@@ -142,4 +174,5 @@ class Processor:
                                        sampling_params=params, eos_token_id=self.eos_token_id,
                                        arrival_time=time.time() if arrival_time is None
                                        else arrival_time, priority=priority,
-                                       user=user, session_id=session_id, group_id=group_id)
+                                       user=user, session_id=session_id, group_id=group_id,
+                                       lora_request=lora_request)

@@ -42,10 +42,11 @@ class PagedKVCacheManager(KVCacheManager):
 
     ``allocate_slots`` is all or nothing; ``free`` releases a request's blocks tail first and is
     idempotent. With ``enable_prefix_caching`` the completed blocks of every request are
-    registered under their chained hashes (keyed by ``hash_seed``, rooted in ``cache_salt`` and
-    the request's own salt) and found again by ``find_cached_prefix``; blocks that a running
-    request completes this step are reported as ``pending``, so a waiting request with the same
-    prefix can wait for them instead of computing a copy.
+    registered under their chained hashes (keyed by ``hash_seed``, rooted in ``cache_salt``, the
+    request's own salt and its LoRA adapter, if any) and found again by
+    ``find_cached_prefix``; blocks that a running request completes this step are reported as
+    ``pending``, so a waiting request with the same prefix can wait for them instead of
+    computing a copy.
 
     ``eviction`` is the pool's ``EvictionPolicy`` (None: ``LRUEviction``), the object that
     decides which free cached block gives up its contents when the pool runs out of uncached
@@ -97,7 +98,11 @@ class PagedKVCacheManager(KVCacheManager):
         assert self.hasher is not None
         hashes = self._hashes.get(request.request_id)
         if hashes is None:
-            root = self.hasher.root(self.cache_salt, request.sampling_params.cache_salt)
+            # A LoRA adapter's KV entries are its own: its requests' chains start apart.
+            lora = request.lora_request
+            salts = (self.cache_salt, request.sampling_params.cache_salt)
+            root = self.hasher.root(*salts) if lora is None else \
+                self.hasher.root(*salts, lora.cache_salt)
             hashes = self._hashes[request.request_id] = [root]
         if len(hashes) <= num_blocks:
             self.hasher.extend(hashes, request.all_token_ids, self.block_size, num_blocks)

@@ -34,10 +34,10 @@ class RMSNorm(OpsModule, nn.Module):
 
     def _fuses_into(self, linear: nn.Module) -> bool:
         """Whether the norm may run inside ``linear``'s GEMM: a core linear layer whose output
-        needs no collective, and a norm whose ``forward`` is this class's (a subclass's or a
-        hook's arithmetic would be skipped)."""
+        needs no collective and that runs no LoRA adapter this step, and a norm whose
+        ``forward`` is this class's (a subclass's or a hook's arithmetic would be skipped)."""
         return (isinstance(linear, LinearBase) and linear.local_output
-                and type(self).forward is RMSNorm.forward)
+                and not linear.lora_active and type(self).forward is RMSNorm.forward)
 
     def into(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``linear(self(x))``: one kernel where the platform fuses them
@@ -83,7 +83,7 @@ class SiluAndMul(OpsModule, nn.Module):
         [T, 2I] product is never written, and normalizing the rows it multiplies), else the
         layers one by one."""
         if (isinstance(linear, MergedColumnParallelLinear) and linear.local_output
-                and len(linear.output_sizes) == 2
+                and not linear.lora_active and len(linear.output_sizes) == 2
                 and linear.output_sizes[0] == linear.output_sizes[1]
                 and type(self).forward is SiluAndMul.forward
                 and (norm is None or type(norm).forward is RMSNorm.forward)):

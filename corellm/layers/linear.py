@@ -68,7 +68,15 @@ class LinearBase(QuantizableWeight, OpsModule, nn.Module):
     """``y = x @ weight.T (+ bias)`` on this rank's ``weight`` [out, in]; ``linear`` is the one
     matmul, run by the platform's ``ops.linear`` (the CPU platform's packed-weight GEMMs).
     ``local_output``: the forward is that matmul alone (no collective after it), so a platform
-    may fuse the layers around it (``ops.linear_normed``, ``ops.linear_silu_mul``)."""
+    may fuse the layers around it (``ops.linear_normed``, ``ops.linear_silu_mul``).
+
+    ``output_part(shard_id)`` and ``input_part()`` say which rows and columns of a full
+    checkpoint tensor this rank holds, and where: the weight loaders' slicing, which LoRA
+    adapters' B and A are sliced by too. ``lora``: the layer's LoRA slots
+    (``corellm.lora.LoRALayer``) when the engine serves adapters; ``linear`` then adds the
+    step's adapters' products (``ops.lora_linear``)."""
+
+    lora: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  parallel: ParallelContext) -> None:
@@ -87,8 +95,30 @@ class LinearBase(QuantizableWeight, OpsModule, nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
-            return self.ops.quantized_linear(self, x, bias)
-        return self.ops.linear(self, x, bias)
+            y = self.ops.quantized_linear(self, x, bias)
+        else:
+            y = self.ops.linear(self, x, bias)
+        lora = self.lora
+        if lora is not None and lora.batch.groups:
+            y = self.ops.lora_linear(y, x, lora.a, lora.b, lora.batch.groups)
+        return y
+
+    @property
+    def lora_active(self) -> bool:
+        """Adapters run in this step's products: the layer's matmul is then not fused with
+        the layers around it (their fused kernels know nothing of the adapters)."""
+        return self.lora is not None and bool(self.lora.batch.groups)
+
+    def output_part(self, shard_id: Any = None) -> tuple[int, int, int]:
+        """``(offset, start, size)``: this rank holds rows ``[start, start + size)`` of the full
+        checkpoint tensor of part ``shard_id`` at rows ``[offset, offset + size)`` of its
+        weight. Every row, for a layer whose output is not split."""
+        return 0, 0, self.out_features
+
+    def input_part(self) -> tuple[int, int]:
+        """``(start, size)``: the columns of the full checkpoint tensor this rank holds. Every
+        column, for a layer whose input is not split."""
+        return 0, self.in_features
 
     @property
     def local_output(self) -> bool:
@@ -131,9 +161,12 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, parallel.tp_size, "output features"),
                          bias, parallel)
 
+    def output_part(self, shard_id: Any = None) -> tuple[int, int, int]:
+        return 0, self.tp_rank * self.out_features, self.out_features
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        t = narrow_weight(loaded, 0, self.tp_rank * size, size)
+        _, start, size = self.output_part()
+        t = narrow_weight(loaded, 0, start, size)
         self._store(param, 0, t, "column-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,12 +184,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                              for s in output_sizes]
         super().__init__(in_features, sum(output_sizes), bias, parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def output_part(self, shard_id: Any = None) -> tuple[int, int, int]:
         if shard_id is None:
             raise ValueError("a merged projection loads one part at a time (shard_id)")
         size = self.output_sizes[shard_id]
-        offset = sum(self.output_sizes[:shard_id])
-        t = narrow_weight(loaded, 0, self.tp_rank * size, size)
+        return sum(self.output_sizes[:shard_id]), self.tp_rank * size, size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        offset, start, size = self.output_part(shard_id)
+        t = narrow_weight(loaded, 0, start, size)
         self._store(param, offset, t, f"part {shard_id} of a merged linear")
 
 
@@ -176,7 +212,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def output_part(self, shard_id: Any = None) -> tuple[int, int, int]:
         if shard_id == "q":
             offset, size, index = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -184,7 +220,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, index = self.kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        t = narrow_weight(loaded, 0, index * size, size)
+        return offset, index * size, size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        offset, start, size = self.output_part(shard_id)
+        t = narrow_weight(loaded, 0, start, size)
         self._store(param, offset, t, f"{shard_id} of a QKV projection")
 
 
@@ -197,12 +237,15 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, parallel.tp_size, "input features"), out_features,
                          bias, parallel)
 
+    def input_part(self) -> tuple[int, int]:
+        return self.tp_rank * self.in_features, self.in_features
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if param.dim() == 1:            # the bias: whole on every rank
             t = narrow_weight(loaded, 0, 0, weight_shape(loaded)[0])
         else:
-            size = param.shape[1]
-            t = narrow_weight(loaded, 1, self.tp_rank * size, size)
+            start, size = self.input_part()
+            t = narrow_weight(loaded, 1, start, size)
         self._store(param, 0, t, "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

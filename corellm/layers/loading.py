@@ -101,6 +101,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
     model does not need (e.g. ``rotary_emb.inv_freq``). A tied parameter may be loaded under any
     of its names. Raises ``CheckpointError`` naming the weights that are unexpected, missing or
     of the wrong shape; ``model_name`` names the model in those messages.
+
+    The routes taken are kept as ``model.weight_routes``: checkpoint name -> (parameter name,
+    shard_id, the checkpoint tensor's full shape). LoRA adapters, named by the checkpoint's
+    modules, find their layers (and the part of a fused one) through them: any model loaded
+    here takes adapters with no code of its own.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     parts: dict[str, list[Any]] = {}
@@ -117,6 +122,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
             expected.setdefault((id(param), shard),
                                 name if shard is None else f"{name}[{shard}]")
     loaded: set[tuple[int, Any]] = set()
+    routes: dict[str, tuple[str, Any, tuple[int, ...]]] = {}
     unexpected: list[str] = []
     for name, tensor in weights:
         if skip is not None and skip(name):
@@ -149,6 +155,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
         except ValueError as exc:
             raise CheckpointError(f"weight {name}: {exc}") from exc
         loaded.add((id(param), shard))
+        routes[name] = (target, shard, tuple(weight_shape(tensor)))
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} weight(s) this {model_name} "
                               f"model does not use, e.g. {', '.join(sorted(unexpected)[:5])}")
@@ -156,6 +163,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s) of this "
                               f"{model_name} model, e.g. {', '.join(missing[:5])}")
+    model.weight_routes = routes
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int) -> None:

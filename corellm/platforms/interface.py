@@ -50,8 +50,8 @@ class StepInputs:
     ``input_ids`` and ``positions`` [T] int64, ``logits_indices`` [S] int64 (the rows of the
     hidden states that sample), ``attn_metadata`` what the attention backend's builder returned
     for the step, ``num_reqs`` / ``num_decodes`` the batch's requests and how many of them (the
-    first) decode one token: ``decode_only`` when all do (the steps a platform may replay from a
-    captured graph)."""
+    first) decode one token: ``decode_only`` when all do and no LoRA adapter runs (``lora``: the
+    steps a platform may replay from a captured graph)."""
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -59,6 +59,7 @@ class StepInputs:
     attn_metadata: Any
     num_reqs: int
     num_decodes: int
+    lora: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +67,7 @@ class StepInputs:
 
     @property
     def decode_only(self) -> bool:
-        return self.num_decodes == self.num_reqs == self.num_tokens
+        return self.num_decodes == self.num_reqs == self.num_tokens and not self.lora
 
 
 class ModelStepper:

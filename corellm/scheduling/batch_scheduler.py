@@ -29,6 +29,7 @@ requests are set aside for the round, so the policy's next choice is considered 
 when a request of a group under its share does not fit and the policy names no victim, the
 newest running request of the group furthest over its share is preempted for it. With no other
 group waiting, a group may use every seat (the share costs a lone request nothing).
+With LoRA on, a request whose adapter can get no device slot is set aside likewise, and waits.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 from corellm.clock import WALL_CLOCK, Clock
 from corellm.specs import SchedulerOptions
 from corellm.interfaces import CachedPrefix, KVCacheManager, Scheduler, SchedulingPolicy
+from corellm.lora.slots import LoRASlots
 from corellm.outputs import (CachedRequestData, EngineCoreOutput, LogprobsLists, ModelRunnerOutput,
                              NewRequestData, SchedulerOutput, SchedulerStats)
 from corellm.request import Request, RequestStatus
@@ -66,6 +68,7 @@ class _Plan:
 class BatchScheduler(Scheduler):
     clock: Clock = WALL_CLOCK       # the engine sets its own (virtual for a simulated run)
     supports_async_scheduling = True
+    lora: LoRASlots | None = None   # the adapter slots (corellm.lora.slots), set by the engine
 
     def __init__(self, options: SchedulerOptions, kv_cache_manager: KVCacheManager,
                  policy: SchedulingPolicy) -> None:
@@ -147,6 +150,8 @@ class BatchScheduler(Scheduler):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             _decrement(self._seats, request.group_id)
+        if request.lora_slot >= 0:
+            self.lora.leave(request)                   # type: ignore[union-attr]
         request.status = status
         self.kv.free(request)
         if self._capacity is not None:
@@ -186,6 +191,8 @@ class BatchScheduler(Scheduler):
             self._capacity.pop(rid, None)
             self._cached_blocks.pop(rid, None)
         _decrement(self._seats, victim.group_id)
+        if victim.lora_slot >= 0:
+            self.lora.leave(victim)                    # type: ignore[union-attr]
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -331,17 +338,17 @@ class BatchScheduler(Scheduler):
             request.num_output_placeholders += 1
         cached = [CachedRequestData(rid, blocks, computed[rid])
                   for rid, blocks in plan.new_blocks.items()] if plan.new_blocks else []
-        new = [NewRequestData(
-            req_id=r.request_id, token_ids=list(r.all_token_ids),
-            num_prompt_tokens=r.num_prompt_tokens, block_ids=list(self.kv.get_block_ids(r)),
-            num_computed_tokens=computed[r.request_id], sampling_params=r.sampling_params,
-            eos_token_id=r.eos_token_id) for r in admitted] if admitted else []
+        new = [NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
+                              list(self.kv.get_block_ids(r)), computed[r.request_id],
+                              r.sampling_params, r.eos_token_id, r.lora_slot)
+               for r in admitted] if admitted else []
         finished, self._finished_ids = self._finished_ids, set()
         # (positional, the fields in SchedulerOutput's order: once per step, keywords cost
         # twice as much)
+        loads = self.lora.take_loads() if self.lora is not None else {}
         return SchedulerOutput(new, cached, plan.num_scheduled,
                                self.max_num_batched_tokens - plan.budget, finished,
-                               plan.preempted, computed, sampling)
+                               plan.preempted, computed, sampling, loads)
 
     def _admit(self, plan: _Plan, ctx: SchedulingContext) -> None:
         # Requests of groups at their share, set aside for this round while others wait.
@@ -373,7 +380,7 @@ class BatchScheduler(Scheduler):
                 raise self._policy_error("select", request, "waiting")
             if request.request_id in plan.preempted:
                 return                                 # not back in the step that preempted it
-            if self._at_share(request):
+            if self._at_share(request) or (self.lora is not None and self.lora.waits(request)):
                 aside.append((request, self.waiting.set_aside(request)))
                 _decrement(self._queued, request.group_id)
                 continue
@@ -390,6 +397,8 @@ class BatchScheduler(Scheduler):
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = prefix.num_tokens
             self.running.append(request)
+            if self.lora is not None:
+                self.lora.admit(request)
             plan.num_scheduled[request.request_id] = n
             plan.admitted.append(request)
             plan.changes += 1
@@ -563,6 +572,8 @@ class BatchScheduler(Scheduler):
         assert seats == self._seats, (seats, self._seats)
         assert queued == self._queued, (queued, self._queued)
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        if self.lora is not None:
+            self.lora.check_invariants(self.running, self.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -12,6 +12,7 @@ in fixed-size numpy arrays indexed by row:
 * ``block_table`` [rows, ceil(max_model_len / block_size)] int64 (the dtype of
   ``CommonAttentionMetadata.block_table``), zero past each row's ``num_blocks``.
 * ``num_computed``, ``num_tokens``, ``num_prompt`` [rows] int64.
+* ``lora_slot`` [rows] int64: the device slot of the request's LoRA adapter (-1: none).
 * The sampling parameters as columns, written once when the row is filled: float32
   temperature (0 for greedy rows, clamped to float32's max), top-p, min-p and the three
   penalties; int64 top-k (resolved: the vocabulary where off) and logprobs (-1: none); flags
@@ -109,6 +110,7 @@ class InputBatch:
         self.num_computed = np.zeros(rows, dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_prompt = np.zeros(rows, dtype=np.int64)
+        self.lora_slot = np.full(rows, -1, dtype=np.int64)
         self.token_ids = np.zeros((rows, max(1, min(max_model_len, _INITIAL_TOKEN_WIDTH))),
                                   dtype=np.int32)
         self.serial = np.full(rows, -1, dtype=np.int64)
@@ -139,10 +141,11 @@ class InputBatch:
     def _grow_rows(self) -> None:
         old, new = self.capacity, 2 * self.capacity
         for name in ("block_table", "num_blocks", "num_computed", "num_tokens", "num_prompt",
-                     "token_ids", "serial", "top_k", "logprobs", "states", "req_ids"):
+                     "token_ids", "serial", "top_k", "logprobs", "states", "req_ids",
+                     "lora_slot"):
             arr = getattr(self, name)
             grown = np.zeros((new,) + arr.shape[1:], dtype=arr.dtype)
-            if name == "serial" or name == "logprobs":
+            if name in ("serial", "logprobs", "lora_slot"):
                 grown[:] = -1
             elif arr.dtype == object:
                 grown[:] = None
@@ -190,6 +193,7 @@ class InputBatch:
         self._longest = max(self._longest, n)
         self.num_prompt[row] = state.num_prompt_tokens
         self.num_computed[row] = state._num_computed
+        self.lora_slot[row] = state.lora_slot
         self.block_table[row, :k] = block_ids
         self.num_blocks[row] = k
         self._write_sampling(row, state)
@@ -235,7 +239,7 @@ class InputBatch:
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self.num_tokens[row] = self.num_computed[row] = self.num_prompt[row] = 0
-        self.serial[row] = -1
+        self.serial[row] = self.lora_slot[row] = -1
         self.states[row] = self.req_ids[row] = None
         del self.row_of[state.req_id]
         heapq.heappush(self._free, row)
@@ -321,6 +325,14 @@ class InputBatch:
             max_query_len=max_query_len, block_size=bs)
         return PreparedStep(rows, common, input_ids, positions, cu[1:][sample_idx] - 1,
                             rows[sample_idx])
+
+    def token_lora_slots(self, step: PreparedStep) -> np.ndarray | None:
+        """The LoRA slot of each of ``step``'s tokens (-1: the base model), or None when no
+        request of the step runs an adapter."""
+        slots = self.lora_slot[step.rows]
+        if not (slots >= 0).any():
+            return None
+        return np.repeat(slots, np.diff(step.common.query_start_loc))
 
     def _refuse(self, rows: np.ndarray, seq_lens: np.ndarray, known: np.ndarray) -> None:
         bad_tokens = np.flatnonzero(seq_lens > known)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from dataclasses import replace
 
 import numpy as np
@@ -98,6 +99,7 @@ class ModelRunner:
                     else "not quantized", describe_memory(self.weight_memory))
         platform.prepare_model(model)         # the platform's ops (and packed weights)
         self.model: CausalLM = model.eval()
+        self.lora = self._make_lora(config) if config.lora.enable else None
         self.limits = AttentionBuildLimits(
             block_size=self.block_size, max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -118,9 +120,23 @@ class ModelRunner:
         self.generator.manual_seed(config.model.seed)
         self.model_info = ModelInfo(vocab_size=setup.arch.vocab_size,
                                     max_model_len=setup.max_model_len,
-                                    architecture=(setup.arch.architectures or ("?",))[0])
+                                    architecture=(setup.arch.architectures or ("?",))[0],
+                                    lora_targets=None if self.lora is None
+                                    else dict(self.lora.targets))
         self.batch = InputBatch(setup.max_num_seqs, setup.max_model_len, self.block_size,
                                 setup.arch.vocab_size, self.device)
+
+    def _make_lora(self, config: EngineConfig) -> Any:
+        """The model's LoRA slots (``corellm.lora.model.LoRAModel``), or a ConfigError naming
+        the model plugin that cannot take adapters."""
+        from corellm.lora.model import LoRAModel
+        lora = config.lora
+        try:
+            return LoRAModel(self.model, lora.max_loras, lora.max_lora_rank, lora.cpu_loras,
+                             self.dtype, self.device)
+        except ValueError as exc:
+            raise ConfigError([("lora.enable", f"model {self.model_entry.spec.name!r} of "
+                                f"{self.model_entry.plugin.describe()}: {exc}")]) from exc
 
     # ------------------------------------------------------------------ attention and KV cache
     def _check_attention_layers(self, model: CausalLM) -> list[AttentionLayerSpec]:
@@ -243,13 +259,15 @@ class ModelRunner:
                 self._drop(old)
             state = reqs[new.req_id] = CachedRequestState(
                 new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                new.num_computed_tokens, new.sampling_params, new.eos_token_id)
+                new.num_computed_tokens, new.sampling_params, new.eos_token_id, new.lora_slot)
             batch.add(state)
             self.logits_processors.add(state)
         row_of = batch.row_of
         for cached in so.scheduled_cached_reqs:       # the running requests given new blocks
             if cached.new_block_ids:
                 batch.append_blocks(row_of[cached.req_id], cached.new_block_ids)
+        if so.lora_loads:
+            self.lora.load(so.lora_loads)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -270,8 +288,9 @@ class ModelRunner:
         step = batch.prepare(rows, n_sched, self.batch_order is BatchOrder.DECODES_FIRST)
         common = step.common
         backend_md = self.attn_builder.build(common)
+        lora = self.lora is not None and self.lora.set_step(batch.token_lora_slots(step))
         inputs = StepInputs(step.input_ids, step.positions, step.logits_indices, backend_md,
-                            common.num_reqs, common.num_decodes)
+                            common.num_reqs, common.num_decodes, lora)
         t1 = time.perf_counter()
 
         # With tensor parallelism only rank 0 gets the logits (the others get None).

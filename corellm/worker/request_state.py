@@ -48,12 +48,13 @@ class CachedRequestState:
 
     __slots__ = ("req_id", "num_prompt_tokens", "params", "min_tokens_banned",
                  "prompt_token_set", "processors", "generator", "batch", "row", "serial",
-                 "_token_ids", "_block_ids", "_num_computed")
+                 "_token_ids", "_block_ids", "_num_computed", "lora_slot")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, params: SamplingParams,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, lora_slot: int = -1) -> None:
         self.req_id = req_id
+        self.lora_slot = lora_slot          # its LoRA adapter's device slot (-1: none)
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
         # Tokens that would stop the request, banned while fewer than min_tokens are generated.

@@ -138,11 +138,23 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
         return await run(request, serving.detokenize(body))
 
     @app.get("/v1/models", response_model=None, responses=responses(
-        json_body("The served model.", ModelList), HOST_ERROR))
+        json_body("The served model, then its LoRA adapters (their parent: the model).",
+                  ModelList), HOST_ERROR))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": serving.created,
-            "owned_by": "corellm", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": serving.loras.cards(serving.created,
+                                                              serving.max_model_len)}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=responses(
+        {"description": "The adapter is served under its name."}, REQUEST_ERRORS))
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: ``{"lora_name", "lora_path"}``; 404 unless runtime updating is on."""
+        return PlainTextResponse(serving.loras.load(await request.json()))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=responses(
+        {"description": "The adapter's name is no longer served."}, REQUEST_ERRORS))
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: ``{"lora_name"}``; requests already running on it finish."""
+        return PlainTextResponse(serving.loras.unload(await request.json()))
 
     # response_class: a 200 without a body, which FastAPI would document as JSON.
     @app.get("/health", response_class=Response, responses=responses(

@@ -166,6 +166,8 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str                 # the base model's name, or a LoRA adapter's directory
+    parent: str | None        # a LoRA adapter's base model (None for the model itself)
     max_model_len: int
 
 

@@ -163,6 +163,14 @@ class OpenAIServerOptions(FrontendOptions):
         None, description="A Jinja chat template replacing the tokenizer's: a file's path, or "
                           "the template itself (one with '{' in it); e.g. a tool-aware "
                           "template for a model whose own template ignores tools.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                           "(with lora.enable; also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as "
+                           "vLLM reads it).")
+    allowed_lora_paths: list[str] = Field(
+        default_factory=list, description="Directories adapters may be loaded from at run "
+                                          "time (a path is resolved first: no '..' or link "
+                                          "leads out); empty: none.")
     metrics_prefix: Literal["corellm", "vllm"] = Field(
         "corellm", description="Names on /metrics: corellm:* (default), or vLLM's own vllm:* "
                                "names and labels, so vLLM's Grafana dashboard works unchanged.")

@@ -23,6 +23,7 @@ from corellm.sampling_params import SamplingParams
 from .body import _parse
 from .constraints import ConstraintChecks, constraint_fields, structured_outputs
 from .errors import APIError, _busy, _invalid
+from .lora import LoRAAdapters, runtime_updating_allowed
 from .options import OpenAIServerOptions
 from .preprocess import TextBound
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -60,6 +61,9 @@ class OpenAIServing:
         self.chat_tools = ChatTools.for_options(options, registry)
         self.chat_template = (load_chat_template(options.chat_template, "frontend.chat_template")
                               if options.chat_template else None)
+        # The LoRA adapters served by name (lora.modules, and those loaded at run time).
+        self.loras = LoRAAdapters(engine, model_name, options.allowed_lora_paths,
+                                  runtime_updating_allowed(options.allow_runtime_lora_updating))
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, cost: float) -> Any:
         """Run ``fn`` (tokenizer work) on the preprocessing pool; ``cost``: its estimated work,
@@ -140,10 +144,10 @@ class OpenAIServing:
                            param=field)
 
     # ------------------------------------------------------------------ shared pieces
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.model_name}`.", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> Any:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name
+        this server does not serve."""
+        return self.loras.resolve(name)
 
     def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
                         logprobs: int | None, max_tokens_field: str,
@@ -215,7 +219,7 @@ class OpenAIServing:
 
     async def _submit(self, ids: list[int], params: SamplingParams, request_id: str,
                       req: _SamplingFields, kind: RequestOutputKind,
-                      group_id: str | None = None) -> RequestStream:
+                      group_id: str | None = None, lora: Any = None) -> RequestStream:
         """Validate and queue the request now, so bad input is a 400 even when streaming.
         ``req`` carries the scheduling attributes: priority, user (tenant), session_id;
         ``group_id`` makes the prompts of one call one client request to the scheduler."""
@@ -226,7 +230,8 @@ class OpenAIServing:
             stream = await self.engine.add_request({"prompt_token_ids": ids}, params, request_id,
                                                    priority=req.priority, user=req.user,
                                                    session_id=req.session_id, group_id=group_id,
-                                                   output_kind=kind, params_checked=checked)
+                                                   output_kind=kind, params_checked=checked,
+                                                   lora_request=lora)
         except InvalidRequestError as exc:
             raise _invalid(exc) from None
         stream.cancel_reason = "client_disconnected"     # what cancels a handler here
@@ -258,7 +263,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         prompts: list[str | list[int]]
         if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)):
             prompts = [req.prompt]
@@ -286,7 +291,7 @@ class OpenAIServing:
         try:
             for i, (ids, p) in enumerate(zip(token_ids, params)):
                 gens.append(await self._submit(ids, p, f"{internal}-{i}", req, kind,
-                                               group_id=internal if many else None))
+                                               group_id=internal if many else None, lora=lora))
         except BaseException:
             for g in gens:
                 g.close()
@@ -386,7 +391,7 @@ class OpenAIServing:
         return self.text_cost(chars) + CHAT_COST_PER_MESSAGE * len(messages)
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
         # Checking schemas costs time with their size: off the event loop.
@@ -421,7 +426,7 @@ class OpenAIServing:
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         internal = f"{rid}-{uuid.uuid4().hex}" if req.request_id else rid
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        gen = await self._submit(ids, params, internal, req, kind)
+        gen = await self._submit(ids, params, internal, req, kind, lora=lora)
 
         fmt = (req.response_format or {}).get("type")
         json_content = forced is None and fmt in ("json_object", "json_schema")
