@@ -27,7 +27,7 @@ kept in the layer's ``kernel`` attribute, declared by the layer classes, set by 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -62,21 +62,28 @@ class DeviceOps:
         (correct anywhere, slow); a platform multiplies the blocks directly."""
         return F.linear(x, layer.qweight.dequantize(x.dtype), bias)
 
-    def lora_linear(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    groups: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
-        """``y`` plus the LoRA adapters' products (multi-LoRA): for each ``(slot, tokens)`` of
-        ``groups``, rows ``tokens`` of ``y`` [T, N] get ``(x[tokens] @ a[slot].T) @
-        b[slot].T`` (the shrink, then the expand), ``tokens`` an int64 index tensor, or None for
-        every row. ``a`` [slots, R, K] and ``b`` [slots, N, R] hold each device slot's adapter
-        for this layer (its parts side by side, zero where an adapter has no weights; B scaled),
-        ``x`` [T, K]. The reference gathers each adapter's rows and runs two matmuls per
-        adapter; ``y`` may be updated in place and returned."""
-        for slot, tokens in groups:
-            if tokens is None:
-                y = y + (x @ a[slot].T.to(x.dtype)) @ b[slot].T.to(x.dtype)
-            else:
-                h = x.index_select(0, tokens) @ a[slot].T.to(x.dtype)
-                y = y.index_add(0, tokens, (h @ b[slot].T.to(x.dtype)).to(y.dtype))
+    def lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora: Any) -> torch.Tensor:
+        """``y`` [T, N] plus the LoRA adapters' products (multi-LoRA) for ``x`` [T, K]. ``lora``
+        is the layer's ``corellm.lora.model.LoRALayer``: ``a`` [slots, P, R, K] (each device
+        slot's A for each of the layer's P parts), ``b[p]`` [slots, R, N_p] (B transposed,
+        scaled) for part p's output columns ``spans[p]`` = (offset, N_p), zero where an adapter
+        has no weights; and ``batch`` (``corellm.lora.model.LoRABatch``): ``groups``, one
+        ``(slot, tokens)`` per adapter of the step (``tokens`` an int64 index tensor, None for
+        every row), ``slots`` each token's slot (-1: none), ``cache`` for what a platform
+        derives once per step. Rows ``tokens`` of part p's columns get ``(x[tokens] @
+        a[slot, p].T) @ b[p][slot]`` (the shrink, then the expand). The reference gathers each
+        adapter's rows, shrinks them for every part in one matmul and expands each part into its
+        columns of ``y``, in place."""
+        _, parts, rank, k = lora.a.shape
+        for slot, tokens in lora.batch.groups:
+            xs = x if tokens is None else x.index_select(0, tokens)
+            h = xs @ lora.a[slot].view(parts * rank, k).T.to(x.dtype)
+            for p, (offset, n) in enumerate(lora.spans):
+                part = (h[:, p * rank:(p + 1) * rank] @ lora.b[p][slot].to(x.dtype)).to(y.dtype)
+                if tokens is None:
+                    y[:, offset:offset + n] += part
+                else:
+                    y[:, offset:offset + n].index_add_(0, tokens, part)
         return y
 
     def linear_normed(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor,

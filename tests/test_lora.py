@@ -320,3 +320,61 @@ def test_slots_never_evict_an_adapter_in_use():
                 assert loaded[s] == r.lora_int_id
             slots.check_invariants(r for r, _ in running)
     run()
+
+
+# ------------------------------------------------------------------ the op, three ways
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_lora_linear_paths_agree_with_float64(tokens):
+    """``ops.lora_linear`` of the reference, and the CPU platform's two paths (lora.c per token
+    for a decode-sized step, in-place GEMMs per run of one adapter's tokens for a prefill),
+    against the products in float64: tokens of three adapters and of the base model, in runs
+    (as a prefill's requests) and interleaved (as a decode step's), on a QKV-like layer of three
+    parts of different widths; the base model's rows untouched."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from corellm.lora.model import LoRABatch
+    from corellm.ops import DeviceOps
+    from corellm_plugins.platform_cpu.ops import CpuDeviceOps
+
+    g = torch.Generator().manual_seed(tokens)
+    slots_n, rank, k, spans = 3, 8, 48, [(0, 32), (32, 16), (48, 16)]
+    lora = SimpleNamespace(a=torch.randn(slots_n, 3, rank, k, generator=g),
+                           b=[torch.randn(slots_n, rank, n, generator=g) for _, n in spans],
+                           spans=spans, batch=LoRABatch(), kernel=None)
+    lora.a[1, 2] = 0                              # slot 1 adapts only the first two parts
+    x = torch.randn(tokens, k, generator=g)
+    y0 = torch.randn(tokens, 64, generator=g)
+    for layout in ("runs", "interleaved"):
+        if layout == "runs":
+            slots = np.repeat(np.arange(-1, slots_n), -(-tokens // (slots_n + 1)))[:tokens]
+        else:
+            slots = np.arange(tokens) % (slots_n + 1) - 1
+        batch = lora.batch
+        batch.groups.clear()
+        batch.cache.clear()
+        batch.slots = torch.from_numpy(slots)
+        for s in np.unique(slots[slots >= 0]):
+            batch.groups.append((int(s), torch.from_numpy(np.flatnonzero(slots == s))))
+        want = y0.double().clone()
+        for t, s in enumerate(slots):
+            if s >= 0:
+                for p, (off, n) in enumerate(spans):
+                    h = lora.a[s, p].double() @ x[t].double()
+                    want[t, off:off + n] += h @ lora.b[p][s].double()
+        for name, ops, limit in (("reference", DeviceOps(), None),
+                                 ("cpu kernel", CpuDeviceOps(), 1 << 20),
+                                 ("cpu runs", CpuDeviceOps(), 0)):
+            if limit is not None:
+                ops.LORA_KERNEL_MAX_TOKENS = limit
+            if name == "cpu runs" and layout == "interleaved" and tokens > 64:
+                continue                              # (a prefill's tokens come in runs)
+            batch.cache.clear()
+            got = ops.lora_linear(y0.clone(), x, lora).double()
+            if name == "cpu kernel":                  # lora.c ran (it keeps its arguments)
+                from corellm_plugins.platform_cpu.lora_kernels import lora_kernels
+                assert lora.kernel is not None or lora_kernels() is None
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (
+                name, layout, (got - want).abs().max().item())
+            base = slots < 0
+            assert torch.equal(got[base], y0.double()[base]), (name, layout)

@@ -100,7 +100,7 @@ class LinearBase(QuantizableWeight, OpsModule, nn.Module):
             y = self.ops.linear(self, x, bias)
         lora = self.lora
         if lora is not None and lora.batch.groups:
-            y = self.ops.lora_linear(y, x, lora.a, lora.b, lora.batch.groups)
+            y = self.ops.lora_linear(y, x, lora)
         return y
 
     @property

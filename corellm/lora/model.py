@@ -5,9 +5,11 @@ host, and the step's tokens per adapter.
 routes (``model.weight_routes``, kept by ``corellm.layers.load_weights``): a checkpoint weight
 ``<module>.weight`` routed to a core linear layer (``LinearBase``), whole or as part
 ``shard_id`` of a fused one (q/k/v of a QKV projection, gate/up), makes ``<module>`` adaptable,
-with the full tensor's shape. Each such layer gets a ``LoRALayer``: ``a`` [max_loras, P * R,
-in] and ``b`` [max_loras, out, P * R] on the device, P its parts, R ``max_lora_rank``, part p's
-rank block at columns ``[p R, p R + r)`` of ``b`` and rows of ``a``; this rank's slice of each
+with the full tensor's shape. Each such layer gets a ``LoRALayer``: for its P parts (q, k, v of
+a QKV projection; gate, up; one for an unfused layer), ``a`` [max_loras, P, R, in] (each slot's
+A) and ``b[p]`` [max_loras, R, out_p] (its B transposed, for part p's output columns
+``spans[p]``), R ``max_lora_rank``, zero past an adapter's own rank and for a part it does not
+adapt; this rank's slice of each
 adapter's A and B is cut by the layer's own ``input_part`` / ``output_part`` (the weight loaders'
 slicing), so tensor-parallel shards need nothing more.
 
@@ -15,8 +17,9 @@ The scheduler decides which adapter each slot holds (``corellm.lora.LoRASlots``)
 says what to load (``SchedulerOutput.lora_loads``); ``load`` fills a slot from the host cache
 (``max_cpu_loras`` adapters, least recently used evicted), reading the adapter's files on a
 miss. Before each forward the model runner gives ``set_step`` the slot of every token (-1: the
-base model), which becomes ``batch.groups``: one ``(slot, token indices)`` per adapter present,
-read by every layer's ``linear`` (``ops.lora_linear``).
+base model), which becomes the shared ``LoRABatch``: ``groups``, one ``(slot, token indices)``
+per adapter present, and ``slots``, every token's; every layer's ``linear`` reads it
+(``ops.lora_linear``).
 """
 
 from __future__ import annotations
@@ -37,41 +40,50 @@ logger = logging.getLogger(__name__)
 
 class LoRABatch:
     """The step's adapters: ``groups`` = [(slot, token indices or None for every token)], empty
-    when no token of the step runs an adapter."""
+    when no token of the step runs an adapter; ``slots`` [T] int64, each token's slot (-1: the
+    base model); ``cache``: what a platform's ``lora_linear`` derives from them once per step
+    (the CPU platform's per-token slot mask), cleared with each step."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "slots", "cache")
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.slots: torch.Tensor | None = None
+        self.cache: dict[Any, Any] = {}
 
 
 class LoRALayer:
-    """One linear layer's adapter slots (``layer.lora``)."""
+    """One linear layer's adapter slots (``layer.lora``); ``kernel``: what a platform's
+    ``lora_linear`` prepares for it (set on first use)."""
+
+    kernel: Any = None
 
     def __init__(self, layer: nn.Module, parts: list[Any], max_loras: int, max_rank: int,
                  batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:
         self.layer, self.batch, self.max_rank = layer, batch, max_rank
         self.parts = {shard: i for i, shard in enumerate(parts)}
-        width = len(parts) * max_rank
-        self.a = torch.zeros(max_loras, width, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, layer.out_features, width, dtype=dtype, device=device)
+        self.spans = [layer.output_part(shard)[::2] for shard in parts]   # (offset, size)
+        self.a = torch.zeros(max_loras, len(parts), max_rank, layer.in_features, dtype=dtype,
+                             device=device)
+        self.b = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device)
+                  for _, n in self.spans]
 
     def set(self, slot: int, weights: dict[Any, Any]) -> None:
         """Slot ``slot`` := the adapter's parts ``weights`` (shard_id -> ``LoRAModule``, full
         checkpoint-shaped); zero where it has none."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
         start, size = self.layer.input_part()
         for shard, module in weights.items():
-            p = self.parts[shard]
-            r, col = module.rank, p * self.max_rank
-            offset, row, n = self.layer.output_part(shard)
-            self.a[slot, col:col + r].copy_(module.a[:, start:start + size])
-            self.b[slot, offset:offset + n, col:col + r].copy_(module.b[row:row + n])
+            p, r = self.parts[shard], module.rank
+            _, row, n = self.layer.output_part(shard)
+            self.a[slot, p, :r].copy_(module.a[:, start:start + size])
+            self.b[p][slot, :r].copy_(module.b[row:row + n].T)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.b))
+        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
 
 
 class LoRAModel:
@@ -153,15 +165,19 @@ class LoRAModel:
     def set_step(self, token_slots: np.ndarray | None) -> bool:
         """The step's slot per token (-1: the base model; None: no token runs an adapter).
         Returns whether any does."""
-        groups = self.batch.groups
+        batch = self.batch
+        groups = batch.groups
         groups.clear()
+        batch.cache.clear()
+        batch.slots = None
         if token_slots is None or not len(token_slots):
             return False
         used = np.unique(token_slots)
         used = used[used >= 0]
         if not len(used):
             return False
-        if len(used) == 1 and used[0] >= 0 and (token_slots == used[0]).all():
+        batch.slots = torch.from_numpy(token_slots).to(self._device)
+        if len(used) == 1 and (token_slots == used[0]).all():
             groups.append((int(used[0]), None))
             return True
         for slot in used.tolist():

@@ -9,13 +9,16 @@ reference's wherever a kernel declines.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from corellm.ops import DeviceOps
 from corellm_plugins.platform_cpu.gemm import PackedLinear, _run, native_gemm, pack_linear_weights
 from corellm_plugins.platform_cpu.kernels import CpuOps, _silu_kernel_is_faster, cpu_ops
+from corellm_plugins.platform_cpu.lora_kernels import lora_kernels
 from corellm_plugins.platform_cpu.qlinear import QuantLinear, quant_kernels
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,8 @@ class CpuDeviceOps(DeviceOps):
     weights between calls (``platform.weight_prefetch``)."""
 
     name = "cpu"
+    # lora_linear: the most tokens a step may have for lora.c's per-token products
+    LORA_KERNEL_MAX_TOKENS = 256
 
     def __init__(self, weight_packing: bool = True, fused_ops: bool = True,
                  weight_prefetch: bool = False) -> None:
@@ -93,6 +98,40 @@ class CpuDeviceOps(DeviceOps):
         if x.dtype == torch.float32:
             return kernel(x, bias)
         return kernel(x.float(), bias).to(x.dtype)
+
+    def lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora: Any) -> torch.Tensor:
+        """A step of few tokens (decode): lora.c, each token's products with its own adapter's
+        weights only, the tokens grouped by adapter (once per step), on the thread pool. A step
+        of many (a prefill, whose requests' tokens are contiguous): each run of tokens of one
+        adapter (found once per step) multiplied in place with torch's GEMM, neither gathered
+        nor scattered. Otherwise (autograd, another device): the reference."""
+        batch = lora.batch
+        if (batch.slots is None or x.device.type != "cpu" or x.dim() != 2
+                or (torch.is_grad_enabled() and x.requires_grad)):
+            return super().lora_linear(y, x, lora)
+        kernels = lora_kernels() if x.shape[0] <= self.LORA_KERNEL_MAX_TOKENS else None
+        if kernels is not None:
+            order = batch.cache.get("order")
+            if order is None:
+                slots = batch.slots
+                order = torch.argsort(slots, stable=True)
+                order = batch.cache["order"] = order[slots[order] >= 0].contiguous()
+            if kernels.apply(y, x, lora, order, batch.slots):
+                return y
+        runs = batch.cache.get("runs")
+        if runs is None:
+            s = batch.slots.numpy()
+            cut = np.flatnonzero(np.diff(s)) + 1
+            runs = batch.cache["runs"] = [
+                (int(a), int(b), int(s[a])) for a, b in zip(np.r_[0, cut], np.r_[cut, len(s)])
+                if s[a] >= 0]
+        _, parts, rank, k = lora.a.shape
+        for start, end, slot in runs:
+            h = F.linear(x[start:end], lora.a[slot].view(parts * rank, k).to(x.dtype))
+            for p, (offset, n) in enumerate(lora.spans):
+                y[start:end, offset:offset + n].addmm_(h[:, p * rank:(p + 1) * rank],
+                                                       lora.b[p][slot].to(x.dtype))
+        return y
 
     def _native_packed(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's packed copy for corellm's GEMM, where fused paths are on and its plan
