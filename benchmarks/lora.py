@@ -3,7 +3,7 @@
 base model alone and against one merged model per adapter (what serving without multi-LoRA
 takes).
 
-The workload: ``--requests`` random-token prompts (lengths in ``--input-len``) generating
+The workload: ``--requests`` random-token prompts (ids uniform over the vocabulary) (lengths in ``--input-len``) generating
 ``--output-len`` tokens each (greedy, ``ignore_eos``), all submitted at once. Three arms, each in
 its own process, alternating over ``--rounds`` rounds:
 
@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loras = make_adapters(base, work, args.adapters, args.rank)
     lo, hi = (int(v) for v in args.input_len.split(":"))
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(lo, hi))]
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
                for _ in range(args.requests)]
     spec = {"model": str(base), "loras": [str(p) for p in loras], "adapters": args.adapters,
             "merged": [str(work / f"merged-{i}") for i in range(args.adapters)],

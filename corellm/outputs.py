@@ -230,6 +230,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0       # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0          # tokens of those found there
     kv_blocks_cached: int = 0           # blocks findable in the prefix cache (held or free)
+    # With LoRA on: adapter name -> its running requests, and its waiting ones.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -417,3 +417,23 @@ def test_quant_kernels_benchmark(tmp_path):
     assert all(c["max_rel_diff"] < 1e-5 for c in cases), cases
     assert "interleaved GF/s" in bench.format_tables(results)
     assert bench.write_plot(results, str(tmp_path / "q.png"))
+
+
+def test_lora_benchmark(llama_path, tmp_path):
+    pytest.importorskip("peft")
+    bench = load("lora")
+    args = bench.build_parser().parse_args([
+        "--model", str(llama_path), "--work-dir", str(tmp_path / "work"), "--requests", "6",
+        "--adapters", "2", "--rank", "4", "--input-len", "8:16", "--output-len", "4",
+        "--rounds", "1"])
+    results = bench.run(args)
+    arms = results["arms"]
+    assert set(arms) == {"base", "multi-lora", "merged"}
+    assert all(a["tok_s"] > 0 for a in arms.values())
+    # two merged copies hold twice the weights; the slots add a little to one copy
+    assert arms["merged"]["weights_bytes"] == 2 * arms["base"]["weights_bytes"]
+    assert arms["base"]["weights_bytes"] < arms["multi-lora"]["weights_bytes"] \
+        < arms["merged"]["weights_bytes"]
+    assert results["agreement_multi_lora_vs_merged"]["of"] == 6
+    assert "multi-lora" in bench.format_tables(results)
+    assert bench.write_plot(results, str(tmp_path / "lora.png"))

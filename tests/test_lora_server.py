@@ -107,9 +107,12 @@ def test_adapters_through_the_openai_client(server, adapters, llama_path):
     r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert r.status_code == 404
     assert {m.id for m in client.models.list().data} == {server.model, "sql"}
-    # the engine is whole
+    # the engine is whole, and /metrics has vLLM's lora_requests_info
     health = httpx.get(server.url + "/health", timeout=30)
     assert health.status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'corellm:lora_requests_info{max_lora="2"' in metrics, metrics[-2000:]
+    assert "corellm:lora_requests_running" in metrics
 
 
 def test_a_bad_lora_module_stops_the_server_naming_it(llama_path, adapters, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corellm.lora.request import LoRARequest
 
@@ -96,6 +96,16 @@ class LoRASlots:
         if request.lora_slot >= 0 and request.lora_request is not None:
             request.lora_slot = -1
             self.release(request.lora_request)
+
+    @staticmethod
+    def stats(running: Iterable[Request], waiting: Iterable[Request]) -> dict[str, Any]:
+        """``SchedulerStats``' adapter fields: each adapter's running and waiting requests."""
+        out: dict[str, Any] = {}
+        for key, requests in (("running_lora_adapters", running),
+                              ("waiting_lora_adapters", waiting)):
+            out[key] = dict(Counter(r.lora_request.lora_name for r in requests
+                                    if r.lora_request is not None))
+        return out
 
     def drop(self, lora_int_id: int) -> bool:
         """Forget an unloaded adapter's slot; False (nothing done) while requests use it."""

@@ -589,8 +589,8 @@ class BatchScheduler(Scheduler):
             num_generation_tokens=self.num_generation_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            kv_blocks_cached=self.kv.num_cached_blocks)
+            prefix_cache_hits=self.kv.prefix_cache_hits, kv_blocks_cached=self.kv.num_cached_blocks,
+            **(self.lora.stats(self.running, self.waiting) if self.lora is not None else {}))
 
 
 def _decrement(counter: Counter[str], key: str) -> None:

@@ -44,6 +44,7 @@ an honest counterpart here are exposed; corellm-only ones are left out in that m
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,6 +142,25 @@ class _EngineCollector(Collector):
         yield counter("corellm:generation_tokens", "Tokens generated.",
                       s.num_generation_tokens)
         yield counter("corellm:engine_steps", "Engine steps run.", num_steps)
+        if self.owner.max_loras:
+            for state in ("running", "waiting"):
+                g = GaugeMetricFamily(f"corellm:lora_requests_{state}", f"Requests {state} per "
+                                      "LoRA adapter.", labels=["model_name", "lora_name"])
+                for name, n in getattr(s, f"{state}_lora_adapters").items():
+                    g.add_metric([self.owner.model_name, name], n)
+                yield g
+            yield self._lora_info("corellm:lora_requests_info", s)
+
+    def _lora_info(self, name: str, s: SchedulerStats) -> GaugeMetricFamily:
+        """vLLM's ``lora_requests_info``: the adapters running and waiting as labels (names,
+        comma-separated) and ``max_lora``; the value is the time of the snapshot."""
+        info = GaugeMetricFamily(name, "Running and waiting LoRA adapters (labels); the value "
+                                 "is the time of the snapshot.",
+                                 labels=["max_lora", "running_lora_adapters",
+                                         "waiting_lora_adapters"])
+        info.add_metric([str(self.owner.max_loras), ",".join(sorted(s.running_lora_adapters)),
+                         ",".join(sorted(s.waiting_lora_adapters))], self.owner.snapshot_time)
+        return info
 
     def _collect_vllm(self) -> Iterator[Any]:
         snapshot = self.owner.snapshot
@@ -173,6 +193,8 @@ class _EngineCollector(Collector):
         yield family(c, "vllm:prompt_tokens", "Prompt tokens of admitted requests.",
                      s.num_prompt_tokens)
         yield family(c, "vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        if self.owner.max_loras:
+            yield self._lora_info("vllm:lora_requests_info", s)
 
 
 def _token_buckets(max_model_len: int) -> list[int]:
@@ -204,8 +226,11 @@ class EngineMetrics:
         # (scheduler snapshot, engine steps so far) of the latest StepStats record (or of the
         # start-up seed); replaced as a whole, so a reader never sees half of an update.
         self.snapshot: tuple[SchedulerStats, int] | None = None
+        self.snapshot_time = time.time()
         # The engine's liveness at the last scrape (is_dead, then a ping through its loop).
         self.alive = False
+        lora = getattr(getattr(engine, "config", None), "lora", None)
+        self.max_loras = lora.max_loras if lora is not None and lora.enable else 0
         if max_step_tokens is None:
             max_step_tokens = getattr(getattr(getattr(engine, "config", None), "scheduler", None),
                                       "max_num_batched_tokens", None)
@@ -299,7 +324,7 @@ class EngineMetrics:
     def on_stats(self, stats: StepStats) -> None:
         """A record from the engine core (a stats listener, called on the event loop): keep
         its snapshot; a step that scheduled work is one observation of tokens per step."""
-        self.snapshot = (stats.scheduler, stats.step)
+        self.snapshot, self.snapshot_time = (stats.scheduler, stats.step), time.time()
         if stats.kind == "step":
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
@@ -316,6 +341,7 @@ class EngineMetrics:
             return
         if self.snapshot is None:    # else a record came meanwhile: it wins (the next step's
             self.snapshot = (stats, stats.num_steps)    # record follows at once if it lags)
+            self.snapshot_time = time.time()
 
     async def _check_alive(self) -> bool:
         if self.engine.is_dead:
