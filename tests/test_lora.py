@@ -378,3 +378,36 @@ def test_lora_linear_paths_agree_with_float64(tokens):
                 name, layout, (got - want).abs().max().item())
             base = slots < 0
             assert torch.equal(got[base], y0.double()[base]), (name, layout)
+
+
+# ------------------------------------------------------------------ corellm bench
+def test_bench_workload_mixes_adapters(lora_setup):
+    """A workload's ``lora_adapters`` shares (the base model among them) are exact, drawn from
+    their own stream (the prompts do not move), and an in-process run sends each request with
+    its adapter: the outputs are PEFT's."""
+    from collections import Counter
+
+    from corellm_plugins.bench.engine_driver import drive_engine
+    from corellm_plugins.bench.targets import RunOptions
+    from corellm_plugins.bench.workload import build_workload, workload_stats
+    from corellm_plugins.bench.workload_spec import load_workload_spec
+
+    arch, base, prompts, loras, refs = lora_setup
+    plain = {"num_requests": 12, "requests": {"input_len": 6, "output_len": NEW_TOKENS}}
+    shares = [{"name": None, "weight": 1}, {"name": "qv", "path": loras["qv"].lora_path},
+              {"name": "mlp", "path": loras["mlp"].lora_path, "weight": 2}]
+    w0 = build_workload(load_workload_spec(plain), vocab_size=1024)
+    w = build_workload(load_workload_spec({**plain, "lora_adapters": shares}), vocab_size=1024)
+    assert [r.prompt_token_ids for r in w.requests] == [r.prompt_token_ids for r in w0.requests]
+    assert Counter(r.lora_name for r in w.requests) == {None: 3, "qv": 3, "mlp": 6}
+    assert workload_stats(w)["lora_adapters"] == {"mlp": 6, "qv": 3}
+    assert "adapters" in w.description
+    llm = lora_llm(base)
+    records, _ = drive_engine(llm, w, RunOptions(progress=False, keep_outputs=True), salt="l")
+    assert all(r.error is None for r in records)
+    for req, rec in zip(w.requests, records):
+        want = peft_greedy(base, None if req.lora_name is None
+                           else Path(loras[req.lora_name].lora_path), [req.prompt_token_ids])
+        note = compare(rec.output_token_ids, *want[0])
+        assert note is None or "near tie" in note, (req.lora_name, note)
+    assert_pool_whole(llm)

@@ -37,6 +37,20 @@ class _Live:
     output_ids: list[int] = field(default_factory=list)
 
 
+def lora_requests(workload: Workload) -> dict[str | None, Any]:
+    """The workload's LoRA adapters as an in-process engine takes them (name -> LoRARequest,
+    ids in order of first appearance); a ValueError names an adapter without a path."""
+    from corellm.lora.request import LoRARequest
+    loras: dict[str | None, Any] = {None: None}
+    for r in workload.requests:
+        if r.lora_name is not None and r.lora_name not in loras:
+            if r.lora_path is None:
+                raise ValueError(f"lora_adapters: adapter {r.lora_name!r} has no path, which "
+                                 "an in-process engine loads it from")
+            loras[r.lora_name] = LoRARequest(r.lora_name, len(loras), r.lora_path)
+    return loras
+
+
 def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str,
                  desc: str = "run", progress: bool | None = None,
                  ) -> tuple[list[RequestRecord], float]:
@@ -64,6 +78,7 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
     step_start: float | None = None     # set when the previous iteration ran a step
     free_during_step = 0
     params_for: dict[tuple[int, bool], SamplingParams] = {}   # requests share them
+    loras = lora_requests(workload)
 
     def finish(i: int, now: float, ok: bool, output_ids: list[int]) -> None:
         bar.update(1)
@@ -95,7 +110,8 @@ def drive_engine(llm: Any, workload: Workload, options: RunOptions, *, salt: str
                 _, core = llm.processor.process(rid, {"prompt_token_ids": ids}, params,
                                                 req.priority, user=req.user,
                                                 session_id=req.session_id,
-                                                arrival_time=wall0 + rec.arrival_s)
+                                                arrival_time=wall0 + rec.arrival_s,
+                                                lora_request=loras.get(req.lora_name))
             except InvalidRequestError as exc:
                 rec.error = f"invalid request: {exc}"
                 finish(i, now, False, [])

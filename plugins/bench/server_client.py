@@ -75,7 +75,8 @@ def completion_body(prompt_ids: list[int], output_len: int, *, model: str | None
                     user: str | None = None, session_id: str | None = None,
                     ignore_eos: bool = True) -> dict[str, Any]:
     """A streaming ``/v1/completions`` body that generates exactly ``output_len`` tokens (at
-    most that many without ``ignore_eos``)."""
+    most that many without ``ignore_eos``); ``model``: the served model, or a LoRA adapter's
+    name."""
     body: dict[str, Any] = {
         "model": model, "prompt": prompt_ids, "max_tokens": output_len,
         "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
@@ -193,7 +194,7 @@ async def drive_server(client: Any, url: str, model: str | None, workload: Workl
         req, rec = sessions.requests[i], records[i]
         ids = sessions.prompt(i)
         rec.prompt_tokens = len(ids)
-        body = completion_body(ids, req.output_len, model=model,
+        body = completion_body(ids, req.output_len, model=req.lora_name or model,
                                temperature=options.temperature, salt=salt,
                                priority=req.priority, user=req.user, session_id=req.session_id,
                                ignore_eos=req.ignore_eos)

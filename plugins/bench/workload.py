@@ -65,6 +65,8 @@ class BenchRequest:
     session_id: str | None = None       # multi-turn session
     shared_prefix_group: int | None = None   # which shared-prefix group the prompt starts with
     ignore_eos: bool = True             # False: may stop at EOS before output_len (ShareGPT)
+    lora_name: str | None = None        # the LoRA adapter it runs (None: the base model)
+    lora_path: str | None = None        # that adapter's PEFT directory, when the spec gives it
 
 
 @dataclass
@@ -82,7 +84,8 @@ class Workload:
 # renumbering changes every workload drawn from an existing spec and seed.
 _STREAM = {"turns": 1, "arrivals": 2, "tenants": 3, "priorities": 4, "groups": 5,
            "prefixes": 6, "input_len": 7, "message_len": 8, "output_len": 9, "think": 10,
-           "tokens": 11, "prompt_order": 12, "trace_sample": 13, "trace_blocks": 14}
+           "tokens": 11, "prompt_order": 12, "trace_sample": 13, "trace_blocks": 14,
+           "adapters": 15}
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
@@ -200,6 +203,7 @@ def _build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, voca
 
     tenants = [t.name if t else None for t in labels(spec.tenants, "tenants")]
     priorities = [p.priority if p else 0 for p in labels(spec.priorities, "priorities")]
+    adapters = labels(spec.lora_adapters, "adapters")
 
     allowed = allowed_token_ids(vocab_size, exclude_ids) if isinstance(
         prompts, RandomPrompts) or req.shared_prefix else None
@@ -262,7 +266,9 @@ def _build_workload(spec: WorkloadSpec | Mapping[str, Any] | str | Path, *, voca
             requests.append(BenchRequest(
                 index=index, prompt_token_ids=ids, output_len=out_len, delay_s=delay,
                 follows=prev, priority=priorities[c], user=tenants[c], session_id=session_id,
-                shared_prefix_group=groups[c]))
+                shared_prefix_group=groups[c],
+                lora_name=adapters[c].name if adapters[c] else None,
+                lora_path=adapters[c].path if adapters[c] else None))
             prev = index
 
     if max_model_len is not None:
@@ -350,4 +356,6 @@ def workload_stats(workload: Workload) -> dict[str, Any]:
             r.shared_prefix_group for r in reqs if r.shared_prefix_group is not None).items())),
         "tenants": dict(sorted(Counter(r.user for r in reqs if r.user is not None).items())),
         "priorities": dict(sorted(Counter(r.priority for r in reqs).items())),
+        "lora_adapters": dict(sorted(Counter(r.lora_name for r in reqs
+                                             if r.lora_name is not None).items())),
     }

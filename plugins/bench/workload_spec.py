@@ -199,6 +199,15 @@ class PriorityShare(SpecModel):
                           description="Relative share of the requests (sessions).")
 
 
+class AdapterShare(SpecModel):
+    name: str | None = Field(description="The LoRA adapter's name: the request's `model` at a "
+                                         "server; null: the base model.")
+    path: str | None = Field(default=None, description="Its PEFT directory, which an "
+                                                       "in-process engine loads it from.")
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False,
+                          description="Relative share of the requests (sessions).")
+
+
 class WorkloadSpec(SpecModel):
     """A benchmark workload: which requests, with what lengths, for whom, arriving when."""
 
@@ -220,6 +229,11 @@ class WorkloadSpec(SpecModel):
         default=None, min_length=1,
         description="Priority classes and their shares of the requests (whole sessions); "
                     "default: all priority 0.")
+    lora_adapters: list[AdapterShare] | None = Field(
+        default=None, min_length=1,
+        description="LoRA adapters and their shares of the requests (whole sessions), each "
+                    "request run with its adapter (the configs need lora.enable); default: "
+                    "the base model for all.")
     arrivals: Arrivals = Field(
         default_factory=lambda: AllAtOnce(pattern="all_at_once"),
         description="When first turns arrive: all_at_once, poisson (rate) or gamma (rate, "
@@ -237,6 +251,9 @@ class WorkloadSpec(SpecModel):
         if self.priorities and (len({p.priority for p in self.priorities})
                                 < len(self.priorities)):
             raise SpecProblem("priorities", "each priority may appear once")
+        if self.lora_adapters and (len({a.name for a in self.lora_adapters})
+                                   < len(self.lora_adapters)):
+            raise SpecProblem("lora_adapters", "names must be unique")
         return self
 
     @property
@@ -254,8 +271,8 @@ _DISCRIMINATORS = {"dist": LEN_DISTS + TIME_DISTS, "source": ("random", "file"),
 def _all_keys() -> set[str]:
     models = [FixedLen, UniformLen, NormalLen, FileLen, MixtureLen, Weighted, FixedTime,
               UniformTime, NormalTime, ExponentialTime, RandomPrompts, FilePrompts,
-              SharedPrefix, RequestsSpec, SessionsSpec, Tenant, PriorityShare, AllAtOnce,
-              PoissonArrivals, GammaArrivals, WorkloadSpec]
+              SharedPrefix, RequestsSpec, SessionsSpec, Tenant, PriorityShare, AdapterShare,
+              AllAtOnce, PoissonArrivals, GammaArrivals, WorkloadSpec]
     return {name for m in models for name in m.model_fields}
 
 
@@ -389,6 +406,9 @@ def describe_spec(spec: WorkloadSpec, *, seed: int | None = None) -> str:
         parts.append("tenants " + _shares([(t.name, t.weight) for t in spec.tenants]))
     if spec.priorities:
         parts.append("priorities " + _shares([(p.priority, p.weight) for p in spec.priorities]))
+    if spec.lora_adapters:
+        parts.append("adapters " + _shares([(a.name or "base", a.weight)
+                                            for a in spec.lora_adapters]))
     parts.append(f"seed {spec.seed if seed is None else seed}")
     line = ", ".join(parts)
     return f"{spec.name}: {line}" if spec.name else line
