@@ -16,11 +16,12 @@ its own process, alternating over ``--rounds`` rounds:
   cores are shared, so running them at once would not be faster): tok/s = all tokens over the
   sum of the engines' times. Its memory is one model copy per adapter.
 
-The table gives each arm's output tok/s (median over the rounds), the ratio to ``base``, the
-weights' memory (the model's weights, plus the adapters' device slots for ``multi-lora``, times
-the adapters for ``merged``) and the peak RSS of its process; and how many of the requests give
-the same greedy tokens with an adapter applied at run time as with it merged (they differ only
-by float rounding).
+``--busy N`` runs every arm beside N processes that each spin on a CPU. The table gives each
+arm's output tok/s (median over the rounds), the ratio to ``base``, the weights' memory (the
+model's weights, plus the adapters' device slots for ``multi-lora``, times the adapters for
+``merged``) and the peak RSS of its process; and how many of the requests give the same greedy
+tokens with an adapter applied at run time as with it merged (they differ only by float
+rounding).
 
     python benchmarks/lora.py --make-model /tmp/bench-model
     python benchmarks/lora.py --make-model /tmp/bench-model --requests 16 --output-len 16 \\
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, logger, pyplot, report  # noqa: E402
+from _common import environment, logger, pyplot, report, spinning_neighbours  # noqa: E402
 
 _log = logger("lora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -154,12 +155,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_model_len": hi + args.output_len}
     arms = ["base", "multi-lora", "merged"]
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-    for r in range(args.rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
-            res = run_arm(spec, arm, work)
-            runs[arm].append(res)
-            _log(f"round {r + 1}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s "
-                 f"({res['tokens']} tokens in {res['wall_s']:.1f} s)")
+    with spinning_neighbours(args.busy, _log):
+        for r in range(args.rounds):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                res = run_arm(spec, arm, work)
+                runs[arm].append(res)
+                _log(f"round {r + 1}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s "
+                     f"({res['tokens']} tokens in {res['wall_s']:.1f} s)")
     results: dict[str, Any] = {"environment": environment(), "config": vars(args),
                                "arms": {}}
     base_tok_s = statistics.median(x["tok_s"] for x in runs["base"])
@@ -178,9 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_tables(res: dict[str, Any]) -> str:
     c = res["config"]
+    busy = f", beside {c['busy']} busy process(es)" if c.get("busy") else ""
     lines = [f"{c['requests']} requests ({c['input_len']} prompt tokens, {c['output_len']} new), "
              f"{c['adapters']} adapters of rank {c['rank']}; {res['environment']['cpu_model']}, "
-             f"{res['environment']['cpu_count']} CPUs",
+             f"{res['environment']['cpu_count']} CPUs{busy}",
              f"{'arm':<12}{'tok/s':>10}{'x base':>9}{'weights MiB':>14}{'peak RSS MiB':>15}"]
     for arm, a in res["arms"].items():
         lines.append(f"{arm:<12}{a['tok_s']:>10.1f}{a['vs_base']:>9.2f}"
@@ -224,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run every arm beside N processes that each spin on a CPU")
     p.add_argument("--json")
     p.add_argument("--plot")
     p.add_argument("--worker", help=argparse.SUPPRESS)

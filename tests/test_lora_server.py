@@ -99,9 +99,20 @@ def test_adapters_through_the_openai_client(server, adapters, llama_path):
     streamed = "".join(c.choices[0].text for c in stream)
     assert streamed == _offline(llama_path, adapters, prompt, LoRARequest("chat", 2, str(chat)))
 
-    # unload: the name is gone
+    # unload while a request runs on the adapter: the name goes, the request finishes with it
+    long = client.completions.create(model="chat", prompt=prompt, max_tokens=24, temperature=0,
+                                     stream=True)
+    first = next(iter(long)).choices[0].text            # it is running
     r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert r.status_code == 200, r.text
+    rest = "".join(c.choices[0].text for c in long)
+    chat_lora = LoRARequest("chat", 2, str(chat))
+    llm = LLM(_config(llama_path, adapters) | {"frontend": None})
+    want = llm.generate({"prompt_token_ids": prompt},
+                        SamplingParams(max_tokens=24, temperature=0), lora_request=chat_lora,
+                        use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    assert first + rest == want
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", prompt=prompt, max_tokens=4)
     r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
@@ -120,3 +131,34 @@ def test_a_bad_lora_module_stops_the_server_naming_it(llama_path, adapters, tmp_
     cfg["lora"]["modules"] = {"broken": str(tmp_path / "nothing-here")}
     with pytest.raises(RuntimeError, match="lora.modules.broken"):
         Server(tmp_path, cfg)
+
+
+def test_lora_modules_flag_forms():
+    from corellm.cli.commands import _lora_modules
+    from corellm.errors import ConfigError
+    assert _lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == {"a": "/x", "b": "/y"}
+    for bad in ("noequals", "=/x", '{"name": "c"}'):
+        with pytest.raises(ConfigError, match="--lora-modules"):
+            _lora_modules([bad])
+
+
+def test_runtime_loading_is_off_unless_allowed(llama_path, adapters, monkeypatch):
+    """Without frontend.allow_runtime_lora_updating (or vLLM's environment variable) the routes
+    answer 404; the variable turns them on as vLLM reads it."""
+    from types import SimpleNamespace
+
+    from corellm.config import load_config
+    from corellm_plugins.frontend_openai.errors import APIError
+    from corellm_plugins.frontend_openai.lora import LoRAAdapters, runtime_updating_allowed
+    _, allowed, _, chat, _ = adapters
+    config = load_config({"model": {"path": str(llama_path)}, "lora": {"enable": True}})
+    engine = SimpleNamespace(config=config, processor=SimpleNamespace(check_lora=lambda _: None))
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    off = LoRAAdapters(engine, "base", [str(allowed)], runtime_updating_allowed(False))
+    with pytest.raises(APIError) as exc:
+        off.load({"lora_name": "chat", "lora_path": str(chat)})
+    assert exc.value.status == 404
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    on = LoRAAdapters(engine, "base", [str(allowed)], runtime_updating_allowed(False))
+    assert "added" in on.load({"lora_name": "chat", "lora_path": str(chat)})
+    assert on.resolve("chat").lora_path == str(chat.resolve())

@@ -14,6 +14,8 @@ float16) fall back to the reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -189,6 +191,15 @@ class TritonOps(DeviceOps):
                 x, positions, w, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
                 x.shape[1], eps, HALF=half, BLOCK_H=triton.next_power_of_2(x.shape[1]))
         return q, k
+
+
+    def lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora: Any) -> torch.Tensor:
+        """The step's LoRA adapters: each token's products with its own adapter's weights, two
+        Triton kernels (``lora_kernels``); the reference for inputs they do not take."""
+        from corellm_plugins.platform_cuda.lora_kernels import lora_linear
+        if x.dtype in _DTYPES and lora_linear(y, x, lora):
+            return y
+        return super().lora_linear(y, x, lora)
 
 
 def _rotary_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
