@@ -3,9 +3,9 @@
 base model alone and against one merged model per adapter (what serving without multi-LoRA
 takes).
 
-The workload: ``--requests`` random-token prompts (ids uniform over the vocabulary) (lengths in ``--input-len``) generating
-``--output-len`` tokens each (greedy, ``ignore_eos``), all submitted at once. Three arms, each in
-its own process, alternating over ``--rounds`` rounds:
+The workload: ``--requests`` prompts of random ids (uniform over the vocabulary; lengths in
+``--input-len``) generating ``--output-len`` tokens each (greedy, ``ignore_eos``), all submitted
+at once. Three arms, each in its own process, alternating over ``--rounds`` rounds:
 
 * ``base``: the base model, LoRA off, every request on it;
 * ``multi-lora``: LoRA on (``max_loras`` = ``--adapters``), the requests spread round-robin over
