@@ -283,6 +283,21 @@ def test_lora_request_without_lora_enabled_is_refused(llama_path, bad_setup):
         LoRARequest("x", 0, str(good))
 
 
+def test_one_id_names_one_adapter(bad_setup):
+    """The engine knows an adapter by its id (its slot, its cached blocks): a second adapter
+    under an id in use is refused, naming the first."""
+    base, root, good = bad_setup
+    llm = lora_llm(base, lora={"max_lora_rank": 8})
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate("hi", params, lora_request=LoRARequest("good", 1, str(good)), use_tqdm=False)
+    other = shutil.copytree(good, root / "other-copy")
+    with pytest.raises(InvalidRequestError, match="lora_int_id 1 is already adapter 'good'"):
+        llm.generate("hi", params, lora_request=LoRARequest("other", 1, str(other)),
+                     use_tqdm=False)
+    llm.generate("hi", params, lora_request=LoRARequest("good", 1, str(good)), use_tqdm=False)
+    assert_pool_whole(llm)
+
+
 # ------------------------------------------------------------------ the slots, as a property
 def test_slots_never_evict_an_adapter_in_use():
     from hypothesis import given, settings

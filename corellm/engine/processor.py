@@ -46,6 +46,7 @@ class Processor:
         # LoRA adapters checked against the model (model_info.lora_targets), most recent last.
         self.max_lora_rank = max_lora_rank
         self._loras_checked: OrderedDict[LoRARequest, None] = OrderedDict()
+        self._lora_ids: dict[int, LoRARequest] = {}   # each id names one adapter
 
     def check_lora(self, lora: Any) -> None:
         """An ``InvalidRequestError`` (field ``lora_request``) unless ``lora`` is a
@@ -61,12 +62,18 @@ class Processor:
         if lora in self._loras_checked:
             self._loras_checked.move_to_end(lora)
             return
+        other = self._lora_ids.get(lora.lora_int_id)
+        if other is not None and other != lora:
+            raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} is "
+                                      f"already adapter {other.lora_name!r} ({other.lora_path});"
+                                      " each adapter needs an id of its own")
         from corellm.lora.adapter import check_adapter
         try:
             check_adapter(lora, targets, self.max_lora_rank)
         except LoRAError as exc:
             raise InvalidRequestError("lora_request", str(exc)) from None
         self._loras_checked[lora] = None
+        self._lora_ids[lora.lora_int_id] = lora
         if len(self._loras_checked) > 1024:
             self._loras_checked.popitem(last=False)
 
