@@ -227,6 +227,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per Mooncake hash id (default 512, Mooncake's)")
 
     r = p.add_argument_group("runs and results")
+    r.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                   help="run each (config, repeat, sweep point) as a Ray task: on the cluster "
+                        "at ADDRESS (or $RAY_ADDRESS), else on a local one started for the "
+                        "run; in-process targets only (pip install 'corellm[ray]')")
+    r.add_argument("--ray-cpus-per-run", type=positive_float, default=1.0, metavar="N",
+                   help="CPUs each run's task reserves (default 1; a machine's CPUs give "
+                        "measured runs the machine to themselves)")
     r.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per target, with seeds seed, seed+1, ...; interleaved A,B,A,B")
     r.add_argument("--goodput", nargs="+", type=_slo, metavar="KEY:MS",
@@ -356,10 +363,16 @@ def _bench(args: argparse.Namespace) -> int:
     started = _dt.datetime.now()
     try:
         runs, workloads = run_ab(targets, make, options, repeats=args.repeats, seed=base_seed,
-                                 tokenizer=tokenizer)
+                                 tokenizer=tokenizer, ray_address=args.ray,
+                                 ray_cpus=args.ray_cpus_per_run)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
+    except (RuntimeError, ValueError) as exc:
+        if args.ray is None:
+            raise
+        log(f"--ray: {exc}")
+        return 2
     # After the runs: torch is described when a target used it, and not imported only for
     # its version strings (seconds) when none did (servers benchmarked over HTTP).
     env = environment(started=started, import_torch=False)

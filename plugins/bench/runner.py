@@ -46,14 +46,21 @@ def run_target(target: Target, workload: Workload, options: RunOptions, *, repea
 
 def run_ab(targets: Sequence[Target], make_workload: Callable[[int], Workload],
            options: RunOptions, *, repeats: int = 1, seed: int = 0, tokenizer: Any = None,
+           ray_address: str | None = None, ray_cpus: float = 1.0,
            ) -> tuple[list[RunResult], dict[int, Workload]]:
     """Every target on the same seeded workload, ``repeats`` times with seeds seed, seed+1, ...
     Runs are interleaved (A, B, A, B, ...) so slow drift of the machine hits every target
-    alike. Returns the runs in execution order and the workload of each seed."""
+    alike. Returns the runs in execution order and the workload of each seed. With
+    ``ray_address`` ("auto": ``RAY_ADDRESS``, else a local cluster) each run is a Ray task
+    (``ray_runs``), the runs returned in the same order."""
     if not targets:
         raise ValueError("no targets")
     if len({t.label for t in targets}) != len(targets):
         raise ValueError("target labels must differ")
+    if ray_address is not None:
+        from .ray_runs import run_ab_on_ray
+        return run_ab_on_ray(run_target, targets, make_workload, options, repeats=repeats,
+                             seed=seed, address=ray_address, cpus_per_run=ray_cpus)
     runs: list[RunResult] = []
     workloads: dict[int, Workload] = {}
     for rep in range(repeats):
