@@ -77,3 +77,14 @@ def test_ray_refuses_a_server_target():
     with pytest.raises(ValueError, match="in-process targets only; s is a server"):
         run_ab([Target("s", url="http://127.0.0.1:9")], lambda seed: None,
                RunOptions(progress=False), ray_address="auto")
+
+
+def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
+    import sys as _sys
+
+    from corellm_plugins.bench.runner import run_ab
+    from corellm_plugins.bench.targets import RunOptions, Target
+    monkeypatch.setitem(_sys.modules, "ray", None)             # import ray fails
+    with pytest.raises(RuntimeError, match=r"pip install 'corellm\[ray\]'"):
+        run_ab([Target("a", config={})], lambda seed: None, RunOptions(progress=False),
+               ray_address="auto")
