@@ -96,6 +96,18 @@ def lora_llm(base: Path, **sections) -> LLM:
     return LLM(cfg)
 
 
+def generate_mixed(llm: LLM, prompts: list[list[int]], loras: dict) -> tuple[list, list, list]:
+    """Every prompt under the base model and under each adapter, all in one generate call:
+    (outputs, each output's adapter name or None, its prompt's index)."""
+    names = [None, *loras] * len(prompts)
+    which = [i for i in range(len(prompts)) for _ in range(len(loras) + 1)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in which], params,
+                           lora_request=[None if n is None else loras[n] for n in names],
+                           use_tqdm=False)
+    return outputs, names, which
+
+
 def check_against(outputs, names, refs, prompts_of) -> list[str]:
     notes = []
     for out, name, p in zip(outputs, names, prompts_of):
@@ -129,12 +141,7 @@ def test_mixed_batch_matches_peft(lora_setup, setting):
     loaded again), each output equal to PEFT's."""
     arch, base, prompts, loras, refs = lora_setup
     llm = lora_llm(base, **SETTINGS[setting])
-    names = [None, *loras] * len(prompts)
-    which = [i for i in range(len(prompts)) for _ in range(len(loras) + 1)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in which], params,
-                           lora_request=[None if n is None else loras[n] for n in names],
-                           use_tqdm=False)
+    outputs, names, which = generate_mixed(llm, prompts, loras)
     notes = check_against(outputs, names, refs, which)
     if notes:
         warnings.warn(f"{arch}/{setting}: accepted near ties: {notes}")
@@ -153,12 +160,7 @@ def test_mixed_batch_over_two_tensor_parallel_ranks(lora_setup):
     arch, base, prompts, loras, refs = lora_setup
     llm = lora_llm(base, parallel={"tensor_parallel_size": 2}, kv_cache={"num_blocks": 14})
     try:
-        names = [None, *loras] * len(prompts)
-        which = [i for i in range(len(prompts)) for _ in range(len(loras) + 1)]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": prompts[i]} for i in which], params,
-                               lora_request=[None if n is None else loras[n] for n in names],
-                               use_tqdm=False)
+        outputs, names, which = generate_mixed(llm, prompts, loras)
         notes = check_against(outputs, names, refs, which)
         assert len(notes) <= 1, notes
         assert llm.get_stats().num_preemptions > 0
@@ -262,6 +264,10 @@ def test_bad_adapters_are_refused_naming_the_fault(bad_setup, make_checkpoint):
     save_file({k: (torch.zeros(v.shape[0], 2 * v.shape[1]) if "lora_A" in k else v)
                for k, v in tensors.items()}, wider / "adapter_model.safetensors")
     refused(wider, "do not fit", "another base model")
+    nan = _copy(good, root / "nan")
+    save_file({k: (v.clone().fill_(float("nan")) if "lora_B" in k else v)
+               for k, v in tensors.items()}, nan / "adapter_model.safetensors")
+    refused(nan, "non-finite")
     dora = _copy(good, root / "dora")
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
@@ -270,6 +276,23 @@ def test_bad_adapters_are_refused_naming_the_fault(bad_setup, make_checkpoint):
     out = llm.generate("hello", params, lora_request=LoRARequest("good", 1, str(good)),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+    assert_pool_whole(llm)
+
+
+def test_a_request_waiting_for_a_slot_is_not_passed_for_ever(lora_setup):
+    """One slot: once a request waits for it, later requests of the adapter holding it wait
+    too, so that adapter drains and the waiting one runs before them (with steady traffic on
+    the loaded adapter it would otherwise wait for ever); the base model's requests go on."""
+    _, base, prompts, loras, _ = lora_setup
+    llm = lora_llm(base, lora={"max_loras": 1, "max_cpu_loras": 2})
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    names = ["qv", "all", "qv", "qv", None, "qv"]
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}] * len(names), params,
+                        lora_request=[None if n is None else loras[n] for n in names],
+                        use_tqdm=False)
+    first = [o.metrics.first_token_time for o in outs]
+    assert first[1] < min(first[2], first[3], first[5]), first   # "all" before the later "qv"
+    assert first[4] < first[1], first                            # the base model did not wait
     assert_pool_whole(llm)
 
 

@@ -84,6 +84,10 @@ def test_adapters_through_the_openai_client(server, adapters, llama_path):
     assert r.status_code == 400 and "not under a directory" in r.text, r.text
     r = _post(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(chat)})
     assert r.status_code == 400 and "already served" in r.text, r.text
+    r = httpx.post(server.url + "/v1/load_lora_adapter", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}",
+                            "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.text, r.text
     r = _post(server, "/v1/load_lora_adapter", {"lora_name": "missing",
                                                 "lora_path": str(allowed / "nope")})
     assert r.status_code == 400 and "no such directory" in r.text, r.text
@@ -162,3 +166,11 @@ def test_runtime_loading_is_off_unless_allowed(llama_path, adapters, monkeypatch
     on = LoRAAdapters(engine, "base", [str(allowed)], runtime_updating_allowed(False))
     assert "added" in on.load({"lora_name": "chat", "lora_path": str(chat)})
     assert on.resolve("chat").lora_path == str(chat.resolve())
+    # a directory inside the allowed one whose files link outside it
+    linked = allowed / "linked"
+    linked.mkdir()
+    outside = adapters[4]
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (linked / f).symlink_to(outside / f)
+    with pytest.raises(APIError, match="not under a directory"):
+        on.load({"lora_name": "linked", "lora_path": str(linked)})

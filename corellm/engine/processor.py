@@ -50,8 +50,9 @@ class Processor:
 
     def check_lora(self, lora: Any) -> None:
         """An ``InvalidRequestError`` (field ``lora_request``) unless ``lora`` is a
-        ``LoRARequest`` whose adapter fits this model: its files, rank and modules are read
-        and checked once (``corellm.lora.adapter.check_adapter``), then remembered."""
+        ``LoRARequest`` whose adapter fits this model: its files, rank, modules, shapes and
+        weights are read and checked once (``corellm.lora.adapter.load_adapter``: what a
+        worker will load, non-finite weights included), then remembered."""
         if not isinstance(lora, LoRARequest):
             raise InvalidRequestError("lora_request", f"expected a corellm.LoRARequest, got "
                                       f"{type(lora).__name__}")
@@ -67,9 +68,9 @@ class Processor:
             raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} is "
                                       f"already adapter {other.lora_name!r} ({other.lora_path});"
                                       " each adapter needs an id of its own")
-        from corellm.lora.adapter import check_adapter
+        from corellm.lora.adapter import load_adapter
         try:
-            check_adapter(lora, targets, self.max_lora_rank)
+            load_adapter(lora, targets, self.max_lora_rank)
         except LoRAError as exc:
             raise InvalidRequestError("lora_request", str(exc)) from None
         self._loras_checked[lora] = None

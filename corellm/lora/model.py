@@ -146,7 +146,14 @@ class LoRAModel:
         for slot, lora in loads.items():
             if self.slots[slot] == lora:
                 continue
-            adapter = self.adapter(lora)
+            try:
+                adapter = self.adapter(lora)
+            except Exception as exc:            # changed on disk since it was checked
+                for layer in self.layers.values():
+                    layer.set(slot, {})
+                self.slots[slot] = None
+                raise RuntimeError(f"LoRA adapter {lora.lora_name!r} could not be loaded into "
+                                   f"slot {slot}: {exc}") from exc
             per_layer: dict[str, dict[Any, Any]] = {}
             for module, weights in adapter.modules.items():
                 layer_name, shard = self.routes[module]
@@ -154,6 +161,13 @@ class LoRAModel:
             for layer_name, layer in self.layers.items():
                 layer.set(slot, per_layer.get(layer_name, {}))
             self.slots[slot] = lora
+
+    def check_slot(self, slot: int, request_id: str) -> None:
+        """A request may run on ``slot`` only if the slot holds an adapter (a load that failed
+        leaves it empty: no request then runs with another adapter's weights)."""
+        if slot >= 0 and self.slots[slot] is None:
+            raise RuntimeError(f"request {request_id!r} runs on LoRA slot {slot}, which holds "
+                               "no adapter (its load failed)")
 
     def forget(self, lora_int_id: int) -> None:
         """Drop an unloaded adapter from the host cache (its slot is refilled when reused)."""

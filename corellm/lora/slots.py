@@ -33,6 +33,7 @@ class LoRASlots:
         self.users: Counter[int] = Counter()           # adapter id -> running requests
         self._idle: OrderedDict[int, None] = OrderedDict()   # loaded, unused: LRU first
         self._loads: dict[int, LoRARequest] = {}       # slot -> adapter, since take_loads
+        self._blocked = False        # a request waits for a slot in this round of admissions
 
     def _slot_for(self, lora: LoRARequest) -> int | None:
         """The slot ``lora`` would take now (None: none can be had)."""
@@ -76,8 +77,15 @@ class LoRASlots:
                 self._idle[key] = None                 # most recently used last
 
     def waits(self, request: Request) -> bool:
-        """``request`` runs an adapter that can get no slot now."""
-        return request.lora_request is not None and not self.can_take(request.lora_request)
+        """``request`` runs an adapter that can get no slot now, or a request before it in
+        this round waits for one: then no later adapter request is admitted in the round, so
+        the adapters holding the slots drain and the waiting request gets one (with steady
+        traffic on them it would wait for ever). Base-model requests never wait here."""
+        if request.lora_request is None:
+            return False
+        if self._blocked or not self.can_take(request.lora_request):
+            self._blocked = True
+        return self._blocked
 
     def admit(self, request: Request) -> None:
         """``request``, admitted, takes its adapter's slot (``request.lora_slot``; none for the
@@ -89,6 +97,7 @@ class LoRASlots:
         """The slots assigned a new adapter since the last call (slot -> adapter): what the
         workers load before the step this plan is for."""
         loads, self._loads = self._loads, {}
+        self._blocked = False                          # (called once a round, at its end)
         return loads
 
     def leave(self, request: Request) -> None:

@@ -253,7 +253,11 @@ class ModelRunner:
                 state = reqs.pop(req_id, None)
                 if state is not None:
                     self._drop(state)
+        if so.lora_loads:
+            self.lora.load(so.lora_loads)
         for new in so.scheduled_new_reqs:
+            if new.lora_slot >= 0:
+                self.lora.check_slot(new.lora_slot, new.req_id)
             old = reqs.pop(new.req_id, None)
             if old is not None:         # held already (not dropped first): the plan wins
                 self._drop(old)
@@ -266,8 +270,6 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:       # the running requests given new blocks
             if cached.new_block_ids:
                 batch.append_blocks(row_of[cached.req_id], cached.new_block_ids)
-        if so.lora_loads:
-            self.lora.load(so.lora_loads)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:

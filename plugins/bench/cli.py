@@ -234,6 +234,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-cpus-per-run", type=positive_float, default=1.0, metavar="N",
                    help="CPUs each run's task reserves (default 1; a machine's CPUs give "
                         "measured runs the machine to themselves)")
+    r.add_argument("--ray-gpus-per-run", type=non_negative_float, default=0.0, metavar="N",
+                   help="GPUs each run's task reserves (default 0: a task sees no GPU, as Ray "
+                        "hides those it did not reserve; give 1 for CUDA configs)")
     r.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per target, with seeds seed, seed+1, ...; interleaved A,B,A,B")
     r.add_argument("--goodput", nargs="+", type=_slo, metavar="KEY:MS",
@@ -364,7 +367,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         runs, workloads = run_ab(targets, make, options, repeats=args.repeats, seed=base_seed,
                                  tokenizer=tokenizer, ray_address=args.ray,
-                                 ray_cpus=args.ray_cpus_per_run)
+                                 ray_cpus=args.ray_cpus_per_run,
+                                 ray_gpus=args.ray_gpus_per_run)
     except KeyboardInterrupt:
         log("interrupted")
         return 130

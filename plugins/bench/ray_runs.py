@@ -40,7 +40,7 @@ def _ray() -> Any:
 def run_ab_on_ray(run: Callable[..., RunResult], targets: Sequence[Target],
                   make_workload: Callable[[int], Workload], options: RunOptions, *,
                   repeats: int, seed: int, address: str | None, cpus_per_run: float = 1.0,
-                  ) -> tuple[list[RunResult], dict[int, Workload]]:
+                  gpus_per_run: float = 0.0) -> tuple[list[RunResult], dict[int, Workload]]:
     """``run_ab``'s result, each run ``run(target, workload, options, repeat=, seed=)`` (the
     runner's ``run_target``: the run exactly as a local one makes it) as a Ray task (see the
     module's docstring)."""
@@ -60,7 +60,8 @@ def run_ab_on_ray(run: Callable[..., RunResult], targets: Sequence[Target],
             f"({nodes} node(s), {ray.cluster_resources().get('CPU', 0):g} CPUs) in "
             f"{time.perf_counter() - t0:.1f} s")
     try:
-        task = ray.remote(num_cpus=cpus_per_run, max_retries=0)(run)
+        # A task sees the GPUs it reserves, and no others (Ray sets CUDA_VISIBLE_DEVICES).
+        task = ray.remote(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)(run)
         quiet = dataclasses.replace(options, progress=False)
         workloads: dict[int, Workload] = {}
         pending: dict[Any, tuple[int, str]] = {}
@@ -74,15 +75,19 @@ def run_ab_on_ray(run: Callable[..., RunResult], targets: Sequence[Target],
                 pending[ref] = (rep, target.label)
                 order.append(ref)
         done: dict[Any, RunResult] = {}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                rep, label = pending.pop(ref)
-                run = done[ref] = ray.get(ref)
-                failed = sum(not r.ok for r in run.records)
-                log(f"ray: {len(done)}/{len(order)} runs done: {label!r} #{rep + 1}, "
-                    f"{len(run.records) - failed}/{len(run.records)} ok"
-                    + (f", {failed} FAILED" if failed else ""))
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    rep, label = pending.pop(ref)
+                    result = done[ref] = ray.get(ref)
+                    failed = sum(not r.ok for r in result.records)
+                    log(f"ray: {len(done)}/{len(order)} runs done: {label!r} #{rep + 1}, "
+                        f"{len(result.records) - failed}/{len(result.records)} ok"
+                        + (f", {failed} FAILED" if failed else ""))
+        finally:
+            for ref in pending:                  # a run failed: the others stop too
+                ray.cancel(ref, force=True)
         return [done[ref] for ref in order], workloads
     finally:
         if started:

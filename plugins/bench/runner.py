@@ -46,7 +46,7 @@ def run_target(target: Target, workload: Workload, options: RunOptions, *, repea
 
 def run_ab(targets: Sequence[Target], make_workload: Callable[[int], Workload],
            options: RunOptions, *, repeats: int = 1, seed: int = 0, tokenizer: Any = None,
-           ray_address: str | None = None, ray_cpus: float = 1.0,
+           ray_address: str | None = None, ray_cpus: float = 1.0, ray_gpus: float = 0.0,
            ) -> tuple[list[RunResult], dict[int, Workload]]:
     """Every target on the same seeded workload, ``repeats`` times with seeds seed, seed+1, ...
     Runs are interleaved (A, B, A, B, ...) so slow drift of the machine hits every target
@@ -60,7 +60,8 @@ def run_ab(targets: Sequence[Target], make_workload: Callable[[int], Workload],
     if ray_address is not None:
         from .ray_runs import run_ab_on_ray
         return run_ab_on_ray(run_target, targets, make_workload, options, repeats=repeats,
-                             seed=seed, address=ray_address, cpus_per_run=ray_cpus)
+                             seed=seed, address=ray_address, cpus_per_run=ray_cpus,
+                             gpus_per_run=ray_gpus)
     runs: list[RunResult] = []
     workloads: dict[int, Workload] = {}
     for rep in range(repeats):

@@ -148,13 +148,13 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
         {"description": "The adapter is served under its name."}, REQUEST_ERRORS))
     async def load_lora_adapter(request: Request) -> Response:
         """vLLM's: ``{"lora_name", "lora_path"}``; 404 unless runtime updating is on."""
-        return PlainTextResponse(serving.loras.load(await request.json()))
+        return PlainTextResponse(serving.loras.load(await _json_body(request)))
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=responses(
         {"description": "The adapter's name is no longer served."}, REQUEST_ERRORS))
     async def unload_lora_adapter(request: Request) -> Response:
         """vLLM's: ``{"lora_name"}``; requests already running on it finish."""
-        return PlainTextResponse(serving.loras.unload(await request.json()))
+        return PlainTextResponse(serving.loras.unload(await _json_body(request)))
 
     # response_class: a 200 without a body, which FastAPI would document as JSON.
     @app.get("/health", response_class=Response, responses=responses(
@@ -182,3 +182,12 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
     install_openapi(app, None if api_key is None else
                     lambda path: path.startswith("/v1") or path in _KEYED_ROUTES)
     return app
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON body; a 400 when it is not JSON."""
+    import json
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the body is not valid JSON") from None

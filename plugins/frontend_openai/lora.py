@@ -89,11 +89,16 @@ class LoRAAdapters:
             raise APIError(400, f"lora_name: the adapter `{name}` is already served (unload it "
                                 "first)", param="lora_name")
         resolved = Path(path).expanduser().resolve()
-        if not any(resolved == root or root in resolved.parents for root in self.allowed):
-            where = ", ".join(str(r) for r in self.allowed) or \
-                "none (frontend.allowed_lora_paths is empty)"
-            raise APIError(400, f"lora_path: {path!r} is not under a directory adapters may be "
-                                f"loaded from: {where}", param="lora_path")
+        # The directory and the files in it, each resolved: a link inside an allowed
+        # directory leads nowhere else either.
+        from corellm.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+        for where in (resolved, *((resolved / f).resolve() for f in (CONFIG_FILE, WEIGHTS_FILE)
+                                  if (resolved / f).exists())):
+            if not any(where == root or root in where.parents for root in self.allowed):
+                roots = ", ".join(str(r) for r in self.allowed) or \
+                    "none (frontend.allowed_lora_paths is empty)"
+                raise APIError(400, f"lora_path: {path!r} is not under a directory adapters "
+                                    f"may be loaded from: {roots}", param="lora_path")
         try:
             self._add(name, str(resolved))
         except InvalidRequestError as exc:
