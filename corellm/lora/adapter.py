@@ -10,9 +10,9 @@ lora_alpha / r`` (``lora_alpha / sqrt(r)`` under rsLoRA), ``r`` the module's own
 
 The model side is a table of the modules an adapter may target, each with its full (unsharded)
 ``(in_features, out_features)``: what the worker's ``LoRAModel`` found in the model's
-checkpoint routes. ``check_adapter`` reads the config and the tensors' shapes only (the
-safetensors header) and raises ``LoRAError`` naming the adapter and what is wrong; ``load_adapter``
-reads the tensors too, checked the same way, so nothing is half loaded.
+checkpoint routes. ``load_adapter`` reads the config and the tensors and checks them all
+(shapes, rank, modules, finite weights) before returning any, raising ``LoRAError`` naming the
+adapter and what is wrong, so nothing is half loaded.
 """
 
 from __future__ import annotations
@@ -51,15 +51,6 @@ class LoRAAdapter:
 
     lora: LoRARequest
     modules: dict[str, LoRAModule] = field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for m in self.modules.values()
-                   for t in (m.a, m.b))
 
 
 def read_config(lora: LoRARequest) -> dict[str, Any]:
@@ -150,30 +141,10 @@ def _weights_path(lora: LoRARequest) -> Path:
     return path
 
 
-def check_adapter(lora: LoRARequest, targets: dict[str, tuple[int, int]],
-                  max_rank: int) -> None:
-    """Raise ``LoRAError`` unless ``lora`` fits the model whose adaptable modules (full
-    ``(in_features, out_features)`` each) are ``targets``; reads the config and the weights'
-    header, not the weights."""
-    from safetensors import safe_open
-    read_config(lora)
-    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-    try:
-        with safe_open(_weights_path(lora), framework="pt") as f:
-            for key in f.keys():
-                module, which = _module_of(lora, key)
-                shapes.setdefault(module, {})[which] = tuple(f.get_slice(key).get_shape())
-    except LoRAError:
-        raise
-    except Exception as exc:               # a truncated or corrupt file
-        raise LoRAError(lora, f"{WEIGHTS_FILE} cannot be read: {exc}") from None
-    _check_shapes(lora, shapes, targets, max_rank)
-
-
 def load_adapter(lora: LoRARequest, targets: dict[str, tuple[int, int]], max_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """The adapter's weights on the host in ``dtype`` (B times the scale), checked as
-    ``check_adapter`` checks them."""
+    """The adapter's weights on the host in ``dtype`` (B times the scale), every part checked
+    first (``LoRAError`` naming the adapter and the fault)."""
     from safetensors.torch import load_file
     cfg = read_config(lora)
     try:

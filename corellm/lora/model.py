@@ -169,13 +169,6 @@ class LoRAModel:
             raise RuntimeError(f"request {request_id!r} runs on LoRA slot {slot}, which holds "
                                "no adapter (its load failed)")
 
-    def forget(self, lora_int_id: int) -> None:
-        """Drop an unloaded adapter from the host cache (its slot is refilled when reused)."""
-        self.host.pop(lora_int_id, None)
-        for slot, lora in enumerate(self.slots):
-            if lora is not None and lora.lora_int_id == lora_int_id:
-                self.slots[slot] = None
-
     def set_step(self, token_slots: np.ndarray | None) -> bool:
         """The step's slot per token (-1: the base model; None: no token runs an adapter).
         Returns whether any does."""

@@ -116,16 +116,6 @@ class LoRASlots:
                                     if r.lora_request is not None))
         return out
 
-    def drop(self, lora_int_id: int) -> bool:
-        """Forget an unloaded adapter's slot; False (nothing done) while requests use it."""
-        if self.users.get(lora_int_id):
-            return False
-        slot = self.slot_of.pop(lora_int_id, None)
-        if slot is not None:
-            self.held[slot] = None
-        self._idle.pop(lora_int_id, None)
-        return True
-
     def check_invariants(self, running: Iterable[Request | LoRARequest | None],
                          waiting: Iterable[Request] = ()) -> None:
         """The counts agree with the running requests (or their adapters), each running request

@@ -104,7 +104,8 @@ class CpuDeviceOps(DeviceOps):
         weights only, the tokens grouped by adapter (once per step), on the thread pool. A step
         of many (a prefill, whose requests' tokens are contiguous): each run of tokens of one
         adapter (found once per step) multiplied in place with torch's GEMM, neither gathered
-        nor scattered. Otherwise (autograd, another device): the reference."""
+        nor scattered. Otherwise (autograd, another device, or many short runs: a decode step
+        the C kernel does not take): the reference."""
         batch = lora.batch
         if (batch.slots is None or x.device.type != "cpu" or x.dim() != 2
                 or (torch.is_grad_enabled() and x.requires_grad)):
@@ -125,6 +126,8 @@ class CpuDeviceOps(DeviceOps):
             runs = batch.cache["runs"] = [
                 (int(a), int(b), int(s[a])) for a, b in zip(np.r_[0, cut], np.r_[cut, len(s)])
                 if s[a] >= 0]
+        if len(runs) > 4 * len(batch.groups):      # interleaved (a bfloat16 decode): no loop
+            return super().lora_linear(y, x, lora)  # over tokens, the reference's gathers
         _, parts, rank, k = lora.a.shape
         for start, end, slot in runs:
             h = F.linear(x[start:end], lora.a[slot].view(parts * rank, k).to(x.dtype))
