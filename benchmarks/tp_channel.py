@@ -49,7 +49,7 @@ from typing import Any
 from corellm.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                              SchedulerOutput)
 from corellm.sampling_params import SamplingParams
-from corellm_plugins.executor_multiproc.shm import (RingReader, RingWriter, create_ring,
+from corellm.platforms.shm_ring import (RingReader, RingWriter, create_ring,
                                                    doorbell_pair, unlink_ring)
 
 BLOCK_SIZE = 16

@@ -69,6 +69,21 @@ def llama_path(make_checkpoint) -> Path:
     return make_checkpoint("llama")
 
 
+def netns() -> list[str]:
+    """The command prefix that runs a command in a loopback-only network namespace: Ray
+    advertises the machine's address even when told 127.0.0.1, and test traffic stays on
+    loopback. Skips the test, saying why, where one cannot be made."""
+    import shutil
+    import subprocess
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("no unshare or ip command: cannot make a loopback-only network namespace")
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -n is not permitted here ({probe.stderr.strip()}): Ray would "
+                    "advertise the machine's address")
+    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+
+
 def engine_config(path, **sections) -> dict:
     """A config dict for a tiny checkpoint with a small KV pool (fast to allocate)."""
     cfg = {"model": {"path": str(path), "dtype": "float32"},

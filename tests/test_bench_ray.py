@@ -8,27 +8,16 @@ set lo up``), which needs the permission to make one (skipped, saying so, where 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from tests.conftest import netns
 from tests.test_sim import make_profile, sim_config
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'corellm[ray]')")
-
-
-def _netns() -> list[str]:
-    """The command prefix that runs a command in a loopback-only network namespace."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("no unshare or ip command: cannot make a loopback-only network namespace")
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare -n is not permitted here ({probe.stderr.strip()}): Ray would "
-                    "advertise the machine's address")
-    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
 
 
 # A run's host-side timings, measured by the process that ran it (not the simulated clock).
@@ -59,7 +48,7 @@ def test_a_12_point_sweep_on_ray_equals_the_local_run(llama_path, tmp_path):
             "--seed", "1", "--no-progress"]
     local, on_ray = tmp_path / "local.json", tmp_path / "ray.json"
     assert main([*args, "--result-filename", str(local)]) == 0
-    proc = subprocess.run([*_netns(), sys.executable, "-m", "corellm", *args, "--ray",
+    proc = subprocess.run([*netns(), sys.executable, "-m", "corellm", *args, "--ray",
                            "--result-filename", str(on_ray)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

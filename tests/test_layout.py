@@ -36,7 +36,7 @@ def imports_of(path: Path) -> set[str]:
 # corellm/__init__.py, is left out: it re-exports from every layer, lazily.
 CORE_LAYERS: dict[str, list[str]] = {
     "foundation": ["errors", "clock", "_imports", "plugins.deprecation", "platforms.devices",
-                   "checkpoint.cache", "engine.logs", "serving"],
+                   "platforms.shm_ring", "checkpoint.cache", "engine.logs", "serving"],
     "data types": ["sampling_params", "request", "outputs", "arch", "ops", "sampling",
                    "serving.constraint_shape", "tool_calls", "quant", "lora.request"],
     "interfaces": ["attention", "policy_view", "interfaces"],

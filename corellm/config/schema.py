@@ -85,6 +85,16 @@ class ParallelConfig(BaseModel):
     timeout_s: float = Field(
         60.0, gt=0, description="A collective (or the rendezvous) waiting longer than this "
                                 "fails the step instead of hanging.")
+    data_parallel_size: int = Field(
+        1, ge=1, description="Engine replicas behind one server (corellm serve), each with the "
+                             "whole model (and its own tensor_parallel_size ranks); the server "
+                             "routes each request to one.")
+    cpu_affinity: list[int] | None = Field(
+        None, description="The CPUs the engine-core process (and its workers) may use; a "
+                          "data-parallel server gives each CPU replica its share of its own.")
+    data_parallel_backend: Literal["mp"] = Field(
+        "mp", description="Where the replicas run: mp, engine-core processes on this "
+                          "machine.")
 
     @field_validator("init_method")
     @classmethod
@@ -262,6 +272,13 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
     "block_size": ("kv_cache.block_size", int, "tokens per KV block"),
     "tensor_parallel_size": ("parallel.tensor_parallel_size", int,
                              "ranks the model is sharded across (with executor.name: multiproc)"),
+    "distributed_executor_backend": ("executor.name", str,
+                                     "what runs the ranks: mp (multiproc), ray, uni (uniproc), "
+                                     "or any executor plugin's name"),
+    "data_parallel_size": ("parallel.data_parallel_size", int,
+                           "engine replicas behind one server (corellm serve)"),
+    "data_parallel_backend": ("parallel.data_parallel_backend", str,
+                              "where the replicas run: mp (processes here)"),
     "seed": ("model.seed", int, "seed of the random stream of unseeded sampling"),
     "quantization": ("model.quantization", str,
                      "gguf (a GGUF file's blocks, its default), none (dequantize) or int8 "
@@ -276,6 +293,8 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
 # vLLM's dtype spellings -> corellm's.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",
                  "fp32": "float32"}
+# vLLM's executor backend spellings -> corellm's executor names.
+EXECUTOR_ALIASES = {"mp": "multiproc", "uni": "uniproc"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
 
 
@@ -292,6 +311,8 @@ def engine_arg_overrides(args: Mapping[str, Any], what: str = "LLM()") -> list[t
             continue                        # vLLM's "the default"
         if name == "dtype":
             overrides.append(("model.dtype", DTYPE_ALIASES.get(value, value)))
+        elif name == "distributed_executor_backend":
+            overrides.append(("executor.name", EXECUTOR_ALIASES.get(value, value)))
         elif name == "enable_prefix_caching":
             overrides.append(("kv_cache.enable_prefix_caching", value))
         elif name in ENGINE_ARGS:

@@ -298,6 +298,9 @@ class RequestStream:
         self.request_id = request_id
         self._queue = queue
         self._done = False
+        # Set by an EngineGroup: the A/B arm and the replica serving the request.
+        self.arm: str | None = None
+        self.replica: int | None = None
         # Why the request is aborted if its waiter is cancelled (a server sets
         # "client_disconnected": its handlers are cancelled when the client goes away).
         self.cancel_reason = "cancelled"

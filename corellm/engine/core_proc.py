@@ -346,6 +346,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     # core. A core that must go at once is killed (SIGKILL), as the client itself does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if config.parallel.cpu_affinity:     # before any thread: they, and the workers, inherit it
+        os.sched_setaffinity(0, config.parallel.cpu_affinity)
     watch = _ParentWatch(parent_pid, ipc_dir)
     watch.start()
 

@@ -146,6 +146,11 @@ class LLM:
         if engine_args:
             config = with_engine_args(config, engine_args)
         self.config, self.registry = build_config(config, model, plugins)
+        if self.config.parallel.data_parallel_size > 1:
+            from corellm.errors import ConfigError
+            n = self.config.parallel.data_parallel_size
+            raise ConfigError([("parallel.data_parallel_size", f"{n} replicas are served by "
+                                "corellm serve, behind its router; LLM runs one engine")])
         path = model_path(self.config)       # validates the checkpoint directory
         if engine_process and plugins:
             raise InvalidRequestError("plugins", "in-process plugin objects cannot reach an "

@@ -110,10 +110,11 @@ def kv_head_split(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     return 1, tp_size // num_kv_heads
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, platform: Platform,
+def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, platform: Platform | None,
                           source: str = "config.json") -> None:
     """Refuse, before any worker starts, a tensor-parallel size the checkpoint or the machine
-    cannot take; each message names both numbers."""
+    cannot take; each message names both numbers. ``platform`` None: the ranks are on other
+    machines (a cluster's), whose devices this one cannot count."""
     if tp_size == 1:
         return
     problems = []
@@ -124,7 +125,7 @@ def check_tensor_parallel(arch: ModelArchConfig, tp_size: int, platform: Platfor
         kv_head_split(arch.num_key_value_heads, tp_size)
     except ConfigError as exc:
         problems.extend((k, f"{m} ({source})") for k, m in exc.problems)
-    if not platform.shares_devices:
+    if platform is not None and not platform.shares_devices:
         visible = platform.device_count()
         if tp_size > visible:
             problems.append((TP_KEY, f"tensor_parallel_size={tp_size} exceeds the "

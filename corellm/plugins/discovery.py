@@ -50,7 +50,7 @@ STRICT_ENV = "CORELLM_STRICT_PLUGINS"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 11)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 12)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have

@@ -330,7 +330,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .metrics import parse_goodput
     from .report import build_results, format_report, write_json, write_plot
     from .progress import log
-    from .runner import run_ab
+    from .runner import run_ab, split_by_arm
     from .targets import (RunOptions, config_max_model_len, config_model_dir,
                           prompt_token_space)
     from .workload_args import DEFAULT_NUM_PROMPTS, dataset_settings, workload_maker
@@ -369,6 +369,8 @@ def _bench(args: argparse.Namespace) -> int:
                                  tokenizer=tokenizer, ray_address=args.ray,
                                  ray_cpus=args.ray_cpus_per_run,
                                  ray_gpus=args.ray_gpus_per_run)
+        # A server's A/B arms (X-Corellm-Arm) are compared as targets of their own.
+        runs, targets = split_by_arm(runs, targets)
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -56,6 +56,9 @@ class RequestRecord:
     num_preemptions: int | None = None       # offline only (the server does not report it)
     queue_time_s: float | None = None        # arrival to first scheduled (offline only)
     error: str | None = None
+    # A server of replicas: the A/B arm and the replica that answered (response headers).
+    arm: str | None = None
+    replica: int | None = None
     # Kept only when asked (RunOptions.keep_outputs): offline the ids, from a server the text.
     output_token_ids: list[int] | None = None
     output_text: str | None = None

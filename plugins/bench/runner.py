@@ -20,6 +20,7 @@ prefix cache, while requests of one run share prefixes as the workload intends.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,3 +80,42 @@ def run_ab(targets: Sequence[Target], make_workload: Callable[[int], Workload],
                 + (f" ({int(steps)} engine steps)" if steps is not None else ""))
             runs.append(run)
     return runs, workloads
+
+
+UNROUTED = "unrouted"
+
+
+def split_by_arm(runs: Sequence[RunResult], targets: Sequence[Target]
+                 ) -> tuple[list[RunResult], list[Target]]:
+    """A server that splits its traffic into A/B arms (``X-Corellm-Arm``) as one target per
+    arm, ``LABEL/ARM``: each run's records by the arm that answered them, over the run's
+    duration (the engine counters, the server's as a whole, are not split). Requests answered
+    without an arm (refused before routing, or never answered) are the target
+    ``LABEL/unrouted``, never dropped. Targets without arms are as they were."""
+    arms: dict[str, list[str]] = {}
+    for run in runs:
+        found = {r.arm for r in run.records if r.arm}
+        if found:
+            if any(not r.arm for r in run.records):
+                found.add(UNROUTED)
+            arms[run.target] = sorted(set(arms.get(run.target, [])) | found)
+    if not arms:
+        return list(runs), list(targets)
+    out_runs: list[RunResult] = []
+    for run in runs:
+        if run.target not in arms:
+            out_runs.append(run)
+            continue
+        for arm in arms[run.target]:
+            mine = [r for r in run.records if (r.arm or UNROUTED) == arm]
+            out_runs.append(dataclasses.replace(
+                run, target=f"{run.target}/{arm}", records=mine, counters=None,
+                info={**run.info, "arm": arm, "arm_of": run.target}))
+    out_targets: list[Target] = []
+    for t in targets:
+        if t.label in arms:
+            out_targets += [dataclasses.replace(t, label=f"{t.label}/{arm}")
+                            for arm in arms[t.label]]
+        else:
+            out_targets.append(t)
+    return out_runs, out_targets

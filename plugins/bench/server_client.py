@@ -68,6 +68,8 @@ class StreamResult:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    arm: str | None = None             # X-Corellm-Arm: the A/B arm that answered
+    replica: int | None = None         # X-Corellm-Replica
 
 
 def completion_body(prompt_ids: list[int], output_len: int, *, model: str | None,
@@ -102,6 +104,9 @@ async def send(client: Any, url: str, body: dict[str, Any]) -> StreamResult:
     usage, done = None, False
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            res.arm = resp.headers.get("x-corellm-arm")
+            replica = resp.headers.get("x-corellm-replica")
+            res.replica = int(replica) if replica and replica.isdigit() else None
             if resp.status_code != 200:
                 raw = await resp.aread()
                 try:
@@ -207,6 +212,7 @@ async def drive_server(client: Any, url: str, model: str | None, workload: Workl
         rec.prompt_tokens = res.prompt_tokens if res.prompt_tokens is not None else len(ids)
         rec.cached_tokens = res.cached_tokens
         rec.error = res.error
+        rec.arm, rec.replica = res.arm, res.replica
         if options.keep_outputs:
             rec.output_text = res.text
         bar.update(1)

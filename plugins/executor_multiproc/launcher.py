@@ -17,13 +17,13 @@ from corellm.outputs import ModelRunnerOutput, SchedulerOutput
 from corellm.platforms import Platform, build_platform
 from corellm.plugins import Registry
 from corellm.config.setup import EngineSetup
-from corellm_plugins.executor_multiproc.backend import _Backend, _cpu_threads, _describe
+from corellm.worker.ranks import RankBackend, cpu_threads, describe
 
 # The executor's logger: the package's records come under one name, the executor's.
 logger = logging.getLogger("corellm_plugins.executor_multiproc.executor")
 
 
-class _LauncherBackend(_Backend):
+class _LauncherBackend(RankBackend):
     """Rank 0 of a ``torchrun``-style launch: the engine's process is also rank 0's worker; the
     other ranks (``launcher_worker``) receive the plan by a broadcast on the gloo group."""
 
@@ -90,7 +90,7 @@ class _LauncherBackend(_Backend):
         except Exception:
             pass
         head = "; ".join(reports) or f"a tensor-parallel peer of rank 0 failed during {what}"
-        return ExecutorError(f"{head} ({_describe(exc)})")
+        return ExecutorError(f"{head} ({describe(exc)})")
 
     def _broadcast(self, msg: tuple) -> None:
         import torch.distributed as dist
@@ -158,7 +158,7 @@ def launcher_worker(config: EngineConfig, registry: Registry) -> int:
     device = platform.device(local_rank)
     if platform.shares_devices:
         import torch
-        torch.set_num_threads(_cpu_threads(local_world))
+        torch.set_num_threads(cpu_threads(local_world))
     parallel = None
     try:
         parallel = init_parallel(config.parallel, rank, "env://", device, platform)
@@ -182,10 +182,10 @@ def launcher_worker(config: EngineConfig, registry: Registry) -> int:
             elif msg[0] == "stop":
                 break
     except BaseException as exc:
-        logger.error("tensor-parallel rank %d failed: %s", rank, _describe(exc))
+        logger.error("tensor-parallel rank %d failed: %s", rank, describe(exc))
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"corellm/error/{rank}", _describe(exc))
+            store.set(f"corellm/error/{rank}", describe(exc))
         except Exception:
             pass
         return 1

@@ -1,7 +1,7 @@
 """The spawn way (``parallel.init_method: tcp://...``): the worker processes this machine starts,
 one per rank, and the engine's side of them (``_SpawnBackend``). Plans go out through a
-shared-memory ring (``shm.py``), rank 0's outputs come back through another, and each worker's
-pipe carries its replies to ``collective_rpc`` and its failure."""
+shared-memory ring (``corellm.platforms.shm_ring``), rank 0's outputs come back through another,
+and each worker's pipe carries its replies to ``collective_rpc`` and its failure."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from corellm.config import EngineConfig
-from corellm.platforms.distributed import destroy_parallel, free_port, init_parallel
+from corellm.platforms.distributed import destroy_parallel, free_port
 from corellm.errors import CorellmError
 from corellm.interfaces import ExecutorError, ModelInfo
 from corellm.outputs import ModelRunnerOutput, SchedulerOutput
-from corellm.platforms import Platform, build_platform
-from corellm.plugins import load_registry
+from corellm.platforms import Platform
 from corellm.config.setup import EngineSetup
-from corellm_plugins.executor_multiproc.backend import _Backend, _cpu_threads, _describe
-from corellm_plugins.executor_multiproc.shm import (RingClosed, RingReader, RingWriter,
-                                                   create_ring, doorbell_pair, unlink_ring)
+from corellm.worker.ranks import (RankBackend, build_rank_worker, cpu_threads, describe,
+                                  serve_rank)
+from corellm.platforms.shm_ring import (RingClosed, RingReader, RingWriter, create_ring,
+                                        doorbell_pair, unlink_ring)
 
 _PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 5.0
@@ -42,10 +42,6 @@ def _die_with_parent() -> None:
 
 
 # --------------------------------------------------------------------------- worker side
-def _dispatch(worker: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    return getattr(worker, method)(*args, **kwargs)
-
-
 def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_method: str,
                  plan_spec: Any, plan_bell: Any, out_spec: Any, out_bells: list[Any], conn: Any,
                  threads: int) -> None:
@@ -60,18 +56,8 @@ def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_metho
     reader = writer = None
     parallel = None
     try:
-        import torch
-        torch.set_num_threads(threads)
-        # The config arrives validated and the setup resolved (pickled by the spawn): the
-        # registry is all a rank builds again, since its plugins are imported per process.
-        registry = load_registry(disable=config.plugins.disable)
-        platform = build_platform(config.platform, registry)
-        device = platform.device(rank)
-        parallel = init_parallel(config.parallel, rank, init_method, device, platform)
-        from corellm.worker.worker import Worker
-        tp = config.parallel.tensor_parallel_size
-        worker = Worker(config, registry, parallel, local_rank=rank, local_world_size=tp,
-                        setup=setup, platform=platform)
+        worker, parallel = build_rank_worker(config, setup, rank, init_method, threads,
+                                             rank, config.parallel.tensor_parallel_size)
         reader = RingReader(plan_spec, rank, plan_bell)
         if rank == 0:
             writer = RingWriter(out_spec, out_bells)
@@ -86,22 +72,9 @@ def _worker_main(rank: int, config: EngineConfig, setup: EngineSetup, init_metho
 
     code = 0
     try:
-        while True:
-            msg = reader.read(idle=parent_alive)
-            kind = msg[0]
-            if kind == "step":
-                _, plan, prev = msg
-                if prev is not None and rank > 0:
-                    worker.add_sampled_tokens(prev)
-                out = worker.execute_model(plan)
-                if writer is not None:
-                    writer.write(out)
-            elif kind == "rpc":
-                _, method, args, kwargs, ranks = msg
-                if ranks is None or rank in ranks:
-                    conn.send(("ok", _dispatch(worker, method, args, kwargs)))
-            elif kind == "stop":
-                break
+        serve_rank(rank, worker, lambda: reader.read(idle=parent_alive),
+                   writer.write if writer is not None else None,
+                   lambda result: conn.send(("ok", result)))
     except BaseException as exc:       # noqa: BLE001
         _report(conn, rank, exc)
         code = 1
@@ -120,16 +93,16 @@ def _report(conn: Any, rank: int, exc: BaseException) -> None:
     tb = "".join(traceback.format_exception(exc)[-6:])
     own = exc if isinstance(exc, CorellmError) else None
     try:
-        conn.send(("error", _describe(exc), tb, own))
+        conn.send(("error", describe(exc), tb, own))
     except Exception:
         try:
-            conn.send(("error", _describe(exc), tb, None))
+            conn.send(("error", describe(exc), tb, None))
         except Exception:
             pass
 
 
 # --------------------------------------------------------------------------- engine side
-class _SpawnBackend(_Backend):
+class _SpawnBackend(RankBackend):
     def __init__(self, config: EngineConfig, options: Any, setup: EngineSetup,
                  platform: Platform) -> None:
         self.config = config
@@ -159,7 +132,7 @@ class _SpawnBackend(_Backend):
         out_r, out_w = doorbell_pair()
         # Ranks sharing one device (the CPU) share its cores; a rank with a device of its own
         # needs one thread to drive it.
-        threads = _cpu_threads(self.tp) if self.platform.shares_devices else 1
+        threads = cpu_threads(self.tp) if self.platform.shares_devices else 1
         # The engine-core process of `corellm serve` is a daemonic process, which
         # multiprocessing forbids to have children lest they outlive it; these cannot (they die
         # with it by PR_SET_PDEATHSIG and watch it while idle), so lift the flag while starting.
@@ -299,7 +272,8 @@ class _SpawnBackend(_Backend):
                     raise self._death(sentinels[obj])
             if bell in ready:
                 reader.wait(0)                             # drains the doorbell
-        return reader.read(timeout=0.0)
+        # The first chunk is there; a message of several slots follows as rank 0 writes it.
+        return reader.read(idle=self._alive)
 
     # ---------------------------------------------------------------- stop
     def stop(self) -> None:

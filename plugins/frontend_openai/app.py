@@ -15,6 +15,7 @@ from fastapi.responses import PlainTextResponse, Response
 import corellm
 from corellm.engine.async_llm import AsyncLLM
 from corellm.engine.ipc import EngineDeadError
+from corellm.engine.replicas import ROUTED, ReplicaUnavailableError
 from corellm.errors import InvalidRequestError, RequestAbortedError
 
 from .body import _OpenAIRoute
@@ -59,6 +60,30 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return Response(status_code=499)
 
 
+async def _group_health(group: Any, timeout: float) -> Response:
+    """A data-parallel server's /health: 200 while any replica answers (the router sends
+    around the others), 503 when none does; the body lists each replica."""
+    from fastapi.responses import JSONResponse
+    health = await group.replica_health(timeout)
+    replicas = [{"replica": rep.index, **({"arm": rep.arm} if rep.arm else {}),
+                 "state": "up" if ok else rep.state if rep.state != "up" else "unresponsive",
+                 **({"error": why} if why else {})} for rep, ok, why in health]
+    if any(ok for _, ok, _ in health):
+        return JSONResponse({"status": "ok", "replicas": replicas})
+    return APIError(503, "engine unavailable: no replica answers: " + "; ".join(
+        f"replica {r['replica']}: {r.get('error', r['state'])}" for r in replicas),
+        code="engine_dead").response()
+
+
+def _route_headers(response: Response, routed: dict[str, Any]) -> Response:
+    """The arm (of an A/B split) and the replica that served the request, as headers."""
+    if routed.get("arm"):
+        response.headers["X-Corellm-Arm"] = routed["arm"]
+    if routed.get("replica") is not None:
+        response.headers["X-Corellm-Replica"] = str(routed["replica"])
+    return response
+
+
 def _tokenize_body_schema() -> dict[str, Any]:
     """/tokenize takes either body; its schema refers to the models' parts as FastAPI names
     them in ``components`` (the chat route's body brings ``ChatMessage`` and ``TextPart``)."""
@@ -95,6 +120,11 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
     async def run(request: Request, work: Awaitable[Response]) -> Response:
+        routed: dict[str, Any] = {}
+        ROUTED.set(routed)         # the work's task shares the dict: the replicas fill it
+        return _route_headers(await _run(request, work), routed)
+
+    async def _run(request: Request, work: Awaitable[Response]) -> Response:
         was_dead = engine.is_dead
         try:
             return await _until_disconnect(request, work)
@@ -107,7 +137,7 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
         except EngineDeadError as exc:
             # A request that was in flight when the engine died is a 500; one that arrived at a
             # dead engine is a 503 (service unavailable).
-            status = 503 if was_dead else 500
+            status = 503 if was_dead or isinstance(exc, ReplicaUnavailableError) else 500
             logger.error("request failed: %s", exc)
             return APIError(status, f"engine is dead: {exc}", code="engine_dead").response()
         except Exception as exc:        # a bug: still an OpenAI-shaped answer, and logged
@@ -160,6 +190,8 @@ def build_app(engine: AsyncLLM, options: OpenAIServerOptions, model_name: str,
     @app.get("/health", response_class=Response, responses=responses(
         {"description": "The engine is alive and its loop answers."}, HEALTH_ERRORS))
     async def health() -> Response:
+        if getattr(engine, "replicas", None):
+            return await _group_health(engine, options.health_timeout_s)
         try:
             await engine.check_health(options.health_timeout_s)
         except (EngineDeadError, asyncio.TimeoutError, TimeoutError) as exc:

@@ -43,6 +43,7 @@ an honest counterpart here are exposed; corellm-only ones are left out in that m
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -88,9 +89,38 @@ def _iteration_buckets(max_step_tokens: int | None) -> list[int]:
     return buckets
 
 
+class _Part:
+    """One engine's view on /metrics: the latest snapshot of its StepStats stream and its
+    liveness at the last scrape. A server has one; a data-parallel server one per replica
+    (``labels``: its replica label values)."""
+
+    def __init__(self, engine: Any, labels: tuple[str, ...] = ()) -> None:
+        self.engine = engine
+        self.labels = labels
+        # (scheduler snapshot, engine steps so far) of the latest StepStats record (or of the
+        # start-up seed); replaced as a whole, so a reader never sees half of an update.
+        self.snapshot: tuple[SchedulerStats, int] | None = None
+        self.snapshot_time = time.time()
+        # The engine's liveness at the last scrape (is_dead, then a ping through its loop).
+        self.alive = False
+        # The engine object the snapshot is of (a replica's changes when it restarts).
+        self.seen: Any = None
+
+    def on_stats(self, stats: StepStats) -> None:
+        self.snapshot, self.snapshot_time = (stats.scheduler, stats.step), time.time()
+
+
 class _EngineCollector(Collector):
     def __init__(self, owner: EngineMetrics) -> None:
         self.owner = owner
+
+    def _family(self, cls: type, name: str, doc: str, labels: list[str], value: list[str],
+                get: Any, parts: list[_Part]) -> Any:
+        """A family with one sample per part: ``get(snapshot)``."""
+        f = cls(name, doc, labels=labels + list(self.owner.part_labels))
+        for part in parts:
+            f.add_metric(value + list(part.labels), get(part.snapshot[0], part.snapshot[1]))
+        return f
 
     def collect(self) -> Iterator[Any]:
         if self.owner.prefix == "vllm":
@@ -98,103 +128,116 @@ class _EngineCollector(Collector):
             return
         labels = ["model_name"]
         value = [self.owner.model_name]
+        extra = list(self.owner.part_labels)
         alive = GaugeMetricFamily("corellm:engine_alive", "1 while the engine core answers, "
-                                  "0 once it is dead or stuck.", labels=labels)
-        alive.add_metric(value, 1.0 if self.owner.alive else 0.0)
+                                  "0 once it is dead or stuck.", labels=labels + extra)
+        for part in self.owner.parts:
+            alive.add_metric(value + list(part.labels), 1.0 if part.alive else 0.0)
         yield alive
-        snapshot = self.owner.snapshot
-        if not self.owner.alive or snapshot is None:    # no stale gauges for a dead engine
+        # no stale gauges for a dead engine
+        parts = [p for p in self.owner.parts if p.alive and p.snapshot is not None]
+        if not parts:
             return
-        s, num_steps = snapshot
 
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, v)
-            return g
+        def gauge(name: str, doc: str, get: Any) -> GaugeMetricFamily:
+            return self._family(GaugeMetricFamily, name, doc, labels, value, get, parts)
 
-        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(value, v)
-            return c
+        def counter(name: str, doc: str, get: Any) -> CounterMetricFamily:
+            return self._family(CounterMetricFamily, name, doc, labels, value, get, parts)
 
         yield gauge("corellm:num_requests_running", "Requests in the running batch.",
-                    s.num_running_reqs)
+                    lambda s, n: s.num_running_reqs)
         yield gauge("corellm:num_requests_waiting", "Requests waiting (or preempted) for "
-                    "admission.", s.num_waiting_reqs)
-        used = s.kv_blocks_total - s.kv_blocks_free
+                    "admission.", lambda s, n: s.num_waiting_reqs)
         yield gauge("corellm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by "
                     "requests (free cached blocks count as free).",
-                    used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+                    lambda s, n: (s.kv_blocks_total - s.kv_blocks_free) / s.kv_blocks_total
+                    if s.kv_blocks_total else 0.0)
         yield gauge("corellm:kv_cache_blocks_total", "KV-cache blocks in the pool.",
-                    s.kv_blocks_total)
+                    lambda s, n: s.kv_blocks_total)
         yield gauge("corellm:kv_cache_blocks_free", "KV-cache blocks an allocation could take.",
-                    s.kv_blocks_free)
+                    lambda s, n: s.kv_blocks_free)
         yield gauge("corellm:prefix_cache_blocks", "Blocks findable in the prefix cache.",
-                    s.kv_blocks_cached)
+                    lambda s, n: s.kv_blocks_cached)
         yield counter("corellm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                      "cache.", s.prefix_cache_queries)
+                      "cache.", lambda s, n: s.prefix_cache_queries)
         yield counter("corellm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
+                      lambda s, n: s.prefix_cache_hits)
         yield counter("corellm:num_preemptions", "Requests preempted for KV-cache space.",
-                      s.num_preemptions)
+                      lambda s, n: s.num_preemptions)
         yield counter("corellm:prompt_tokens", "Prompt tokens of admitted requests.",
-                      s.num_prompt_tokens)
+                      lambda s, n: s.num_prompt_tokens)
         yield counter("corellm:generation_tokens", "Tokens generated.",
-                      s.num_generation_tokens)
-        yield counter("corellm:engine_steps", "Engine steps run.", num_steps)
+                      lambda s, n: s.num_generation_tokens)
+        yield counter("corellm:engine_steps", "Engine steps run.", lambda s, n: n)
         if self.owner.max_loras:
             for state in ("running", "waiting"):
                 g = GaugeMetricFamily(f"corellm:lora_requests_{state}", f"Requests {state} per "
-                                      "LoRA adapter.", labels=["model_name", "lora_name"])
-                for name, n in getattr(s, f"{state}_lora_adapters").items():
-                    g.add_metric([self.owner.model_name, name], n)
+                                      "LoRA adapter.", labels=["model_name", "lora_name", *extra])
+                for part in parts:
+                    for name, k in getattr(part.snapshot[0], f"{state}_lora_adapters").items():
+                        g.add_metric([self.owner.model_name, name, *part.labels], k)
                 yield g
-            yield self._lora_info("corellm:lora_requests_info", s)
+            yield self._lora_info("corellm:lora_requests_info", parts)
 
-    def _lora_info(self, name: str, s: SchedulerStats) -> GaugeMetricFamily:
+    def _lora_info(self, name: str, parts: list[_Part]) -> GaugeMetricFamily:
         """vLLM's ``lora_requests_info``: the adapters running and waiting as labels (names,
         comma-separated) and ``max_lora``; the value is the time of the snapshot."""
         info = GaugeMetricFamily(name, "Running and waiting LoRA adapters (labels); the value "
                                  "is the time of the snapshot.",
                                  labels=["max_lora", "running_lora_adapters",
-                                         "waiting_lora_adapters"])
-        info.add_metric([str(self.owner.max_loras), ",".join(sorted(s.running_lora_adapters)),
-                         ",".join(sorted(s.waiting_lora_adapters))], self.owner.snapshot_time)
+                                         "waiting_lora_adapters", *self.owner.part_labels])
+        for part in parts:
+            s = part.snapshot[0]
+            info.add_metric([str(self.owner.max_loras), ",".join(sorted(s.running_lora_adapters)),
+                             ",".join(sorted(s.waiting_lora_adapters)), *part.labels],
+                            part.snapshot_time)
         return info
 
     def _collect_vllm(self) -> Iterator[Any]:
-        snapshot = self.owner.snapshot
-        if not self.owner.alive or snapshot is None:   # dead or stuck: no stale gauges
+        # dead or stuck: no stale gauges
+        parts = [p for p in self.owner.parts if p.alive and p.snapshot is not None]
+        if not parts:
             return
-        s = snapshot[0]
         labels = list(VLLM_LABELS)
-        value = [self.owner.model_name, VLLM_ENGINE]
 
-        def family(cls: type, name: str, doc: str, v: float) -> Any:
+        def family(cls: type, name: str, doc: str, get: Any) -> Any:
             f = cls(name, doc, labels=labels)
-            f.add_metric(value, v)
+            for part in parts:      # vLLM's "engine" label: the data-parallel rank
+                f.add_metric([self.owner.model_name, part.labels[0] if part.labels
+                              else VLLM_ENGINE], get(part.snapshot[0]))
             return f
 
         g, c = GaugeMetricFamily, CounterMetricFamily
         yield family(g, "vllm:num_requests_running", "Requests in the running batch.",
-                     s.num_running_reqs)
+                     lambda s: s.num_running_reqs)
         yield family(g, "vllm:num_requests_waiting", "Requests waiting (or preempted) for "
-                     "admission.", s.num_waiting_reqs)
-        used = s.kv_blocks_total - s.kv_blocks_free
+                     "admission.", lambda s: s.num_waiting_reqs)
         yield family(g, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by "
-                     "requests; 1 means full.", used / s.kv_blocks_total if s.kv_blocks_total
-                     else 0.0)
+                     "requests; 1 means full.",
+                     lambda s: (s.kv_blocks_total - s.kv_blocks_free) / s.kv_blocks_total
+                     if s.kv_blocks_total else 0.0)
         yield family(c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                     "cache.", s.prefix_cache_queries)
+                     "cache.", lambda s: s.prefix_cache_queries)
         yield family(c, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                     s.prefix_cache_hits)
+                     lambda s: s.prefix_cache_hits)
         yield family(c, "vllm:num_preemptions", "Requests preempted for KV-cache space.",
-                     s.num_preemptions)
+                     lambda s: s.num_preemptions)
         yield family(c, "vllm:prompt_tokens", "Prompt tokens of admitted requests.",
-                     s.num_prompt_tokens)
-        yield family(c, "vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens)
+                     lambda s: s.num_prompt_tokens)
+        yield family(c, "vllm:generation_tokens", "Tokens generated.",
+                     lambda s: s.num_generation_tokens)
         if self.owner.max_loras:
-            yield self._lora_info("vllm:lora_requests_info", s)
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA "
+                                     "adapters (labels); the value is the time of the snapshot.",
+                                     labels=["max_lora", "running_lora_adapters",
+                                             "waiting_lora_adapters"])
+            for part in parts[:1]:
+                s = part.snapshot[0]
+                info.add_metric([str(self.owner.max_loras),
+                                 ",".join(sorted(s.running_lora_adapters)),
+                                 ",".join(sorted(s.waiting_lora_adapters))], part.snapshot_time)
+            yield info
 
 
 def _token_buckets(max_model_len: int) -> list[int]:
@@ -223,17 +266,24 @@ class EngineMetrics:
         self.model_name = model_name
         self.prefix = prefix
         self.health_timeout_s = health_timeout_s
-        # (scheduler snapshot, engine steps so far) of the latest StepStats record (or of the
-        # start-up seed); replaced as a whole, so a reader never sees half of an update.
-        self.snapshot: tuple[SchedulerStats, int] | None = None
-        self.snapshot_time = time.time()
-        # The engine's liveness at the last scrape (is_dead, then a ping through its loop).
-        self.alive = False
+        # A data-parallel server (an EngineGroup): one part per replica, labelled with it (and
+        # its arm, in an A/B split), and per-arm request histograms.
+        replicas = getattr(engine, "replicas", None)
+        self.arm_names = sorted({r.arm for r in replicas if r.arm}) if replicas else []
+        if replicas:
+            self.part_labels: tuple[str, ...] = ("replica", "arm") if self.arm_names \
+                else ("replica",)
+            self.parts = [_Part(rep, (str(rep.index), rep.arm) if self.arm_names
+                                else (str(rep.index),)) for rep in replicas]
+        else:
+            self.part_labels = ()
+            self.parts = [_Part(engine)]
         lora = getattr(getattr(engine, "config", None), "lora", None)
         self.max_loras = lora.max_loras if lora is not None and lora.enable else 0
         if max_step_tokens is None:
             max_step_tokens = getattr(getattr(getattr(engine, "config", None), "scheduler", None),
                                       "max_num_batched_tokens", None)
+        self._kids: dict[str | None, dict[str, Any]] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(self))
         if prefix == "vllm":
@@ -242,30 +292,55 @@ class EngineMetrics:
             self._init_vllm(max_model_len, max_step_tokens)
         else:
             self._init_corellm(max_step_tokens)
-        engine.add_stats_listener(self.on_stats)
+        if replicas:
+            engine.add_replica_stats_listener(
+                lambda rep, stats: self._on_part_stats(self.parts[rep.index], stats))
+        else:
+            engine.add_stats_listener(self.on_stats)
+
+    # The one engine's (a single-engine server's) snapshot and liveness.
+    @property
+    def snapshot(self) -> tuple[SchedulerStats, int] | None:
+        return self.parts[0].snapshot
+
+    @property
+    def alive(self) -> bool:
+        return all(p.alive for p in self.parts)
+
+    def attach_finished(self, engine: Any) -> None:
+        """Observe the requests ``engine`` ends (per arm for an A/B group)."""
+        if getattr(engine, "replicas", None):
+            engine.replica_finished_callbacks.append(
+                lambda rep, states: self.observe_finished(states, rep.arm or None))
+        else:
+            engine.finished_callbacks.append(self.observe_finished)
 
     def _init_corellm(self, max_step_tokens: int | None) -> None:
         model_name = self.model_name
         labels = ["model_name"]
+        # An A/B server's request histograms and counters carry the arm.
+        arm = ["arm"] if self.arm_names else []
         r = self.registry
-        self.ttft = Histogram("corellm:time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("corellm:time_per_output_token_seconds",
-                              "Mean time between generated tokens after the first, per request.",
-                              labels, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("corellm:e2e_request_latency_seconds",
-                             "Time from arrival to the last token.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.queue = Histogram("corellm:request_queue_time_seconds",
-                               "Time from arrival until the engine first scheduled the request.",
-                               labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.success = Counter("corellm:request_success", "Finished samples by finish reason "
-                               "(abort: ended before finishing).",
-                               ["model_name", "finished_reason"], registry=r)
-        self.aborted = Counter("corellm:request_aborted", "Requests ended before they finished, "
-                               "by reason (client_disconnected, shutdown, ...).",
-                               ["model_name", "reason"], registry=r)
+        self._ttft = Histogram("corellm:time_to_first_token_seconds",
+                               "Time from arrival to the first generated token.", labels + arm,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self._tpot = Histogram("corellm:time_per_output_token_seconds",
+                               "Mean time between generated tokens after the first, per "
+                               "request.", labels + arm, buckets=_TPOT_BUCKETS, registry=r)
+        self._e2e = Histogram("corellm:e2e_request_latency_seconds",
+                              "Time from arrival to the last token.", labels + arm,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._queue = Histogram("corellm:request_queue_time_seconds",
+                                "Time from arrival until the engine first scheduled the "
+                                "request.", labels + arm, buckets=_LATENCY_BUCKETS, registry=r)
+        self._success = Counter("corellm:request_success", "Finished samples by finish reason "
+                                "(abort: ended before finishing).",
+                                ["model_name", "finished_reason", *arm], registry=r)
+        self._aborted = Counter("corellm:request_aborted", "Requests ended before they "
+                                "finished, by reason (client_disconnected, shutdown, ...).",
+                                ["model_name", "reason", *arm], registry=r)
+        for name in self.arm_names or [None]:          # present (at 0) before any request
+            self._for_arm(name)
         self.iteration_tokens = Histogram(
             "corellm:iteration_tokens_total", "Tokens scheduled in one engine step (prefill and "
             "decode together), per step that scheduled work.", labels,
@@ -324,39 +399,65 @@ class EngineMetrics:
     def on_stats(self, stats: StepStats) -> None:
         """A record from the engine core (a stats listener, called on the event loop): keep
         its snapshot; a step that scheduled work is one observation of tokens per step."""
-        self.snapshot, self.snapshot_time = (stats.scheduler, stats.step), time.time()
+        self._on_part_stats(self.parts[0], stats)
+
+    def _on_part_stats(self, part: _Part, stats: StepStats) -> None:
+        part.on_stats(stats)
         if stats.kind == "step":
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
+    @staticmethod
+    def _engine_of(part: _Part) -> Any:
+        """The part's engine now (a replica's changes when it is restarted), or None."""
+        return part.engine.engine if hasattr(part.engine, "rank") else part.engine
+
     async def start(self) -> None:
-        """Seed the snapshot with one ``get_stats`` call, so the gauges are right before the
+        """Seed each snapshot with one ``get_stats`` call, so the gauges are right before the
         engine's first record (a fresh server that has run nothing). No-op once a record or a
         seed is there; a failure is logged and leaves the seeding to the next scrape."""
-        if self.snapshot is not None or self.engine.is_dead:
-            return
-        try:
-            stats: EngineStats = await self.engine.get_stats(timeout=self.health_timeout_s)
-        except Exception as exc:
-            logger.warning("metrics: could not read the engine's initial stats: %s", exc)
-            return
-        if self.snapshot is None:    # else a record came meanwhile: it wins (the next step's
-            self.snapshot = (stats, stats.num_steps)    # record follows at once if it lags)
-            self.snapshot_time = time.time()
+        for part in self.parts:
+            engine = self._engine_of(part)
+            if part.snapshot is not None or engine is None or engine.is_dead:
+                continue
+            try:
+                stats: EngineStats = await engine.get_stats(timeout=self.health_timeout_s)
+            except Exception as exc:
+                logger.warning("metrics: could not read the engine's initial stats: %s", exc)
+                continue
+            if part.snapshot is None:   # else a record came meanwhile: it wins (the next
+                part.snapshot = (stats, stats.num_steps)  # step's record follows if it lags)
+                part.snapshot_time = time.time()
 
-    async def _check_alive(self) -> bool:
-        if self.engine.is_dead:
+    async def _check_alive(self, part: _Part) -> bool:
+        engine = self._engine_of(part)
+        if engine is not part.seen:      # a replica restarted: its old snapshot is not its own
+            part.seen, part.snapshot = engine, None
+        if engine is None or engine.is_dead:
             return False
         try:
-            await self.engine.check_health(self.health_timeout_s)
+            await engine.check_health(self.health_timeout_s)
         except Exception as exc:       # dead, or its loop did not answer in time (stuck)
             logger.warning("metrics: engine unavailable: %s", exc)
             return False
         return True
 
     # ------------------------------------------------------------------ request latencies
-    def observe_finished(self, states: list[RequestState]) -> None:
+    def _for_arm(self, arm: str | None) -> dict[str, Any]:
+        """The request histograms' and counters' children for an arm (None: no A/B split)."""
+        kids = self._kids.get(arm)
+        if kids is None:
+            value = [self.model_name] + ([arm] if self.arm_names else [])
+            kids = self._kids[arm] = {name: getattr(self, f"_{name}").labels(*value)
+                                      for name in ("ttft", "tpot", "e2e", "queue")}
+        return kids
+
+    def _counter(self, counter: Any, label: str, arm: str | None) -> Any:
+        return counter.labels(self.model_name, label, *([arm or ""] if self.arm_names else []))
+
+    def observe_finished(self, states: list[RequestState], arm: str | None = None) -> None:
         """Requests that ended: finished ones, and aborted ones (counted, not timed: the time
-        until a client gave up is not a latency of the server)."""
+        until a client gave up is not a latency of the server). ``arm``: the A/B arm that
+        served them."""
         if self.prefix == "vllm":
             for st in states:
                 if st.abort_reason is not None:
@@ -366,23 +467,24 @@ class EngineMetrics:
                 else:
                     self._observe_vllm(st)
             return
+        kids = self._for_arm(arm if self.arm_names else None)
         for st in states:
             if st.abort_reason is not None:
-                self.aborted.labels(self.model_name, st.abort_reason).inc()
+                self._counter(self._aborted, st.abort_reason, arm).inc()
                 for s in st.samples:
-                    self.success.labels(self.model_name, s.finish_reason or "abort").inc()
+                    self._counter(self._success, s.finish_reason or "abort", arm).inc()
                 continue
             m = st.metrics
             if m.time_to_first_token is not None:
-                self.ttft.observe(m.time_to_first_token)
+                kids["ttft"].observe(m.time_to_first_token)
             if m.time_per_output_token is not None:
-                self.tpot.observe(m.time_per_output_token)
+                kids["tpot"].observe(m.time_per_output_token)
             if m.latency is not None:
-                self.e2e.observe(m.latency)
+                kids["e2e"].observe(m.latency)
             if m.queue_time is not None:
-                self.queue.observe(max(m.queue_time, 0.0))
+                kids["queue"].observe(max(m.queue_time, 0.0))
             for s in st.samples:
-                self.success.labels(self.model_name, s.finish_reason or "unknown").inc()
+                self._counter(self._success, s.finish_reason or "unknown", arm).inc()
 
     def _observe_vllm(self, st: RequestState) -> None:
         """vLLM's per-request histograms from the request's timestamps. Counts are per sample,
@@ -429,10 +531,11 @@ class EngineMetrics:
         return response
 
     async def render(self) -> tuple[bytes, str]:
-        """The scrape: a liveness check, then the registry as it stands (no stats call, but
-        the one-time seed if ``start`` was never awaited or failed)."""
-        alive = await self._check_alive()
-        if alive and self.snapshot is None:
+        """The scrape: a liveness check of every engine, then the registry as it stands (no
+        stats call, but the one-time seed if ``start`` was never awaited or failed)."""
+        alive = await asyncio.gather(*(self._check_alive(part) for part in self.parts))
+        if any(ok and part.snapshot is None for ok, part in zip(alive, self.parts)):
             await self.start()
-        self.alive = alive             # no await from here to the end of the collection
+        for ok, part in zip(alive, self.parts):
+            part.alive = ok            # no await from here to the end of the collection
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

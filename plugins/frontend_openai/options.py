@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,6 +85,43 @@ class RequestLimits(BaseModel):
                                 "part.")
     constraints: ConstraintLimits = Field(default_factory=ConstraintLimits,
                                           description="What one output constraint may ask for.")
+
+
+class ArmOptions(BaseModel):
+    """One arm of a live A/B split (``frontend.arms.<name>``): replicas with a config of their
+    own, and their share of the traffic."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: str | None = Field(
+        None, description="The arm's config file; default: the server's own config.")
+    set: dict[str, Any] = Field(
+        default_factory=dict, description="Config keys set over it (dotted, as --set: "
+                                          "{'scheduler.name': 'priority'}).")
+    weight: float = Field(1.0, gt=0, le=1e9, allow_inf_nan=False,
+                          description="The arm's share of the traffic, relative to the other "
+                                      "arms' weights.")
+    replicas: int | None = Field(
+        None, ge=1, description="Engine replicas of the arm; default: its config's "
+                                "parallel.data_parallel_size.")
+
+
+class RouterOptions(BaseModel):
+    """How a data-parallel server spreads requests over its replicas (``frontend.router``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_affinity: bool = Field(
+        True, description="Send a conversation's requests (same session_id) back to the "
+                          "replica that served it, whose prefix cache holds its turns.")
+    affinity_slack: int = Field(
+        4, ge=0, description="...while that replica has at most this many outstanding "
+                             "requests more than the least loaded one; else the load wins.")
+    restart_replicas: bool = Field(
+        True, description="Start a replica that died again (after a back-off of 1 s, 2 s, "
+                          "5 s, 10 s, then 30 s).")
+    max_restarts: int = Field(
+        5, ge=0, description="Restarts in a row a replica may fail before it is given up.")
 
 
 class OpenAIServerOptions(FrontendOptions):
@@ -171,6 +208,14 @@ class OpenAIServerOptions(FrontendOptions):
         default_factory=list, description="Directories adapters may be loaded from at run "
                                           "time (a path is resolved first: no '..' or link "
                                           "leads out); empty: none.")
+    arms: dict[str, ArmOptions] = Field(
+        default_factory=dict, description="A live A/B split: replica groups with their own "
+                                          "configs, each request's arm chosen by a weighted "
+                                          "hash of its user (else session_id), so a user stays "
+                                          "in one arm (corellm serve --config a=A.yaml --config "
+                                          "b=B.yaml --split a=50,b=50).")
+    router: RouterOptions = Field(default_factory=RouterOptions,
+                                  description="Routing over data-parallel replicas.")
     metrics_prefix: Literal["corellm", "vllm"] = Field(
         "corellm", description="Names on /metrics: corellm:* (default), or vLLM's own vllm:* "
                                "names and labels, so vLLM's Grafana dashboard works unchanged.")

@@ -127,6 +127,19 @@ class OpenAIServer(Frontend):
         ChatTools.for_options(options, ctx.registry)
         if options.chat_template:
             load_chat_template(options.chat_template, "frontend.chat_template")
+        from .replicas import server_arms
+        self.arms = server_arms(options, ctx.config)
+
+    async def _start_engine(self) -> Any:
+        """One engine, or the replicas (``EngineGroup``) of a data-parallel or A/B server."""
+        if self.arms is None:
+            return await AsyncLLM.create(self.config)
+        from corellm.engine.replicas import EngineGroup
+        router = self.options.router
+        return await EngineGroup.create(self.arms, affinity=router.session_affinity,
+                                        affinity_slack=router.affinity_slack,
+                                        restart=router.restart_replicas,
+                                        max_restarts=router.max_restarts)
 
     def run(self) -> int:
         # Until the server is up, SIGTERM ends start-up as Ctrl-C does; from then on serve()
@@ -156,7 +169,7 @@ class OpenAIServer(Frontend):
         sock.setblocking(False)
         port = sock.getsockname()[1]
         try:
-            engine = await AsyncLLM.create(self.config)
+            engine = await self._start_engine()
         except BaseException:
             sock.close()
             raise
@@ -176,7 +189,7 @@ class OpenAIServer(Frontend):
             # After the engine core started: its files are counted, and it keeps the limit.
             cap = connection_cap(opts.max_connections)
             app = build_app(engine, opts, self.model_name, state)
-            engine.finished_callbacks.append(app.state.metrics.observe_finished)
+            app.state.metrics.attach_finished(engine)
             await app.state.metrics.start()       # one get_stats: gauges before the first step
             # Under the corellm command (corellm.engine.logs), uvicorn's loggers write through its
             # handler, in its format; elsewhere uvicorn installs its own handlers.

@@ -4,6 +4,7 @@ whole or as server-sent events."""
 
 from __future__ import annotations
 
+
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
