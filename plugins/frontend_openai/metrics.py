@@ -104,7 +104,8 @@ class _Part:
         # The engine's liveness at the last scrape (is_dead, then a ping through its loop).
         self.alive = False
         # The engine object the snapshot is of (a replica's changes when it restarts).
-        self.seen: Any = None
+        self.seen: Any = getattr(engine, "engine", engine) if hasattr(engine, "rank") \
+            else engine
 
     def on_stats(self, stats: StepStats) -> None:
         self.snapshot, self.snapshot_time = (stats.scheduler, stats.step), time.time()
