@@ -304,7 +304,6 @@ class _RayBackend(RankBackend):
 
     def _death(self, rank: int, wait: float = 5.0) -> ExecutorError:
         """Why rank ``rank``'s call ended (or its link closed)."""
-        ray = _ray()
         link = self.links[rank] if rank < len(self.links) else None
         try:                                        # it may have said why before going
             if link is not None and select.select([link], [], [], 0)[0]:
@@ -315,14 +314,23 @@ class _RayBackend(RankBackend):
                     return ExecutorError(f"{self._where(rank)} failed: {msg[1]}\n{msg[2]}")
         except (ConnectionError, OSError, EOFError):
             pass
+        ended = self._call_end(rank, wait)
+        if ended is None:
+            return ExecutorError(f"{self._where(rank)} closed its link to the engine")
+        return ended or ExecutorError(f"{self._where(rank)} stopped unasked")
+
+    def _call_end(self, rank: int, wait: float) -> ExecutorError | bool | None:
+        """How rank ``rank``'s actor call ended within ``wait`` seconds: Ray's error as an
+        ``ExecutorError`` (the actor or its node died), False (it returned), None (it runs)."""
+        ray = _ray()
         ready, _ = ray.wait([self.refs[rank]], timeout=wait)
         if not ready:
-            return ExecutorError(f"{self._where(rank)} closed its link to the engine")
+            return None
         try:
             ray.get(ready[0])
         except Exception as exc:
             return ExecutorError(f"{self._where(rank)} died: {_ray_cause(exc)}")
-        return ExecutorError(f"{self._where(rank)} stopped unasked")
+        return False
 
     def _alive(self) -> None:
         """Raise the failure of any rank whose call has ended."""
@@ -349,10 +357,9 @@ class _RayBackend(RankBackend):
             others = [ref for r, ref in enumerate(self.refs) if r != rank]
             done, _ = ray.wait(others, num_returns=1, timeout=0.5) if others else ([], [])
             if done:
-                died = self.refs.index(done[0])
-                err = self._death(died, wait=0)
-                if "died" in str(err):
-                    raise err
+                ended = self._call_end(self.refs.index(done[0]), 0)
+                if ended:
+                    raise ended
             raise ExecutorError(f"{self._where(rank)} failed: {msg[1]}\n{msg[2]}")
         return msg
 
