@@ -11,7 +11,7 @@ from corellm.sampling_params import SamplingParams
 
 _imports.install()      # the modules' paths before 0.6 (CorellmDeprecationWarning)
 
-__version__ = "0.6.7"
+__version__ = "0.6.8"
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "LoRARequest", "hookimpl", "load_config", "__version__"]

@@ -25,7 +25,7 @@ from corellm.specs import (  # noqa: F401  (public here)
     DELEGATE_MARK, DELEGATE_DEFAULT, section_of, delegate_field, delegate_fields, ComponentSpec,
     SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec, ExecutorSpec, SamplerSpec,
     FrontendSpec, ModelSpec, PlatformSpec, CommandSpec, LogitsProcessorSpec, SECTION_SPECS,
-    ToolParserSpec, ReasoningParserSpec,
+    ToolParserSpec, ReasoningParserSpec, CoreLauncherOptions, CoreLauncherSpec,
     DType)
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from corellm.specs import (AttentionBackendSpec, CommandSpec, ExecutorSpec, FrontendSpec,
+    from corellm.specs import (AttentionBackendSpec, CommandSpec, CoreLauncherSpec,
+                               ExecutorSpec, FrontendSpec,
                                KVCacheManagerSpec, LogitsProcessorSpec, ModelSpec, PlatformSpec,
                                ReasoningParserSpec, SamplerSpec, SchedulerSpec,
                                ToolParserSpec)
@@ -112,6 +113,19 @@ def corellm_executors() -> Iterable[ExecutorSpec]:
     Called once when the registry is built. Return an iterable of ``ExecutorSpec``. The factory
     receives options (a subclass of ``ExecutorOptions``) and a ``BuildContext``; it returns a
     ``corellm.interfaces.Executor`` that creates and drives the workers.
+    """
+
+
+@hookspec
+def corellm_core_launchers() -> Iterable[CoreLauncherSpec]:
+    """Register engine-core launchers (plugin API 1.13), selected by ``core_launcher.name``
+    (vLLM's ``--data-parallel-backend``).
+
+    Called once when the registry is built. Return an iterable of ``CoreLauncherSpec``. The
+    factory receives options (a subclass of ``CoreLauncherOptions``) and the ``EngineConfig``;
+    it returns a ``corellm.engine.core_process.CoreLauncher``: where the engine core of a client
+    that runs it apart runs (a process here, a Ray actor on some node), its start, watch and
+    stop.
     """
 
 

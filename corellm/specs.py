@@ -95,6 +95,14 @@ class FrontendOptions(ComponentOptions):
     name: str = "openai"
 
 
+class CoreLauncherOptions(ComponentOptions):
+    """Where the engine core of a client that runs it apart (``corellm serve``, ``AsyncLLM``,
+    ``LLM(engine_process=True)``) runs: ``mp``, a process of this machine (the default), or a
+    launcher plugin's place (``ray``: a Ray actor somewhere in a cluster)."""
+
+    name: str = "mp"
+
+
 class PlatformOptions(ComponentOptions):
     """``auto`` (the default) picks, when the config is loaded, the available platform of the
     highest ``auto_priority`` (CUDA where a GPU is visible, else the CPU); naming a platform
@@ -111,7 +119,7 @@ class NoOptions(ComponentOptions):
 SECTION_OF_OPTIONS: dict[type[ComponentOptions], str] = {
     PlatformOptions: "platform", SchedulerOptions: "scheduler", KVCacheOptions: "kv_cache",
     AttentionOptions: "attention", ExecutorOptions: "executor", SamplerOptions: "sampler",
-    FrontendOptions: "frontend"}
+    FrontendOptions: "frontend", CoreLauncherOptions: "core_launcher"}
 DELEGATE_MARK = "corellm_delegate"
 DELEGATE_DEFAULT = "corellm_delegate_default"
 
@@ -254,6 +262,23 @@ class ExecutorSpec(ComponentSpec):
     tensor_parallel: bool = False
     launcher_worker: Callable[..., int] | None = None
     runs_model: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreLauncherSpec(ComponentSpec):
+    """Plugin API 1.13: ``factory(options, config) -> corellm.engine.core_process.CoreLauncher``,
+    called by a client that runs the engine core apart from itself (``corellm serve``,
+    ``AsyncLLM``, ``LLM(engine_process=True)``), once per engine core it starts (each
+    data-parallel replica, and each restart of one). The launcher places the core, binds the
+    client's two sockets where the core can reach them, and watches and stops it.
+    ``on_this_machine``: its cores run on the client's machine (a data-parallel server then
+    gives each CPU replica its own slice of the CPUs).
+    """
+
+    kind: ClassVar[str] = "core_launcher"
+    section: ClassVar[str] = "core_launcher"
+    options: type[ComponentOptions] = CoreLauncherOptions
+    on_this_machine: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,7 +452,7 @@ class CommandSpec(ComponentSpec):
 SECTION_SPECS: dict[str, type[ComponentSpec]] = {
     spec.section: spec
     for spec in (PlatformSpec, SchedulerSpec, KVCacheManagerSpec, AttentionBackendSpec,
-                 ExecutorSpec, SamplerSpec, FrontendSpec)
+                 ExecutorSpec, SamplerSpec, FrontendSpec, CoreLauncherSpec)
 }
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]

@@ -1,4 +1,4 @@
-"""The Ray executor's checks, each run by tests/test_executor_ray.py as
+"""The Ray executor's and core launcher's checks, each run by tests/test_executor_ray.py as
 ``python -m tests.ray_cases CASE CHECKPOINT`` inside a loopback-only network namespace (Ray
 advertises the machine's address otherwise). A case prints ``OK`` and a JSON line of what it
 measured, or fails with a traceback."""
@@ -206,7 +206,150 @@ def serve_kill(path) -> dict:
     return {"message": message.splitlines()[0]}
 
 
-CASES = {f.__name__: f for f in (parity, two_nodes, kill_rank, serve_kill)}
+def core_launcher(path) -> dict:
+    """The engine core as a Ray actor (vLLM's data_parallel_backend="ray"): its greedy tokens
+    are the in-process engine's, a TP=2 core too (multiproc ranks inside the actor); the
+    client's sockets take no peer but the core (CURVE), and nothing is left once it stops."""
+    import ray
+    import zmq
+    ref, _ = _run(_config(path, 1), _prompts())
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    llm = LLM(_config(path, 1), data_parallel_backend="ray")
+    try:
+        assert llm.engine is None and llm.client.ipc_dir is None
+        assert llm.client.where.startswith("Ray actor corellm-core-"), llm.client.where
+        names = [a["name"] for a in leftovers()["actors"]]
+        assert len(names) == 1 and names[0].startswith("corellm-core-"), names
+        # Strangers at the client's endpoints: one without keys, one with keys of its own.
+        # Neither completes the handshake, so none of the requests the client pushes goes to
+        # them and nothing they send is read.
+        from zmq.utils.monitor import recv_monitor_message
+        ctx = zmq.Context()
+        server_key = llm.client.process.server_key
+        strangers, monitors = [], []
+        for keyed in (False, True):
+            for which, kind in (("_in", zmq.PULL), ("_out", zmq.PUSH)):
+                sock = ctx.socket(kind)
+                if keyed:
+                    public, secret = zmq.curve_keypair()
+                    sock.curve_serverkey, sock.curve_publickey = server_key, public
+                    sock.curve_secretkey = secret
+                monitors.append(sock.get_monitor_socket())
+                sock.connect(getattr(llm.client, which).getsockopt_string(zmq.LAST_ENDPOINT))
+                strangers.append(sock)
+        handshakes = []
+        for mon in monitors:
+            events = set()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not events & {
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}:
+                if mon.poll(100):
+                    events.add(recv_monitor_message(mon)["event"])
+            handshakes.append(events)
+        assert not any(zmq.EVENT_HANDSHAKE_SUCCEEDED in e for e in handshakes), handshakes
+        assert all(e & {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL} for e in handshakes), handshakes
+        got = []
+        for _ in range(2):
+            got += [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY,
+                                                                 use_tqdm=False)]
+        assert got == ref, "the core on a Ray actor differs from the in-process engine"
+        assert not any(sock.poll(200) for sock in strangers[0::2]), "a stranger got a request"
+        stats = llm.get_stats()
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_preemptions > 0
+        for sock in strangers + monitors:
+            sock.close(linger=0)
+        ctx.term()
+    finally:
+        llm.shutdown()
+    assert _wait_clean() == {"actors": [], "placement_groups": []}
+    llm = LLM(_config(path, 2), data_parallel_backend="ray")
+    try:
+        tp2 = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY,
+                                                             use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert tp2 == ref[:len(tp2)], "a TP=2 core on a Ray actor differs from TP=1"
+    assert _wait_clean() == {"actors": [], "placement_groups": []}
+    return {"requests": len(got) + len(tp2)}
+
+
+def dp_two_nodes(path) -> dict:
+    """corellm serve --data-parallel-size 2 --data-parallel-backend ray on a two-node cluster:
+    one replica per node, every request of the openai client answered as one engine answers,
+    the load spread; a replica's actor killed mid-stream ends that stream with an error event,
+    the other replica answers at once, the dead one is restarted (a new actor) and routed to
+    again; SIGTERM exits 0 and no actor is left."""
+    import collections
+    import signal
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+    import ray
+    from ray.cluster_utils import Cluster
+    from tests.test_data_parallel import _greedy
+    from tests.test_server import MAX_MODEL_LEN, Server, _server_config, _wait
+    prompts = [f"The number {i} is" for i in range(12)]
+    llm = LLM(_server_config(path))
+    ref = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)]
+    llm.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False, configure_logging=False,
+             log_to_driver=False)
+    cfg = _server_config(path)
+    cfg["parallel"] = {"data_parallel_size": 2, "data_parallel_backend": "ray"}
+    cfg["frontend"] = {"exit_on_engine_death": True}
+    srv = Server(Path(tempfile.mkdtemp()), cfg, env={"RAY_ADDRESS": cluster.address})
+    try:
+        health = httpx.get(srv.url + "/health", timeout=30).json()["replicas"]
+        assert [r["state"] for r in health] == ["up", "up"], health
+        nodes = {r["where"].rsplit("(", 1)[1] for r in health}
+        assert len(nodes) == 2, health                      # one replica per node
+        client = srv.client()
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda p: _greedy(client, srv.model, p), prompts))
+        assert [text for text, _ in answers] == ref
+        served = collections.Counter(h["x-corellm-replica"] for _, h in answers)
+        assert set(served) == {"0", "1"}, served
+        body = {"model": srv.model, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "n": 8,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            victim = int(r.headers["x-corellm-replica"])
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            name = health[victim]["where"].split()[2].rstrip(",")
+            ray.kill(ray.get_actor(name, namespace="corellm"), no_restart=True)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        message = json.loads(events[-2])["error"]["message"]
+        assert name in message and "died" in message, message
+        text, headers = _greedy(client, srv.model, prompts[0])
+        assert text == ref[0] and headers["x-corellm-replica"] == str(1 - victim)
+        _wait(lambda: [r["state"] for r in httpx.get(srv.url + "/health").json()["replicas"]]
+              == ["up", "up"], 120, "the replica's restart")
+        health = httpx.get(srv.url + "/health", timeout=30).json()["replicas"]
+        assert name not in health[victim]["where"], health      # a new actor
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda p: _greedy(client, srv.model, p), prompts[:8]))
+        assert [t for t, _ in again] == ref[:8]
+        assert {h["x-corellm-replica"] for _, h in again} == {"0", "1"}
+        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.log[-30:])
+    finally:
+        srv.stop(signal.SIGKILL)
+        left = _wait_clean()
+        ray.shutdown()
+        cluster.shutdown()
+    assert left == {"actors": [], "placement_groups": []}, left
+    return {"served": dict(served), "message": message.splitlines()[0]}
+
+
+CASES = {f.__name__: f for f in (parity, two_nodes, kill_rank, serve_kill, core_launcher,
+                                 dp_two_nodes)}
 
 if __name__ == "__main__":
     result = CASES[sys.argv[1]](sys.argv[2])

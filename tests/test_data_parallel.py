@@ -144,6 +144,7 @@ def test_a_replica_is_restarted_after_each_death_and_given_up_after_failures_in_
             self.finished_callbacks: list = []
             self.is_dead = False
             self.engine_pid = 1
+            self.where = "pid 1"
             self.died = asyncio.get_running_loop().create_future()
 
         def add_stats_listener(self, fn) -> None:

@@ -1,10 +1,14 @@
-"""The ``ray`` executor: tensor-parallel ranks as Ray actors.
+"""The ``ray`` executor (tensor-parallel ranks as Ray actors) and the ``ray`` core launcher
+(engine cores, data-parallel replicas, as Ray actors).
 
 Each check runs in its own process in a loopback-only network namespace (tests/ray_cases.py;
 ``netns`` in conftest.py says why): TP=2 over Ray equals TP=1 and the ``multiproc`` executor
 token for token, on one node and across two cluster nodes; a killed rank actor is named, ends
-every request and leaves nothing in the cluster, in-process and under ``corellm serve``. Without
-Ray the executor is listed as unavailable with the install hint.
+every request and leaves nothing in the cluster, in-process and under ``corellm serve``. An
+engine core on a Ray actor answers as the in-process engine does, and its sockets admit no
+other peer; two replicas on a two-node cluster serve the openai client, one per node, and a
+killed replica's actor is routed around and replaced. Without Ray both are listed as
+unavailable with the install hint.
 """
 
 from __future__ import annotations
@@ -46,6 +50,16 @@ def test_serve_with_a_rank_actor_killed(llama_path):
     assert "died" in _case("serve_kill", llama_path)["message"]
 
 
+def test_an_engine_core_on_a_ray_actor_equals_the_in_process_engine(llama_path):
+    assert _case("core_launcher", llama_path)["requests"] == 30
+
+
+def test_dp2_on_ray_two_nodes_serves_spreads_and_replaces_a_killed_replica(llama_path):
+    got = _case("dp_two_nodes", llama_path)
+    assert set(got["served"]) == {"0", "1"}
+    assert "Ray actor corellm-core-" in got["message"] and "died" in got["message"]
+
+
 def test_without_ray_the_executor_is_listed_unavailable_with_the_hint(llama_path, monkeypatch):
     from corellm import LLM
     from corellm.errors import ConfigError
@@ -55,12 +69,15 @@ def test_without_ray_the_executor_is_listed_unavailable_with_the_hint(llama_path
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["executor", "ray"])
-    assert lines[at + 1].strip() == ("UNAVAILABLE: needs the optional dependency 'ray' "
-                                     "(pip install 'corellm[ray]')")
+    for kind in ("executor", "core_launcher"):
+        at = next(i for i, ln in enumerate(lines) if ln.split()[:2] == [kind, "ray"])
+        assert lines[at + 1].strip() == ("UNAVAILABLE: needs the optional dependency 'ray' "
+                                         "(pip install 'corellm[ray]')")
     with pytest.raises(ConfigError, match=r"executor.*ray.*pip install 'corellm\[ray\]'"):
         LLM(engine_config(llama_path, parallel={"tensor_parallel_size": 2},
                           executor={"name": "ray"}))
+    with pytest.raises(ConfigError, match=r"core_launcher.*ray.*pip install 'corellm\[ray\]'"):
+        LLM(engine_config(llama_path), data_parallel_backend="ray")
     # nothing else changes: the multiproc default still runs
     llm = LLM(engine_config(llama_path))
     try:

@@ -286,6 +286,55 @@ def test_corellm_executors(llama_path):
     assert llm.engine.executor.plans == [3] + [1] * 7
 
 
+# --------------------------------------------------------------------------- core launchers
+class LauncherPlugin:
+    """A launcher that runs the core where ``mp`` does, recording the client's calls and
+    saying where the core is in words of its own."""
+
+    def corellm_core_launchers(self):
+        from corellm.components import CoreLauncherOptions, CoreLauncherSpec
+        from corellm.engine.core_process import _CoreProcess
+
+        class Recording(_CoreProcess):
+            calls: list = []
+
+            @property
+            def where(self):
+                return f"recorded core, pid {self.pid}"
+
+            def bind(self, sock, which):
+                self.calls.append(f"bind {which}")
+                super().bind(sock, which)
+
+            def start(self, config, max_outputs_ahead=None):
+                self.calls.append("start")
+                return super().start(config, max_outputs_ahead)
+
+            def stop(self, send_shutdown, timeout=10.0):
+                self.calls.append("stop")
+                super().stop(send_shutdown, timeout)
+
+        # (the config travels to the core: its options class must be importable there)
+        yield CoreLauncherSpec(name="recording", factory=lambda options, config: Recording(),
+                               options=CoreLauncherOptions)
+
+
+def test_corellm_core_launchers(llama_path):
+    from corellm.engine.core_client import SyncMPClient
+    registry = load_registry(plugins=[LauncherPlugin()])
+    config = load_config(engine_config(llama_path, parallel={"data_parallel_backend":
+                                                             "recording"}), registry)
+    assert config.core_launcher.name == "recording"      # vLLM's spelling is the same key
+    client = SyncMPClient(config, registry)
+    try:
+        assert client.process.calls == ["bind input", "bind output", "start"]
+        assert client.where == f"recorded core, pid {client.pid}"
+        assert client.call_utility("get_stats").kv_blocks_total > 0   # the core answers
+    finally:
+        client.shutdown()
+    assert client.process.calls[-1] == "stop"
+
+
 # --------------------------------------------------------------------------- platforms
 class CountingOps(DeviceOps):
     """The reference ops, counting what the model asked of them."""

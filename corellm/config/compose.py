@@ -62,6 +62,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
     values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
     data = _move_tp_shorthand(data, problems)
+    data = _move_dp_backend(data, problems)
     values["parallel"] = _validate_model(ParallelConfig, data.get("parallel"), "parallel",
                                          problems)
     values["lora"] = _validate_model(LoRAConfig, data.get("lora"), "lora", problems)
@@ -285,6 +286,24 @@ def _move_tp_shorthand(data: dict[str, Any], problems: list[tuple[str, str]]) ->
                          f"{parallel['tensor_parallel_size']!r} (they are one setting; give one)"))
     parallel.setdefault("tensor_parallel_size", size)
     return {**data, "executor": executor, "parallel": parallel}
+
+
+def _move_dp_backend(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """``parallel: {data_parallel_backend: X}`` (vLLM's spelling, next to the replicas' count)
+    is ``core_launcher: {name: X}``; both differing is an error."""
+    parallel = data.get("parallel")
+    if not isinstance(parallel, Mapping) or "data_parallel_backend" not in parallel:
+        return data
+    parallel = dict(parallel)
+    name = parallel.pop("data_parallel_backend")
+    launcher = data.get("core_launcher")
+    launcher = dict(launcher) if isinstance(launcher, Mapping) else {}
+    if "name" in launcher and launcher["name"] != name:
+        problems.append(("parallel.data_parallel_backend",
+                         f"{name!r} contradicts core_launcher.name={launcher['name']!r} (they are "
+                         "one setting; give one)"))
+    launcher.setdefault("name", name)
+    return {**data, "parallel": parallel, "core_launcher": launcher}
 
 
 def _validate_model(model: type[BaseModel], raw: Any, section: str,

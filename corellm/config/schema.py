@@ -21,8 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator
 
 from corellm.errors import ConfigError
-from corellm.specs import (AttentionOptions, ComponentOptions, DType, ExecutorOptions,
-                           FrontendOptions, KVCacheOptions, PlatformOptions, SamplerOptions,
+from corellm.specs import (AttentionOptions, ComponentOptions, CoreLauncherOptions, DType,
+                           ExecutorOptions, FrontendOptions, KVCacheOptions, PlatformOptions, SamplerOptions,
                            SchedulerOptions)
 
 # Keys of the model section that moved to the platform section in 0.4 and were removed in 0.6:
@@ -92,9 +92,6 @@ class ParallelConfig(BaseModel):
     cpu_affinity: list[int] | None = Field(
         None, description="The CPUs the engine-core process (and its workers) may use; a "
                           "data-parallel server gives each CPU replica its share of its own.")
-    data_parallel_backend: Literal["mp"] = Field(
-        "mp", description="Where the replicas run: mp, engine-core processes on this "
-                          "machine.")
 
     @field_validator("init_method")
     @classmethod
@@ -193,6 +190,8 @@ class EngineConfig(BaseModel):
     executor: SerializeAsAny[ExecutorOptions] = Field(default_factory=ExecutorOptions)
     sampler: SerializeAsAny[SamplerOptions] = Field(default_factory=SamplerOptions)
     frontend: SerializeAsAny[FrontendOptions] | None = None
+    core_launcher: SerializeAsAny[CoreLauncherOptions] = Field(
+        default_factory=CoreLauncherOptions)
     logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
@@ -207,6 +206,7 @@ PLUGIN_SECTIONS: dict[str, type[ComponentOptions]] = {
     "platform": PlatformOptions,
     "scheduler": SchedulerOptions, "kv_cache": KVCacheOptions, "attention": AttentionOptions,
     "executor": ExecutorOptions, "sampler": SamplerOptions, "frontend": FrontendOptions,
+    "core_launcher": CoreLauncherOptions,
 }
 SECTIONS = ["model", "platform", "parallel", *(s for s in PLUGIN_SECTIONS if s != "platform"),
             "logits_processors", "lora", "plugins"]
@@ -277,8 +277,9 @@ ENGINE_ARGS: dict[str, tuple[str, type, str]] = {
                                      "or any executor plugin's name"),
     "data_parallel_size": ("parallel.data_parallel_size", int,
                            "engine replicas behind one server (corellm serve)"),
-    "data_parallel_backend": ("parallel.data_parallel_backend", str,
-                              "where the replicas run: mp (processes here)"),
+    "data_parallel_backend": ("core_launcher.name", str,
+                              "where each engine core (replica) runs: mp (a process here), ray "
+                              "(a Ray actor in a cluster), or any core launcher plugin's name"),
     "seed": ("model.seed", int, "seed of the random stream of unseeded sampling"),
     "quantization": ("model.quantization", str,
                      "gguf (a GGUF file's blocks, its default), none (dequantize) or int8 "

@@ -20,6 +20,7 @@ from corellm.engine.core_client import _MPClientBase
 from corellm.engine.core_process import SEND_TIMEOUT_S, STOP_TIMEOUT_S
 from corellm.engine.ipc import EngineDeadError
 from corellm.outputs import EngineCoreOutputs
+from corellm.plugins.discovery import Registry
 from corellm.request import EngineCoreRequest
 
 logger = logging.getLogger("corellm.engine.core_client")
@@ -36,23 +37,24 @@ class AsyncMPClient(_MPClientBase):
 
     MAX_OUTPUTS_AHEAD = 2
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        super().__init__(config, registry)
         self.loop = asyncio.get_running_loop()
         actx = zmq.asyncio.Context.shadow(self.process.ctx)
         self._in = actx.socket(zmq.PUSH)
-        self._in.bind(self.process.input_addr)
         self._out = actx.socket(zmq.PULL)
-        self._out.bind(self.process.output_addr)
         self._calls = {}
         self.outputs = asyncio.Queue()
         self._reader: asyncio.Task | None = None
         self._death = asyncio.Event()       # set when the core's death is noticed
 
     @classmethod
-    async def create(cls, config: EngineConfig) -> AsyncMPClient:
-        self = cls(config)
+    async def create(cls, config: EngineConfig, registry: Registry | None = None
+                     ) -> AsyncMPClient:
+        self = cls(config, registry)
         try:
+            self.process.bind(self._in, "input")
+            self.process.bind(self._out, "output")
             # Loading the model takes a while: wait for it off the event loop.
             self.model_info = await asyncio.to_thread(self.process.start, config,
                                                       self.MAX_OUTPUTS_AHEAD)

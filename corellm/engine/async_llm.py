@@ -71,7 +71,7 @@ class AsyncLLM:
         path = model_path(config)
         # The engine process starts (imports torch, loads the model) while this process loads
         # the tokenizer: on two cores, the two overlap.
-        starting = asyncio.ensure_future(AsyncMPClient.create(config))
+        starting = asyncio.ensure_future(AsyncMPClient.create(config, registry))
         try:
             tokenizer = await asyncio.to_thread(
                 load_tokenizer, config.model.tokenizer or path,
@@ -94,6 +94,11 @@ class AsyncLLM:
     @property
     def engine_pid(self) -> int:
         return self.client.pid
+
+    @property
+    def where(self) -> str:
+        """Where the engine core runs, in words: its pid, and a launcher's place for it."""
+        return self.client.where
 
     @property
     def is_dead(self) -> bool:

@@ -5,15 +5,10 @@
   "core thread") steps it while a run is on (``stepping()``), so that the caller processes one
   step's outputs (detokenization, stop strings) while the next step runs.
 - ``SyncMPClient`` / ``AsyncMPClient`` (``corellm.engine.async_client``): the core runs its busy
-  loop in a child process (``corellm.engine.core_proc``, started and stopped by
-  ``corellm.engine.core_process``); requests go in and outputs come back over ZeroMQ as msgpack.
-
-The multiprocess clients watch the child: when it dies, every waiter gets ``EngineDeadError``
-with the reason (exit code, or the core's last message) instead of hanging.
-
-The two sockets live in a private IPC directory (``corellm-ipc-*`` in the temp dir). It is
-removed whichever way the engine ends: by the client at shutdown or as soon as the process is
-seen dead, or by the engine core itself when the client's process dies first.
+  loop apart (``corellm.engine.core_proc``), in a child process or where the ``core_launcher``
+  puts it (``corellm.engine.core_process``); requests and outputs go over ZeroMQ as msgpack.
+  When the core dies, every waiter gets ``EngineDeadError`` with the reason instead of
+  hanging. A child's sockets live in a private directory, removed however the engine ends.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import zmq
 from corellm.config.compose import EngineConfig
 from corellm.engine import ipc
 from corellm.engine.core import EngineCore
-from corellm.engine.core_process import SEND_TIMEOUT_S, STOP_TIMEOUT_S, _CoreProcess
+from corellm.engine.core_process import SEND_TIMEOUT_S, STOP_TIMEOUT_S, core_launcher
 from corellm.engine.ipc import EngineDeadError
 from corellm.interfaces import ModelInfo
 from corellm.outputs import EngineCoreOutputs, StepStats
@@ -433,8 +428,10 @@ def _core_thread_main(ref: weakref.ref, cmds: queue.SimpleQueue) -> None:
 
 
 class _MPClientBase(EngineCoreClient):
-    def __init__(self, config: EngineConfig) -> None:
-        self.process = _CoreProcess()
+    """A client of an engine core run apart, where ``core_launcher`` says (``self.process``)."""
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        self.process = core_launcher(config, registry)
         self._call_ids = itertools.count()
         self._stats_listeners = []
 
@@ -447,9 +444,13 @@ class _MPClientBase(EngineCoreClient):
         return self.process.dead_reason
 
     @property
-    def ipc_dir(self) -> str:
-        """The directory of the two IPC sockets (gone once the engine has stopped)."""
-        return self.process.ipc_dir
+    def where(self) -> str:             # the core's pid, and where a launcher placed it
+        return self.process.where
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """The IPC sockets' directory (gone once the engine stopped; None: not an mp core)."""
+        return getattr(self.process, "ipc_dir", None)
 
     def _check_alive(self) -> None:
         if self.process.dead_reason is not None:
@@ -497,15 +498,15 @@ class _MPClientBase(EngineCoreClient):
 class SyncMPClient(_MPClientBase):
     """Blocking client (the offline ``LLM`` with ``engine_process=True``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        super().__init__(config, registry)
         ctx = self.process.ctx
         self._in = ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
-        self._in.bind(self.process.input_addr)
         self._out = ctx.socket(zmq.PULL)
-        self._out.bind(self.process.output_addr)
         try:
+            self.process.bind(self._in, "input")
+            self.process.bind(self._out, "output")
             self.model_info = self.process.start(config)
         except BaseException:
             self._close_sockets()

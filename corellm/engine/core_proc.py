@@ -82,8 +82,11 @@ class ParentProcessLost(RuntimeError):
 
 class EngineCoreProc:
     def __init__(self, engine: Any, input_addr: str, output_addr: str,
-                 max_outputs_ahead: int | None = None) -> None:
+                 max_outputs_ahead: int | None = None,
+                 secure: Callable[[zmq.Socket], None] | None = None) -> None:
         self.engine = engine
+        # Configures each socket before it connects (a launcher's authentication, say).
+        self._secure = secure
         self.max_outputs_ahead = max_outputs_ahead
         self._ahead = 0             # batches with outputs sent and not yet credited
         self.inputs: queue.Queue[tuple[bytes, Any]] = queue.Queue()
@@ -111,6 +114,8 @@ class EngineCoreProc:
     def _recv_loop(self, addr: str) -> None:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._secure is not None:
+            self._secure(sock)
         sock.connect(addr)
         decoders = {ipc.ADD: ipc.request_decoder.decode, ipc.ABORT: ipc.abort_decoder.decode,
                     ipc.UTILITY: ipc.utility_call_decoder.decode, ipc.SHUTDOWN: lambda b: None,
@@ -129,6 +134,8 @@ class EngineCoreProc:
     def _send_loop(self, addr: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDTIMEO, 200)    # a full queue must not hide a lost peer
+        if self._secure is not None:
+            self._secure(sock)
         sock.connect(addr)
         while True:
             item = self.outputs.get()
@@ -331,6 +338,72 @@ def _flush_logs() -> None:
             pass
 
 
+def build_engine_core(config: Any, input_addr: str, output_addr: str,
+                      max_outputs_ahead: int | None = None,
+                      secure: Callable[[zmq.Socket], None] | None = None,
+                      lost: Callable[[], BaseException | None] = lambda: None
+                      ) -> tuple[Any, EngineCoreProc]:
+    """Build the engine (the plugins are loaded again here: they are imported per process) and
+    its loop, connected to the client's two sockets; ``secure`` configures each socket before
+    it connects. On a failure the engine is shut down (with ``lost()``, the reason its client
+    is gone, if it is) and the error raised."""
+    from corellm.engine.core import EngineCore
+    from corellm.plugins.discovery import load_registry
+
+    registry = load_registry(disable=config.plugins.disable)
+    engine = None
+    try:
+        engine = EngineCore(config, registry)
+        if engine.clock.is_virtual:
+            from corellm.errors import ConfigError
+            raise ConfigError([("executor", f"{config.executor.name!r} runs on a virtual clock, "
+                                "which cannot serve requests arriving in real time from "
+                                "another process; run it in-process (corellm bench, "
+                                "LLM(engine_process=False)) or give it a real clock (the sim "
+                                "executor: executor.clock: real)")])
+        return engine, EngineCoreProc(engine, input_addr, output_addr, max_outputs_ahead,
+                                      secure)
+    except BaseException:
+        if engine is not None:
+            engine.shutdown(lost())
+        raise
+
+
+def ready_info(engine: Any) -> dict[str, Any]:
+    """What the core tells its client once its model is loaded (``ModelInfo``'s fields and
+    its pid)."""
+    mi = engine.model_info
+    return {"vocab_size": mi.vocab_size, "max_model_len": mi.max_model_len,
+            "architecture": mi.architecture, "lora_targets": mi.lora_targets,
+            "pid": os.getpid()}
+
+
+def serve_engine_core(engine: Any, proc: EngineCoreProc,
+                      lost: Callable[[], BaseException | None] = lambda: None) -> int:
+    """Run the loop until the client's SHUTDOWN (or a lost client: ``lost()`` then gives the
+    error), then shut the engine down (its stop hooks see the error, if any) and close the
+    sockets. A failed step is reported to the client (DEAD) first. Returns the exit status."""
+    code = 0
+    error: BaseException | None = None
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException as exc:
+        code, error = 1, exc
+        logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
+        proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
+    finally:
+        gone = lost()
+        if gone is not None and error is None:
+            code, error = 1, gone
+        try:
+            engine.shutdown(error)
+        finally:
+            proc.close()
+    return code
+
+
 def run_engine_core(config: Any, input_addr: str, output_addr: str,
                     ready: Connection, parent_pid: int, log_level: int,
                     ipc_dir: str | None = None, max_outputs_ahead: int | None = None) -> None:
@@ -351,58 +424,23 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str,
     watch = _ParentWatch(parent_pid, ipc_dir)
     watch.start()
 
-    engine = proc = None
+    lost = lambda: watch.error() if watch.lost.is_set() else None  # noqa: E731
     try:
-        from corellm.engine.core import EngineCore
-        from corellm.plugins.discovery import load_registry
-
-        # The config arrives validated (an EngineConfig, pickled by the spawn): the registry is
-        # built again, since plugins are imported per process.
-        registry = load_registry(disable=config.plugins.disable)
-        engine = EngineCore(config, registry)
-        if engine.clock.is_virtual:
-            from corellm.errors import ConfigError
-            raise ConfigError([("executor", f"{config.executor.name!r} runs on a virtual clock, "
-                                "which cannot serve requests arriving in real time from "
-                                "another process; run it in-process (corellm bench, "
-                                "LLM(engine_process=False)) or give it a real clock (the sim "
-                                "executor: executor.clock: real)")])
-        proc = EngineCoreProc(engine, input_addr, output_addr, max_outputs_ahead)
+        engine, proc = build_engine_core(config, input_addr, output_addr, max_outputs_ahead,
+                                         lost=lost)
     except BaseException as exc:
         try:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
         except OSError:            # the parent is gone
             pass
-        if engine is not None:
-            engine.shutdown(watch.error() if watch.lost.is_set() else None)
         raise SystemExit(1) from None
     watch.attach(proc)
-    mi = engine.model_info
     try:
-        ready.send(("ready", {"vocab_size": mi.vocab_size, "max_model_len": mi.max_model_len,
-                              "architecture": mi.architecture,
-                              "lora_targets": mi.lora_targets, "pid": os.getpid()}))
+        ready.send(("ready", ready_info(engine)))
         ready.close()
     except OSError:                # the parent died while we loaded: the watch stops the loop
         pass
-
-    code = 0
-    error: BaseException | None = None
-    try:
-        proc.run_busy_loop()
-    except SystemExit:
-        pass
-    except BaseException as exc:
-        code, error = 1, exc
-        logger.error("engine core failed: %s", "".join(traceback.format_exception(exc)))
-        proc.send_dead(f"engine core step failed: {type(exc).__name__}: {exc}")
-    finally:
-        if watch.lost.is_set() and error is None:
-            code, error = 1, watch.error()
-        try:
-            engine.shutdown(error)
-        finally:
-            proc.close()
+    code = serve_engine_core(engine, proc, lost)
     if watch.lost.is_set():
         # Stop hooks done, nobody to talk to: run the exit handlers and skip the interpreter's
         # teardown (most of a second with torch loaded).

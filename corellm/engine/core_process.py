@@ -1,6 +1,10 @@
-"""The engine-core process as its clients see it: started (and waited for until its model is
-loaded), watched (its death turned into a reason every waiter gets), and stopped (asked, then
-killed), with the private IPC directory of its two sockets removed whichever way it ends.
+"""The engine core as its clients see it: started (and waited for until its model is loaded),
+watched (its death turned into a reason every waiter gets), and stopped (asked, then killed).
+
+``CoreLauncher`` is that interface; a ``core_launcher`` plugin supplies one (plugin API 1.13).
+``_CoreProcess`` is the ``mp`` launcher's: a spawned process of this machine, reached through
+two IPC sockets in a private directory that is removed whichever way the process ends.
+``core_launcher(config, registry)`` makes the one the config selects.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from corellm.config.compose import EngineConfig
 from corellm.engine.ipc import EngineStartupError
 from corellm.interfaces import ModelInfo
+
+if TYPE_CHECKING:
+    from corellm.plugins.discovery import Registry
 
 logger = logging.getLogger("corellm.engine.core_client")
 
@@ -33,9 +40,72 @@ STOP_TIMEOUT_S = 10.0
 KILL_WAIT_S = 5.0
 
 
-class _CoreProcess:
-    """Starts the engine-core process, waits until it is ready, and stops it. Owns the IPC
-    directory (``ipc_dir``) and removes it once the process is stopped or seen dead."""
+class CoreLauncher:
+    """Where an engine core runs, and its life: what a ``core_launcher`` plugin's factory
+    returns. A client (``SyncMPClient``, ``AsyncMPClient``) makes one per engine core and calls,
+    in order:
+
+    * ``bind(sock, which)`` for its two sockets (``which``: "input", the requests it pushes,
+      and "output", the batches it pulls): bind each where the core will connect. The client
+      owns the sockets; the launcher may configure them (security options) and may bind them
+      later, in ``start``, once it knows where the core will be. Sockets come from ``ctx``.
+    * ``start(config, max_outputs_ahead) -> ModelInfo`` (blocking; in a thread for the asyncio
+      client): place the core, run ``corellm.engine.core_proc``'s engine core there connected
+      to the two addresses, and return once its model is loaded; ``EngineStartupError`` with
+      the core's reason if it fails. ``pid`` and ``where`` (words naming the core: "pid 123",
+      "Ray actor ... on node ...") are set by then.
+    * ``watch(on_death)``: call ``on_death(reason)`` from any thread if the core ends while
+      ``closing`` is False.
+    * ``stop(send_shutdown, timeout)``: ask (``send_shutdown(budget)`` sends the core its
+      SHUTDOWN), wait at most ``timeout`` seconds, then ``kill``. ``kill()``: at once,
+      idempotent, from any thread (a cancelled start too).
+
+    ``dead_reason``: set by the client when the core reports its own death, else by the
+    launcher; the reason every waiter gets. The core must not outlive its client: a launcher
+    ties the core's life to the client process (the ``mp`` core watches its parent; a Ray
+    actor dies with its owner).
+    """
+
+    ctx: zmq.Context
+    pid: int = 0
+    dead_reason: str | None = None
+    closing: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid}"
+
+    def bind(self, sock: zmq.Socket, which: str) -> None:
+        raise NotImplementedError
+
+    def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo:
+        raise NotImplementedError
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        raise NotImplementedError
+
+    def stop(self, send_shutdown: Callable[[float], None] | None,
+             timeout: float = STOP_TIMEOUT_S) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+
+def core_launcher(config: EngineConfig, registry: Registry | None = None) -> CoreLauncher:
+    """The launcher ``config.core_launcher`` selects, made for one engine core."""
+    from corellm.plugins.registry import call_factory
+    if registry is None:
+        from corellm.plugins.discovery import load_registry
+        registry = load_registry(disable=config.plugins.disable)
+    entry = registry.get("core_launcher", config.core_launcher.name)
+    return call_factory(entry, "core_launcher", config.core_launcher, config)
+
+
+class _CoreProcess(CoreLauncher):
+    """The ``mp`` launcher: starts the engine-core process on this machine, waits until it is
+    ready, and stops it. Owns the IPC directory (``ipc_dir``) and removes it once the process is
+    stopped or seen dead."""
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="corellm-ipc-", ignore_cleanup_errors=True)
@@ -57,6 +127,9 @@ class _CoreProcess:
         # other gets no status (ECHILD), and would report exit code None, until the first has
         # stored it.
         self._reap_lock = threading.Lock()
+
+    def bind(self, sock: zmq.Socket, which: str) -> None:
+        sock.bind(self.input_addr if which == "input" else self.output_addr)
 
     def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo:
         from corellm.engine.core_proc import run_engine_core

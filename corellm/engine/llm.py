@@ -124,7 +124,9 @@ class LLM:
 
     The engine core runs in this process by default (``llm.engine`` is the ``EngineCore``);
     ``engine_process=True`` runs it in a child process behind the same client the server uses
-    (``llm.engine`` is then None, and only entry-point plugins are available to it).
+    (``llm.engine`` is then None, and only entry-point plugins are available to it); a
+    ``core_launcher`` other than ``mp`` (``data_parallel_backend="ray"``: a Ray actor) implies
+    it.
     ``core_thread=True`` keeps it in this process but steps it on a thread of its own while
     ``generate`` runs (``ThreadedInprocClient``), so that detokenization, stop strings and
     output building here overlap the next step; between calls ``llm.engine`` is the caller's
@@ -152,6 +154,8 @@ class LLM:
             raise ConfigError([("parallel.data_parallel_size", f"{n} replicas are served by "
                                 "corellm serve, behind its router; LLM runs one engine")])
         path = model_path(self.config)       # validates the checkpoint directory
+        # The config says where the core runs, apart from this process: it does.
+        engine_process = engine_process or self.config.core_launcher.name != "mp"
         if engine_process and plugins:
             raise InvalidRequestError("plugins", "in-process plugin objects cannot reach an "
                                       "engine process; install them as entry-point plugins")
@@ -161,7 +165,7 @@ class LLM:
         if core_thread is None:
             core_thread = default_core_thread() and not engine_process
         self.client: InprocClient | SyncMPClient = (
-            SyncMPClient(self.config) if engine_process
+            SyncMPClient(self.config, self.registry) if engine_process
             else ThreadedInprocClient(self.config, self.registry) if core_thread
             else InprocClient(self.config, self.registry))
         self.engine: EngineCore | None = getattr(self.client, "engine", None)

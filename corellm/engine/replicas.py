@@ -18,7 +18,8 @@ replicas, weight; one arm without an A/B split). It offers what a server uses of
   restarted ones included.
 
 Replicas on the CPU share the machine's cores: each gets its own slice of this process's
-affinity mask (``parallel.cpu_affinity``) unless its config sets one.
+affinity mask (``parallel.cpu_affinity``) unless its config sets one, or its core launcher
+places it elsewhere (``core_launcher: ray``: its actor claims CPUs of its own node).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ class Replica:
         return self.state == "up" and self.engine is not None and not self.engine.is_dead
 
     @property
+    def where(self) -> str | None:
+        """Where its engine core runs (its pid; a Ray actor's node), once started."""
+        return None if self.engine is None else self.engine.where
+
+    @property
     def label(self) -> str:
         return f"replica {self.index} ({self.arm})" if self.arm else f"replica {self.index}"
 
@@ -109,14 +115,17 @@ def cpu_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
 
 
 def _on_cpu(config: Any) -> bool:
-    """Whether the config's platform shares its device (the CPU's cores) between workers."""
+    """Whether the config's platform shares its device (the CPU's cores) between workers, and
+    its core launcher runs the cores on this machine (a Ray actor takes CPUs of its own node)."""
     from corellm.platforms import build_platform
     from corellm.plugins import load_registry
     try:
-        platform = build_platform(config.platform, load_registry(disable=config.plugins.disable))
+        registry = load_registry(disable=config.plugins.disable)
+        platform = build_platform(config.platform, registry)
+        launcher = registry.get("core_launcher", config.core_launcher.name).spec
     except Exception:          # the replica's own start-up names the problem
         return False
-    return bool(platform.shares_devices)
+    return bool(platform.shares_devices) and launcher.on_this_machine
 
 
 class _Outputs:
@@ -180,7 +189,7 @@ class EngineGroup:
             rep, exc = failed[0]
             raise exc
         logger.info("%d engine replica(s) up: %s", len(self.replicas), ", ".join(
-            f"{r.label} pid {r.engine.engine_pid}" for r in self.replicas))
+            f"{r.label} {r.where}" for r in self.replicas))
         return self
 
     def _attach(self, rep: Replica, engine: AsyncLLM) -> None:
@@ -234,7 +243,7 @@ class EngineGroup:
                 return
             self._attach(rep, new)
             rep.restarts = 0            # failures in a row: it serves again
-            logger.info("%s restarted (engine core pid %d)", rep.label, new.engine_pid)
+            logger.info("%s restarted (engine core %s)", rep.label, rep.where)
             return
         rep.state = "failed" if self.restart else "dead"
         if not any(r.state in ("up", "starting") for r in self.replicas):

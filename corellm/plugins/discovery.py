@@ -36,7 +36,7 @@ from corellm.plugins.registry import (BUILTIN_DISTRIBUTION, BrokenPlugin, Confli
                               canonical_name, executor_launcher_worker, renamed_builtin)
 from corellm.specs import section_of  # noqa: F401  (importable here in 1.1)
 from corellm.specs import (PLATFORM_INTERFACE_VERSION, AttentionBackendSpec, CommandSpec,
-                           ReasoningParserSpec, ToolParserSpec,
+                           ReasoningParserSpec, ToolParserSpec, CoreLauncherSpec,
                            ComponentSpec, ExecutorSpec, FrontendSpec, KVCacheManagerSpec, ModelSpec,
                            LogitsProcessorSpec, PlatformSpec, SamplerSpec, SchedulerSpec)
 
@@ -50,7 +50,7 @@ STRICT_ENV = "CORELLM_STRICT_PLUGINS"
 # plugin declares the one it was written for as a module attribute, CORELLM_PLUGIN_API = "1.0";
 # corellm loads it when the major versions are equal and its own minor is at least the
 # plugin's. Additions bump the minor; an incompatible change bumps the major.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 12)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 13)
 API_ATTR = "CORELLM_PLUGIN_API"
 
 # registration hook -> the spec type its results must have
@@ -60,6 +60,7 @@ REGISTRATION_HOOKS: dict[str, type[ComponentSpec]] = {
     "corellm_kv_cache_managers": KVCacheManagerSpec,
     "corellm_attention_backends": AttentionBackendSpec,
     "corellm_executors": ExecutorSpec,
+    "corellm_core_launchers": CoreLauncherSpec,
     "corellm_samplers": SamplerSpec,
     "corellm_logits_processors": LogitsProcessorSpec,
     "corellm_models": ModelSpec,

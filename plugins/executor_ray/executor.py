@@ -29,7 +29,6 @@ kills every actor and removes the placement group it made: nothing is left in th
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import select
 import socket
@@ -48,24 +47,19 @@ from corellm.platforms.distributed import check_tensor_parallel
 from corellm.platforms.shm_ring import (RingClosed, RingReader, RingWriter, create_ring,
                                         unlink_ring)
 from corellm.worker.ranks import RankBackend, RanksExecutor, describe
-from corellm_plugins.executor_ray import INSTALL_HINT, channel
+from corellm_plugins.executor_ray import channel, cluster
+from corellm_plugins.executor_ray.cluster import ACTOR_NAMESPACE, ray_cause
 from corellm_plugins.executor_ray.rank import RankActor
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 5.0
-# The ranks' actors are named ``corellm-tp-<id>-bundle<i>`` in this Ray namespace (and their
-# placement group ``corellm-tp-<id>``): ``ray list actors`` tells whose they are.
-ACTOR_NAMESPACE = "corellm"
+# The ranks' actors are named ``corellm-tp-<id>-bundle<i>`` in cluster.ACTOR_NAMESPACE (and
+# their placement group ``corellm-tp-<id>``).
 
 
 def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError([("executor.name", f"'ray' needs Ray, which is not installed "
-                            f"({INSTALL_HINT})")]) from None
-    return ray
+    return cluster.ray_module("executor.name")
 
 
 class RayExecutor(RanksExecutor):
@@ -114,7 +108,7 @@ class _RayBackend(RankBackend):
         self.local: list[int] = []             # ranks on the driver's node
         self.pg: Any = None
         self._own_pg = False
-        self._own_ray = False
+        self._joined = False
         self.plan_spec = self.out_spec = None
         self.writer: RingWriter | None = None
         self.reader: RingReader | None = None
@@ -124,17 +118,8 @@ class _RayBackend(RankBackend):
 
     # ---------------------------------------------------------------- start-up
     def _init_ray(self) -> Any:
-        ray = _ray()
-        address = self.options.address or os.environ.get("RAY_ADDRESS")
-        if (address or "").startswith("ray://"):
-            raise ConfigError([("executor.address", f"{address!r}: a Ray Client connection "
-                                "cannot reach the ranks' shared memory and links; run the "
-                                "engine on a node of the cluster (address 'auto' or HOST:PORT)")])
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, configure_logging=False,
-                     log_to_driver=self.options.log_to_driver)
-            self._own_ray = address is None
-            logger.info("ray: %s", f"joined {address}" if address else "started a local cluster")
+        ray = cluster.join(self.options.address, "executor.address", self.options.log_to_driver)
+        self._joined = True
         return ray
 
     def _bundle(self, ray: Any) -> dict[str, float]:
@@ -182,10 +167,6 @@ class _RayBackend(RankBackend):
                 f"{ray.available_resources()} free")
         return pg
 
-    def _env(self) -> dict[str, str]:
-        prefixes = tuple(self.options.env_prefixes)
-        return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
-
     def start(self) -> ModelInfo:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         opts = self.options
@@ -194,7 +175,7 @@ class _RayBackend(RankBackend):
         self.name = f"corellm-tp-{uuid.uuid4().hex[:8]}"
         pg = self.pg = self._placement_group(ray, bundle)
         remote = ray.remote(RankActor)
-        env = self._env()
+        env = cluster.driver_env(self.options.env_prefixes)
         actors = [remote.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
             name=f"{self.name}-bundle{i}", namespace=ACTOR_NAMESPACE,
@@ -223,7 +204,7 @@ class _RayBackend(RankBackend):
                 if 0 in self.local:
                     self.out_spec = create_ring(1, opts.ring_slots, opts.ring_slot_bytes)
             shares = self.platform.shares_devices
-            niceness = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+            niceness = cluster.niceness()
             for rank, actor in enumerate(self.actors):
                 node = self.nodes[rank]["node_id"]
                 peers = [r for r in range(self.tp) if self.nodes[r]["node_id"] == node]
@@ -329,7 +310,7 @@ class _RayBackend(RankBackend):
         try:
             ray.get(ready[0])
         except Exception as exc:
-            return ExecutorError(f"{self._where(rank)} died: {_ray_cause(exc)}")
+            return ExecutorError(f"{self._where(rank)} died: {ray_cause(exc)}")
         return False
 
     def _alive(self) -> None:
@@ -475,14 +456,6 @@ class _RayBackend(RankBackend):
                 remove_placement_group(self.pg)
             except Exception:
                 pass
-        if self._own_ray and ray.is_initialized():
-            ray.shutdown()
-
-
-def _ray_cause(exc: BaseException) -> str:
-    """Ray's error, its first line (the actor's death, or the call's own exception)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        return describe(cause)
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+        if self._joined:
+            self._joined = False
+            cluster.leave()

@@ -20,6 +20,7 @@ from typing import Any
 from corellm.errors import CorellmError
 from corellm.worker.ranks import build_rank_worker, describe, serve_rank
 from corellm_plugins.executor_ray import channel
+from corellm_plugins.executor_ray.cluster import match_niceness
 
 logger = logging.getLogger("corellm_plugins.executor_ray.executor")
 
@@ -43,7 +44,7 @@ class RankActor:
               niceness: int, token: bytes) -> int:
         from corellm.engine.logs import configure_logging
         configure_logging()
-        _match_niceness(niceness)
+        match_niceness(niceness, "this rank")
         os.environ.setdefault("CORELLM_MALLOC_TUNING", "1")
         link = channel.connect(driver, start_timeout)
         channel.greet(link, token, "link", rank)
@@ -83,30 +84,6 @@ class RankActor:
         except Exception:
             pass
         return 0
-
-
-def _match_niceness(target: int) -> None:
-    """Run this rank at the engine's scheduling priority. Ray starts its workers at niceness 15,
-    so beside any busy process a rank gets a sliver of a core and, as the ranks wait for each
-    other in every collective, the whole step slows down (measured: 14 ms of executor overhead a
-    step instead of 0.6 ms, docs/scaling.md). Every thread of the process is set (on Linux a
-    thread's niceness is its own); raising the priority needs CAP_SYS_NICE (or RLIMIT_NICE),
-    and without it this says so once."""
-    if not hasattr(os, "setpriority"):
-        return
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, 0)
-    except OSError:
-        return
-    if current == target:
-        return
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            os.setpriority(os.PRIO_PROCESS, int(tid), target)
-    except (PermissionError, FileNotFoundError, ProcessLookupError) as exc:
-        logger.warning("this rank runs at niceness %d (Ray's) and could not take the engine's "
-                       "%d (%s): beside busy processes its steps will slow down", current,
-                       target, exc)
 
 
 def _report(link: socket.socket, rank: int, exc: BaseException) -> None:

@@ -67,6 +67,7 @@ async def _group_health(group: Any, timeout: float) -> Response:
     health = await group.replica_health(timeout)
     replicas = [{"replica": rep.index, **({"arm": rep.arm} if rep.arm else {}),
                  "state": "up" if ok else rep.state if rep.state != "up" else "unresponsive",
+                 **({"where": rep.where} if rep.where else {}),
                  **({"error": why} if why else {})} for rep, ok, why in health]
     if any(ok for _, ok, _ in health):
         return JSONResponse({"status": "ok", "replicas": replicas})

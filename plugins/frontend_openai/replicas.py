@@ -23,7 +23,8 @@ SHARED = (("model", "tokenizer"), ("model", "max_model_len"), ("lora", None),
 
 def check_replicas(config: Any, key: str, replicas: int) -> None:
     """What replicas of ``config`` cannot share: a fixed rendezvous port, a launcher's ranks, a
-    Ray executor each replica would start a cluster of its own for."""
+    Ray executor each replica's process would start a cluster of its own for (a core on the
+    ray launcher runs in the cluster its server joined)."""
     if replicas <= 1:
         return
     parallel = config.parallel
@@ -36,11 +37,13 @@ def check_replicas(config: Any, key: str, replicas: int) -> None:
         raise ConfigError([(f"{key}: parallel.init_method", "env:// (ranks a launcher such as "
                             "torchrun started) serves one engine; data-parallel replicas start "
                             "their own ranks")])
-    if config.executor.name == "ray" and not getattr(config.executor, "address", None) \
+    if config.executor.name == "ray" and config.core_launcher.name != "ray" \
+            and not getattr(config.executor, "address", None) \
             and not os.environ.get("RAY_ADDRESS"):
         raise ConfigError([(f"{key}: executor.address", f"{replicas} replicas on the ray "
                             "executor need a running cluster to share (executor.address or "
-                            "RAY_ADDRESS); each would start one of its own")])
+                            "RAY_ADDRESS) or the ray core launcher "
+                            "(--data-parallel-backend ray); each would start one of its own")])
 
 
 def server_arms(options: Any, config: Any) -> list[Arm] | None:

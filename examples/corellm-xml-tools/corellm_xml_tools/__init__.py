@@ -40,7 +40,7 @@ from corellm.interfaces import ReasoningParser, ToolParser
 from corellm.serving.partial_json import JSONScanError, partial_suffix, scan_value, skip_ws
 from corellm.tool_calls import ParsedReasoning, ParsedToolCalls, PartialToolCall, ToolParseError
 
-CORELLM_PLUGIN_API = "1.12"
+CORELLM_PLUGIN_API = "1.13"
 
 CALL_START = "<function="
 CALL_END = "</function>"
