@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validat
 
 from corellm.errors import ConfigError
 from corellm.specs import (AttentionOptions, ComponentOptions, CoreLauncherOptions, DType,
-                           ExecutorOptions, FrontendOptions, KVCacheOptions, PlatformOptions, SamplerOptions,
+                           ExecutorOptions, FrontendOptions, KVCacheOptions, PlatformOptions,
+                           SamplerOptions,
                            SchedulerOptions)
 
 # Keys of the model section that moved to the platform section in 0.4 and were removed in 0.6:
