@@ -108,3 +108,26 @@ def test_a_rank_link_is_taken_only_with_the_executors_token(monkeypatch):
     assert channel.hello(b, token, 2) is None          # says nothing: dropped, no hang
     a.close()
     b.close()
+
+
+def test_engine_cores_on_one_node_claim_different_cpus(tmp_path):
+    """The ray launcher's cores on the CPU take CPUs no other core on the node holds (a lock
+    file each, released when the holder closes it or its process ends); a core that finds too
+    few free ones claims none."""
+    import os
+
+    from corellm_plugins.executor_ray.core_actor import claim_cpus
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs in this process's affinity mask")
+    first, held = claim_cpus(1, tmp_path)
+    second, held2 = claim_cpus(len(cpus) - 1, tmp_path)
+    assert len(first) == 1 and not set(first) & set(second)
+    assert sorted(first + second) == cpus
+    assert claim_cpus(1, tmp_path) == ([], [])              # all taken
+    for fd in held:
+        os.close(fd)
+    again, held3 = claim_cpus(1, tmp_path)
+    assert again == first                                    # free again
+    for fd in held2 + held3:
+        os.close(fd)
