@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -236,3 +237,16 @@ def report(results: dict[str, Any], args: argparse.Namespace, format_tables, wri
         write_json(results, args.json, log)
     if args.plot and write_plot(results, args.plot):
         log(f"wrote {args.plot}")
+
+
+def in_netns(no_netns: bool) -> int | None:
+    """Run this script again in a loopback-only network namespace (Ray advertises the machine's
+    address otherwise) and return its exit status; None when already there, or ``no_netns``."""
+    if no_netns or os.environ.get("CORELLM_IN_NETNS"):
+        return None
+    if shutil.which("unshare") is None:
+        raise SystemExit("no unshare command: give --no-netns (Ray will then advertise this "
+                         "machine's address)")
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+           sys.executable, *sys.argv]
+    return subprocess.call(cmd, env={**os.environ, "CORELLM_IN_NETNS": "1"})

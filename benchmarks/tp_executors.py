@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (cpu_model, environment, logger, pyplot, report,  # noqa: E402
+from _common import (cpu_model, environment, in_netns, logger, pyplot, report,  # noqa: E402
                      spinning_neighbours)
 
 _log = logger("tp-executors")
@@ -179,13 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
-    if not args.no_netns and not os.environ.get("CORELLM_IN_NETNS"):
-        if shutil.which("unshare") is None:
-            raise SystemExit("no unshare command: give --no-netns (Ray will then advertise "
-                             "this machine's address)")
-        cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-               sys.executable, *sys.argv]
-        return subprocess.call(cmd, env={**os.environ, "CORELLM_IN_NETNS": "1"})
+    status = in_netns(args.no_netns)
+    if status is not None:
+        return status
     results = run(args)
     report(results, args, format_tables, write_plot, _log)
     return 0

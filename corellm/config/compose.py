@@ -61,8 +61,7 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     values: dict[str, Any] = {}
     values["model"] = _validate_model(ModelConfig, data.get("model"), "model", problems)
     values["plugins"] = _validate_model(PluginsConfig, data.get("plugins"), "plugins", problems)
-    data = _move_tp_shorthand(data, problems)
-    data = _move_dp_backend(data, problems)
+    data = _move_aliases(data, problems)
     values["parallel"] = _validate_model(ParallelConfig, data.get("parallel"), "parallel",
                                          problems)
     values["lora"] = _validate_model(LoRAConfig, data.get("lora"), "lora", problems)
@@ -270,40 +269,32 @@ def _resolve_platform(name: str, raw: dict[str, Any], registry: Registry,
     return name
 
 
-def _move_tp_shorthand(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
-    """``executor: {tensor_parallel_size: N}`` (vLLM's spelling, next to the executor that runs
-    the ranks) is ``parallel: {tensor_parallel_size: N}``; both differing is an error."""
-    executor = data.get("executor")
-    if not isinstance(executor, Mapping) or "tensor_parallel_size" not in executor:
-        return data
-    executor = dict(executor)
-    size = executor.pop("tensor_parallel_size")
-    parallel = data.get("parallel")
-    parallel = dict(parallel) if isinstance(parallel, Mapping) else {}
-    if "tensor_parallel_size" in parallel and parallel["tensor_parallel_size"] != size:
-        problems.append(("executor.tensor_parallel_size",
-                         f"{size!r} contradicts parallel.tensor_parallel_size="
-                         f"{parallel['tensor_parallel_size']!r} (they are one setting; give one)"))
-    parallel.setdefault("tensor_parallel_size", size)
-    return {**data, "executor": executor, "parallel": parallel}
+# vLLM's spellings of a key, beside a neighbour: (section, key) -> the (section, key) it is.
+# ``executor.tensor_parallel_size`` sits next to the executor that runs the ranks;
+# ``parallel.data_parallel_backend`` next to the replicas' count.
+KEY_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("executor", "tensor_parallel_size"): ("parallel", "tensor_parallel_size"),
+    ("parallel", "data_parallel_backend"): ("core_launcher", "name"),
+}
 
 
-def _move_dp_backend(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
-    """``parallel: {data_parallel_backend: X}`` (vLLM's spelling, next to the replicas' count)
-    is ``core_launcher: {name: X}``; both differing is an error."""
-    parallel = data.get("parallel")
-    if not isinstance(parallel, Mapping) or "data_parallel_backend" not in parallel:
-        return data
-    parallel = dict(parallel)
-    name = parallel.pop("data_parallel_backend")
-    launcher = data.get("core_launcher")
-    launcher = dict(launcher) if isinstance(launcher, Mapping) else {}
-    if "name" in launcher and launcher["name"] != name:
-        problems.append(("parallel.data_parallel_backend",
-                         f"{name!r} contradicts core_launcher.name={launcher['name']!r} (they are "
-                         "one setting; give one)"))
-    launcher.setdefault("name", name)
-    return {**data, "parallel": parallel, "core_launcher": launcher}
+def _move_aliases(data: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:
+    """Each ``KEY_ALIASES`` key given is moved to the key it stands for; both given with
+    different values is an error naming both."""
+    for (section, key), (to_section, to_key) in KEY_ALIASES.items():
+        src = data.get(section)
+        if not isinstance(src, Mapping) or key not in src:
+            continue
+        src = dict(src)
+        value = src.pop(key)
+        dst = data.get(to_section)
+        dst = dict(dst) if isinstance(dst, Mapping) else {}
+        if to_key in dst and dst[to_key] != value:
+            problems.append((f"{section}.{key}", f"{value!r} contradicts {to_section}.{to_key}="
+                             f"{dst[to_key]!r} (they are one setting; give one)"))
+        dst.setdefault(to_key, value)
+        data = {**data, section: src, to_section: dst}
+    return data
 
 
 def _validate_model(model: type[BaseModel], raw: Any, section: str,
