@@ -75,7 +75,7 @@ from corellm_plugins.bench.env import environment, loadavg, proc_cpu_seconds  # 
 from corellm_plugins.bench.metrics import RequestRecord, summarize  # noqa: E402
 from corellm_plugins.bench.engine_driver import run_engine  # noqa: E402
 from corellm_plugins.bench.server_client import (  # noqa: E402
-    drive_server, http_clients, scrape_counters, server_info)
+    counter_deltas, drive_server, http_clients, scrape_counters, server_info)
 from corellm_plugins.bench.server_process import ServerProcess  # noqa: E402
 from corellm_plugins.bench.sessions import warmup_workload  # noqa: E402
 from corellm_plugins.bench.targets import RunOptions, Target  # noqa: E402
@@ -225,7 +225,7 @@ async def sweep(url: str, model: str | None, reqs: list[dict[str, Any]],
                                          and cpu1[k] is not None}
                 row["loadavg_1min_before"], row["loadavg_1min_after"] = load0, loadavg()
                 if counters0 and counters1:
-                    delta = {k: counters1.get(k, 0) - counters0.get(k, 0) for k in counters1}
+                    delta = counter_deltas(counters0, counters1)
                     row["server_counters"] = delta
                     steps = delta.get("engine_steps") or 0
                     row["server_tokens_per_step"] = (

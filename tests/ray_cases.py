@@ -82,6 +82,17 @@ def parity(path) -> dict:
     table = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
     assert table["users-own"] == "CREATED", table
     remove_placement_group(mine)
+    # One whose bundles are too small for a rank: refused at once, naming what a rank needs.
+    small = placement_group([{"CPU": 0.5}] * 2, name="users-small")
+    ray.get(small.ready(), timeout=60)
+    t0 = time.monotonic()
+    try:
+        LLM(_ray_config(path, placement_group="users-small"))
+        raise AssertionError("a rank was placed in a bundle too small for it")
+    except ExecutorError as exc:
+        assert "cannot hold a rank" in str(exc) and "cpus_per_rank" in str(exc), exc
+    assert time.monotonic() - t0 < 60
+    remove_placement_group(small)
     assert _wait_clean() == {"actors": [], "placement_groups": []}
     return {"requests": len(got), "preemptions": stats.num_preemptions}
 
@@ -217,7 +228,8 @@ def core_launcher(path) -> dict:
     llm = LLM(_config(path, 1), data_parallel_backend="ray")
     try:
         assert llm.engine is None and llm.client.ipc_dir is None
-        assert llm.client.where.startswith("Ray actor corellm-core-"), llm.client.where
+        where = llm.client.process.where
+        assert where.startswith("Ray actor corellm-core-"), where
         names = [a["name"] for a in leftovers()["actors"]]
         assert len(names) == 1 and names[0].startswith("corellm-core-"), names
         # Strangers at the client's endpoints: one without keys, one with keys of its own.
@@ -272,6 +284,38 @@ def core_launcher(path) -> dict:
         llm.shutdown()
     assert tp2 == ref[:len(tp2)], "a TP=2 core on a Ray actor differs from TP=1"
     assert _wait_clean() == {"actors": [], "placement_groups": []}
+
+    # What the cluster cannot hold is refused at once, naming the options.
+    from corellm.engine.ipc import EngineStartupError
+    t0 = time.monotonic()
+    try:
+        LLM({**_config(path, 1), "core_launcher": {"name": "ray", "gpus_per_replica": 1}})
+        raise AssertionError("an engine core asking for a GPU started on a cluster without one")
+    except EngineStartupError as exc:
+        assert "cannot hold an engine core" in str(exc) and "GPU" in str(exc), exc
+    assert time.monotonic() - t0 < 30
+    # A start cancelled part-way (a server stopped while its replicas load) leaves no actor and
+    # no authenticator thread behind.
+    import asyncio
+    import contextlib
+
+    from corellm.engine.async_llm import AsyncLLM
+    from zmq.auth.thread import AuthenticationThread
+
+    async def cancelled(delay: float) -> None:
+        task = asyncio.ensure_future(AsyncLLM.create({**_config(path, 1),
+                                                      "core_launcher": {"name": "ray"}}))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for delay in (0.05, 1.5):
+        asyncio.run(cancelled(delay))
+        assert _wait_clean() == {"actors": [], "placement_groups": []}, delay
+        deadline = time.monotonic() + 10
+        while any(isinstance(t, AuthenticationThread) for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "an authenticator thread was left running"
+            time.sleep(0.1)
     return {"requests": len(got) + len(tp2)}
 
 

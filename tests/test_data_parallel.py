@@ -320,3 +320,67 @@ def test_ab_arms_split_users_label_metrics_and_bench_reads_each_arm(llama_path, 
         assert srv.stop(signal.SIGTERM) == 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_bench_counter_deltas_read_a_restarted_replicas_reset_as_prometheus_does():
+    """corellm bench --url scrapes /metrics before and after a run: a replica that restarted
+    in between counts from 0 again, and its series is read as the count since the reset (never
+    a negative count); the other replicas' series are their differences."""
+    from corellm_plugins.bench.server_client import counter_deltas, scrape_counters
+
+    def page(r0: int, r1: int) -> str:
+        return "\n".join([
+            "# HELP corellm:prefix_cache_hits_total hits",
+            f'corellm:prefix_cache_hits_total{{model_name="m",replica="0"}} {r0}.0',
+            f'corellm:prefix_cache_hits_total{{model_name="m",replica="1"}} {r1}.0',
+            'corellm:num_requests_running{model_name="m",replica="0"} 3.0'])
+
+    class Client:
+        def __init__(self, text: str) -> None:
+            self.text, self.status_code = text, 200
+
+        def get(self, url: str, timeout: float):
+            return self
+
+    before = scrape_counters(Client(page(100, 40)), "http://x")
+    after = scrape_counters(Client(page(130, 7)), "http://x")      # replica 1 restarted
+    assert before["prefix_cache_hits"] == {'model_name="m",replica="0"': 100.0,
+                                           'model_name="m",replica="1"': 40.0}
+    assert counter_deltas(before, after)["prefix_cache_hits"] == 30 + 7
+    assert counter_deltas(after, after)["prefix_cache_hits"] == 0
+
+
+def test_vllm_naming_labels_request_histograms_with_the_replica():
+    """In vLLM's naming the data-parallel rank is the ``engine`` label, of the request
+    histograms and counters as of the gauges: each replica's requests are observed under its
+    own, and every replica's series is there (at 0) before its first request."""
+    from types import SimpleNamespace
+
+    from corellm_plugins.frontend_openai.metrics import EngineMetrics
+
+    class Group:                        # what EngineMetrics asks of an EngineGroup
+        replicas = [SimpleNamespace(index=i, arm="") for i in range(2)]
+        replica_finished_callbacks: list = []
+
+        def add_replica_stats_listener(self, listener) -> None:
+            pass
+
+    group = Group()
+    metrics = EngineMetrics(group, "m", "vllm", max_model_len=64)
+    metrics.attach_finished(group)
+    timing = SimpleNamespace(latency=0.5, time_to_first_token=0.1, first_scheduled_time=1.0,
+                             first_token_time=1.1, last_token_time=1.5, arrival_time=0.9,
+                             inter_token_latencies=[0.2, 0.2], num_generation_tokens=3)
+    state = SimpleNamespace(abort_reason=None, prompt_token_ids=[1, 2], metrics=timing,
+                            samples=[SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop")])
+    for callback in group.replica_finished_callbacks:
+        callback(group.replicas[1], [state])
+
+    def get(name: str, engine: str, **labels) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": engine,
+                                                        **labels})
+    assert get("vllm:e2e_request_latency_seconds_count", "1") == 1
+    assert get("vllm:e2e_request_latency_seconds_count", "0") == 0
+    assert get("vllm:request_success_total", "1", finished_reason="stop") == 1
+    assert get("vllm:request_success_total", "0", finished_reason="stop") == 0
+    assert get("vllm:request_generation_tokens_sum", "1") == 3

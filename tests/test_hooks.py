@@ -328,11 +328,26 @@ def test_corellm_core_launchers(llama_path):
     client = SyncMPClient(config, registry)
     try:
         assert client.process.calls == ["bind input", "bind output", "start"]
-        assert client.where == f"recorded core, pid {client.pid}"
+        assert client.process.where == f"recorded core, pid {client.pid}"
         assert client.call_utility("get_stats").kv_blocks_total > 0   # the core answers
     finally:
         client.shutdown()
     assert client.process.calls[-1] == "stop"
+
+
+def test_an_allow_list_without_the_mp_launcher_still_runs_in_process(llama_path, monkeypatch):
+    """The default launcher is needed only where a core is launched: an in-process engine runs
+    under an allow-list that leaves it out; a core run apart is refused naming the key."""
+    from corellm.errors import ConfigError
+    monkeypatch.setenv("CORELLM_PLUGINS", "platform_cpu,scheduler_fcfs,kv_paged,attn_torch_sdpa,"
+                                          "executor_uniproc,sampler_default,models_llama")
+    llm = LLM(engine_config(llama_path))
+    try:
+        assert llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ConfigError, match=r"core_launcher.name: unknown core_launcher 'mp'"):
+        LLM(engine_config(llama_path), engine_process=True)
 
 
 # --------------------------------------------------------------------------- platforms

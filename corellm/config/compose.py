@@ -23,8 +23,9 @@ from corellm.config.schema import (REMOVED_MODEL_KEYS, PLUGIN_SECTIONS,  # noqa:
                                    parse_override, read_config_file)
 from corellm.errors import ConfigError, PluginError
 from corellm.specs import (SECTION_SPECS, AttentionOptions, ComponentOptions,  # noqa: F401
-                           DType, ExecutorOptions, FrontendOptions, KVCacheOptions,
-                           PlatformOptions, SamplerOptions, SchedulerOptions, delegate_fields)
+                           CoreLauncherOptions, DType, ExecutorOptions, FrontendOptions,
+                           KVCacheOptions, PlatformOptions, SamplerOptions, SchedulerOptions,
+                           delegate_fields)
 
 if TYPE_CHECKING:
     from corellm.plugins.discovery import Registry
@@ -74,6 +75,12 @@ def load_config(source: EngineConfig | Mapping[str, Any] | str | Path | None = N
     for section, base in PLUGIN_SECTIONS.items():
         raw = data.get(section)
         if raw is None and section == "frontend":
+            continue
+        if raw is None and section == "core_launcher" \
+                and CoreLauncherOptions().name not in registry.choices(section):
+            # Unset, and its default's plugin not loaded (an allow-list without it): an
+            # in-process engine never launches a core; a client that does names the problem.
+            values[section] = CoreLauncherOptions()
             continue
         values[section] = _validate_section(section, section, raw, registry, values, problems)
     values["logits_processors"] = _validate_logits_processors(data.get("logits_processors"),

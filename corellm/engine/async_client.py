@@ -189,6 +189,7 @@ class AsyncMPClient(_MPClientBase):
         try:
             await asyncio.to_thread(self.process.stop, self._send_shutdown, timeout)
         finally:
+            self.process.kill()       # done already, unless the stop was interrupted
             if self._reader is not None:
                 self._reader.cancel()
             self._close_sockets()

@@ -98,7 +98,7 @@ class AsyncLLM:
     @property
     def where(self) -> str:
         """Where the engine core runs, in words: its pid, and a launcher's place for it."""
-        return self.client.where
+        return self.client.process.where
 
     @property
     def is_dead(self) -> bool:

@@ -444,10 +444,6 @@ class _MPClientBase(EngineCoreClient):
         return self.process.dead_reason
 
     @property
-    def where(self) -> str:             # the core's pid, and where a launcher placed it
-        return self.process.where
-
-    @property
     def ipc_dir(self) -> str | None:
         """The IPC sockets' directory (gone once the engine stopped; None: not an mp core)."""
         return getattr(self.process, "ipc_dir", None)
@@ -595,6 +591,7 @@ class SyncMPClient(_MPClientBase):
         try:
             self.process.stop(self._send_shutdown, timeout)
         finally:
+            self.process.kill()       # done already, unless the stop was interrupted
             self._reader.join(2)
             self._close_sockets()
             self.process.ctx.term()

@@ -365,7 +365,10 @@ def build_engine_core(config: Any, input_addr: str, output_addr: str,
                                       secure)
     except BaseException:
         if engine is not None:
-            engine.shutdown(lost())
+            try:
+                engine.shutdown(lost())
+            except Exception:        # the start-up's own error is the one to report
+                logger.exception("engine shutdown after a failed start-up failed too")
         raise
 
 

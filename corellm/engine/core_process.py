@@ -98,7 +98,11 @@ def core_launcher(config: EngineConfig, registry: Registry | None = None) -> Cor
     if registry is None:
         from corellm.plugins.discovery import load_registry
         registry = load_registry(disable=config.plugins.disable)
-    entry = registry.get("core_launcher", config.core_launcher.name)
+    from corellm.errors import ConfigError, PluginError
+    try:
+        entry = registry.get("core_launcher", config.core_launcher.name)
+    except PluginError as exc:
+        raise ConfigError([("core_launcher.name", str(exc))]) from None
     return call_factory(entry, "core_launcher", config.core_launcher, config)
 
 

@@ -109,6 +109,17 @@ def _per_prompt(name: str, value: Any, n: int, scalar: type | tuple[type, ...]) 
     return list(value)
 
 
+def _launcher_apart(config: EngineConfig, registry: Registry) -> str | None:
+    """The name of the config's core launcher when it is not the built-in ``mp``."""
+    from corellm.errors import PluginError
+    name = config.core_launcher.name
+    try:
+        entry = registry.get("core_launcher", name)
+    except PluginError:               # the default, its plugin not loaded (an allow-list)
+        return None if name == "mp" else name
+    return None if entry.spec.name == "mp" and entry.plugin.builtin else name
+
+
 class LLM:
     """Offline generation.
 
@@ -154,13 +165,16 @@ class LLM:
             raise ConfigError([("parallel.data_parallel_size", f"{n} replicas are served by "
                                 "corellm serve, behind its router; LLM runs one engine")])
         path = model_path(self.config)       # validates the checkpoint directory
-        # The config says where the core runs, apart from this process: it does.
-        engine_process = engine_process or self.config.core_launcher.name != "mp"
+        # A launcher other than the built-in mp says where the core runs, apart from here.
+        launcher = _launcher_apart(self.config, self.registry)
+        why = f" (core_launcher.name {launcher!r} runs it apart)" if launcher else ""
+        engine_process = engine_process or launcher is not None
         if engine_process and plugins:
             raise InvalidRequestError("plugins", "in-process plugin objects cannot reach an "
-                                      "engine process; install them as entry-point plugins")
+                                      f"engine process{why}; install them as entry-point "
+                                      "plugins")
         if engine_process and core_thread:
-            raise InvalidRequestError("core_thread", "an engine process steps on its own; "
+            raise InvalidRequestError("core_thread", f"an engine process{why} steps on its own; "
                                       "give engine_process or core_thread, not both")
         if core_thread is None:
             core_thread = default_core_thread() and not engine_process

@@ -29,9 +29,10 @@ from .targets import COUNTERS, RunOptions, RunResult, Target
 from .workload import Workload
 
 
-def scrape_counters(client: Any, url: str) -> dict[str, float] | None:
-    """The server's engine counters from ``/metrics`` (summed over label sets) under the names
-    of ``COUNTERS``, or None when the server does not answer."""
+def scrape_counters(client: Any, url: str) -> dict[str, dict[str, float]] | None:
+    """The server's engine counters from ``/metrics``, under the names of ``COUNTERS``, each as
+    {label set: value} (one series per replica, say), or None when the server does not answer.
+    ``counter_deltas`` turns two scrapes into the counts between them."""
     import httpx
 
     wanted = {prom: name for name, (_, prom) in COUNTERS.items() if prom}
@@ -41,17 +42,34 @@ def scrape_counters(client: Any, url: str) -> dict[str, float] | None:
         return None
     if resp.status_code != 200:
         return None
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {}
     for line in resp.text.splitlines():
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
-        prom = head.split("{", 1)[0].split(":", 1)[-1].strip()     # corellm:NAME{labels}
+        metric, _, labels = head.partition("{")
+        prom = metric.split(":", 1)[-1].strip()                   # corellm:NAME{labels}
         if prom in wanted:
             try:
-                out[wanted[prom]] = out.get(wanted[prom], 0.0) + float(value)
+                series = out.setdefault(wanted[prom], {})
+                key = labels.rstrip("}")
+                series[key] = series.get(key, 0.0) + float(value)
             except ValueError:
                 pass
+    return out
+
+
+def counter_deltas(before: dict[str, dict[str, float]],
+                   after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What each counter counted between two scrapes, summed over its series. A series that went
+    down was reset (its replica restarted and counts from 0 again): its delta is its value
+    after, the count since the reset (what it counted before dying, after ``before``, is not in
+    any scrape), as Prometheus's ``increase`` reads a reset; never a negative count."""
+    out: dict[str, float] = {}
+    for name, series in after.items():
+        old = before.get(name, {})
+        out[name] = sum(value - old.get(labels, 0.0) if value >= old.get(labels, 0.0)
+                        else value for labels, value in series.items())
     return out
 
 
@@ -255,7 +273,7 @@ async def _server_run(url: str, workload: Workload, options: RunOptions, *, labe
                 client, url, info["model_name"], workload, options, salt=salt,
                 tokenizer=tokenizer, desc=f"{label} #{repeat + 1}")
             after = scrape_counters(sync_client, url)
-    counters = ({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    counters = (counter_deltas(before, after)
                 if before is not None and after is not None else None)
     return records, duration, info, counters
 

@@ -22,6 +22,10 @@ ACTOR_NAMESPACE = "corellm"
 _lock = threading.Lock()
 _users = 0              # engines of this process using the cluster it joined or started
 _started_here = False   # the cluster is a local one this process started (and will stop)
+_linger: threading.Timer | None = None
+# A local cluster started here outlives its last engine this long (a replica restarting after
+# its back-off, or the next LLM, finds it up), then stops; at exit Ray stops it anyway.
+LOCAL_LINGER_S = 60.0
 
 
 def ray_module(key: str) -> Any:
@@ -46,6 +50,7 @@ def join(address: str | None, key: str, log_to_driver: bool = False) -> Any:
                             "engine's actors through shared memory and links; run corellm on "
                             "a node of the cluster (address 'auto' or HOST:PORT)")])
     with _lock:
+        _cancel_linger()
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, configure_logging=False,
                      log_to_driver=log_to_driver)
@@ -57,10 +62,29 @@ def join(address: str | None, key: str, log_to_driver: bool = False) -> Any:
 
 
 def leave() -> None:
-    """One user fewer; the last one stops a local cluster this process started."""
-    global _users, _started_here
+    """One user fewer; ``LOCAL_LINGER_S`` after the last one, a local cluster this process
+    started stops (unless a new user came)."""
+    global _users, _linger
     with _lock:
         _users = max(0, _users - 1)
+        if _users or not _started_here:
+            return
+        _cancel_linger()
+        _linger = threading.Timer(LOCAL_LINGER_S, _stop_if_unused)
+        _linger.daemon = True
+        _linger.start()
+
+
+def _cancel_linger() -> None:
+    global _linger
+    if _linger is not None:
+        _linger.cancel()
+        _linger = None
+
+
+def _stop_if_unused() -> None:
+    global _started_here
+    with _lock:
         if _users or not _started_here:
             return
         _started_here = False
@@ -68,6 +92,8 @@ def leave() -> None:
             import ray
             if ray.is_initialized():
                 ray.shutdown()
+                logger.info("ray: stopped the local cluster (no engine used it for %.0f s)",
+                            LOCAL_LINGER_S)
         except Exception as exc:
             logger.warning("ray: stopping the local cluster failed: %s", exc)
 

@@ -53,13 +53,21 @@ def claim_cpus(count: int, claims_dir: Path = CLAIMS_DIR) -> tuple[list[int], li
     return got, fds
 
 
-def _pin_all_threads(cpus: list[int]) -> None:
-    """This process's threads (Ray's own included) and those started later, on ``cpus``."""
+def _pin_all_threads(cpus: list[int]) -> bool:
+    """This process's threads (Ray's own included) and those started later, on ``cpus``;
+    False (and nothing changed) when this thread cannot be (CPUs this node does not have)."""
+    try:
+        os.sched_setaffinity(0, cpus)        # the engine's threads start from this one
+    except OSError as exc:
+        logger.warning("engine core: cannot run on CPUs %s of this node (%s); running on all "
+                       "of its CPUs", cpus, exc)
+        return False
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, OSError):
+        except OSError:                      # a thread that ended meanwhile
             pass
+    return True
 
 
 class CoreActor:
@@ -93,8 +101,8 @@ class CoreActor:
             if not cpus:
                 logger.warning("engine core: fewer than %d CPU(s) of this node are free of "
                                "other engine cores; running on all of its CPUs", claim)
-        if cpus:
-            _pin_all_threads(cpus)
+        if cpus and not _pin_all_threads(cpus):
+            cpus = []
         server_key, public, secret = keys
 
         def secure(sock: zmq.Socket) -> None:

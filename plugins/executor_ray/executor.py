@@ -3,7 +3,7 @@
 Start-up (``_RayBackend.start``):
 
 1. Join the Ray cluster: ``options.address``, else ``$RAY_ADDRESS``, else the one this process
-   is connected to, else a local one started for the engine (and shut down with it).
+   is connected to, else a local one (stopped 60 s after its last engine: cluster.py).
 2. Reserve one bundle per rank (``cpus_per_rank`` CPUs, ``gpus_per_rank`` GPUs) in a placement
    group, ``PACK`` by default; a placement group named by ``placement_group``, or the one this
    process already runs in (a Ray task's or actor's), is used instead, and left as it was.
@@ -152,6 +152,12 @@ class _RayBackend(RankBackend):
                 raise ExecutorError(f"this process's placement group has "
                                     f"{len(current.bundle_specs)} bundle(s), fewer than the "
                                     f"{self.tp} tensor-parallel ranks")
+            for i, spec in enumerate(current.bundle_specs[:self.tp]):
+                short = {k: v for k, v in bundle.items() if spec.get(k, 0.0) < v}
+                if short:       # the rank's actor would wait for them until start_timeout_s
+                    raise ExecutorError(
+                        f"bundle {i} of the placement group ({spec}) cannot hold a rank, which "
+                        f"needs {bundle} (executor.cpus_per_rank, executor.gpus_per_rank)")
             return current
         pg = placement_group([dict(bundle) for _ in range(self.tp)],
                              strategy=self.options.placement_strategy,

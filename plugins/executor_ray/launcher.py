@@ -2,19 +2,24 @@
 server or ``AsyncLLM``) as a Ray actor, anywhere in a Ray cluster. vLLM's
 ``--data-parallel-backend ray``.
 
-Start-up (``RayCoreLauncher.start``):
+Start-up:
 
-1. Join the cluster (``core_launcher.address``, else ``$RAY_ADDRESS``, else the one this process
-   is connected to, else a local one, stopped when its last engine is).
-2. Bind the client's two sockets on this node's address, at free ports, as CURVE servers that
-   admit one key: the one made for this core (ZeroMQ's authentication; the traffic is
-   encrypted too). The core's keys travel in the actor call, through Ray.
+1. ``bind`` (on the client's thread): the client's two sockets are bound on this node's address,
+   at free ports, as CURVE servers that admit one key: the one made for this core (ZeroMQ's
+   authentication, with a ZAP domain, so that without the authenticator nobody gets in; the
+   traffic is encrypted too). The core's keys travel in the actor call, through Ray.
+2. ``start``: join the cluster (``core_launcher.address``, else ``$RAY_ADDRESS``, else the one
+   this process is connected to, else a local one, stopped a while after its last engine is),
+   and refuse at once what the cluster cannot hold.
 3. Create a ``CoreActor`` (``corellm-core-<id>`` in the ``corellm`` namespace) with
    ``cpus_per_replica`` CPUs and ``gpus_per_replica`` GPUs (Ray gives it its own GPUs:
    ``CUDA_VISIBLE_DEVICES``), ``SPREAD`` over the nodes by default, with the driver's
    environment variables (``env_prefixes``); it builds the engine there and connects back.
 4. Call its ``run`` (the engine's loop) and keep the call: its end, a return or Ray's error
    for a dead actor or node, is the core's end (``watch``).
+
+A start that fails or is cancelled (``kill`` from another thread) gives back all it took: the
+actor, the authenticator, its use of the cluster.
 
 Stop: SHUTDOWN through the socket, the ``run`` call waited for, then the actor killed. The
 actor is owned by this process: if the process dies, Ray kills it.
@@ -40,6 +45,9 @@ from corellm_plugins.executor_ray.core_actor import CoreActor
 
 logger = logging.getLogger(__name__)
 
+# The ZeroMQ authentication domain of the client sockets.
+ZAP_DOMAIN = "corellm"
+
 _MODEL_INFO = ("vocab_size", "max_model_len", "architecture", "lora_targets")
 
 
@@ -61,13 +69,15 @@ class RayCoreLauncher(CoreLauncher):
         self.name = f"corellm-core-{uuid.uuid4().hex[:8]}"
         self.actor: Any = None
         self.info: dict[str, Any] = {}
-        self._socks: dict[str, zmq.Socket] = {}
+        self.addrs: dict[str, str] = {}
         self._run: Any = None
         self._auth: Any = None
         self._joined = False
         self._killed = False
         self._lock = threading.Lock()
-        self.server_key: bytes | None = None      # the client sockets' public key (CURVE)
+        # The client sockets' keys (CURVE) and the one client key they admit: the core's.
+        self.server_key, self._server_secret = zmq.curve_keypair()
+        self._core_public, self._core_secret = zmq.curve_keypair()
 
     @property
     def where(self) -> str:
@@ -78,10 +88,27 @@ class RayCoreLauncher(CoreLauncher):
                 f"({info['node_id'][:8]})")
 
     def bind(self, sock: zmq.Socket, which: str) -> None:
-        self._socks[which] = sock         # bound in start(), once Ray says where this node is
+        """On the caller's thread, before ``start``: a CURVE server admitting only the core's
+        key, bound on this node's address at a free port."""
+        import ray
+        if self._auth is None:
+            from zmq.auth.thread import ThreadAuthenticator
+            self._auth = ThreadAuthenticator(self.ctx, log=logger)
+            self._auth.start()
+            self._auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                                credentials_provider=_OneKey(self._core_public))
+        sock.curve_server = True
+        sock.curve_publickey = self.server_key
+        sock.curve_secretkey = self._server_secret
+        # A non-empty domain makes the handshake need the authenticator: without it (stopped,
+        # say) nobody gets in, rather than anyone with the server's key.
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
+        self.addrs[which] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # ---------------------------------------------------------------- start-up
-    def _resources(self, ray: Any) -> tuple[float, float, int]:
+    def _resources(self) -> tuple[float, float, int]:
         """(CPUs, GPUs) the actor reserves, and CPUs it claims on its node (0: none)."""
         from corellm.platforms import build_platform
         from corellm.plugins import load_registry
@@ -97,51 +124,48 @@ class RayCoreLauncher(CoreLauncher):
             if platform.shares_devices and opts.pin_cpus else 0
         return float(opts.cpus_per_replica), float(gpus), claim
 
-    def _bind(self, ray: Any, server_public: bytes, server_secret: bytes,
-              core_public: bytes) -> dict[str, str]:
-        from zmq.auth.thread import ThreadAuthenticator
-        self._auth = ThreadAuthenticator(self.ctx, log=logger)
-        self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey(core_public))
-        ip = ray.util.get_node_ip_address()
-        addrs = {}
-        for which, sock in self._socks.items():
-            sock.curve_server = True
-            sock.curve_publickey = server_public
-            sock.curve_secretkey = server_secret
-            sock.bind(f"tcp://{ip}:*")
-            addrs[which] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return addrs
+    def _check_cancelled(self) -> None:
+        if self._killed:
+            raise EngineStartupError("engine core start-up was cancelled")
 
     def start(self, config: Any, max_outputs_ahead: int | None = None) -> ModelInfo:
+        try:
+            return self._start(config, max_outputs_ahead)
+        except BaseException:
+            self.kill()          # whatever it had: the actor, the authenticator, the cluster
+            raise
+
+    def _start(self, config: Any, max_outputs_ahead: int | None) -> ModelInfo:
         opts = self.options
         ray = cluster.join(opts.address, "core_launcher.address", opts.log_to_driver)
-        self._joined = True
-        cpus, gpus, claim = self._resources(ray)
-        server_public, server_secret = zmq.curve_keypair()
-        self.server_key = server_public
-        core_public, core_secret = zmq.curve_keypair()
-        addrs = self._bind(ray, server_public, server_secret, core_public)
-        strategy: Any = opts.scheduling_strategy
+        with self._lock:
+            self._joined = True
+            self._check_cancelled()
+        cpus, gpus, claim = self._resources()
+        have = ray.cluster_resources()
+        wants = {"CPU": cpus, "GPU": gpus, **opts.resources}
+        short = {k: v for k, v in wants.items() if v and have.get(k, 0.0) < v}
+        if short:
+            raise EngineStartupError(
+                f"the Ray cluster cannot hold an engine core: it needs {short} "
+                f"(core_launcher.cpus_per_replica, gpus_per_replica, resources) and the cluster "
+                f"has {have} in all")
         env = cluster.driver_env(opts.env_prefixes)
         with self._lock:
-            if self._killed:
-                raise EngineStartupError("engine core start-up was cancelled")
-            self.actor = ray.remote(CoreActor).options(
+            self._check_cancelled()
+            actor = self.actor = ray.remote(CoreActor).options(
                 name=self.name, namespace=ACTOR_NAMESPACE, num_cpus=cpus, num_gpus=gpus,
                 resources=dict(opts.resources) or None, max_restarts=0,
-                scheduling_strategy=strategy,
+                scheduling_strategy=opts.scheduling_strategy,
                 runtime_env={"env_vars": env} if env else None).remote()
-        call = self.actor.start.remote(
-            config, addrs["input"], addrs["output"], (server_public, core_public, core_secret),
-            max_outputs_ahead, cluster.niceness(),
-            logging.getLogger("corellm").getEffectiveLevel(), claim)
+        call = actor.start.remote(
+            config, self.addrs["input"], self.addrs["output"],
+            (self.server_key, self._core_public, self._core_secret), max_outputs_ahead,
+            cluster.niceness(), logging.getLogger("corellm").getEffectiveLevel(), claim)
         deadline = time.monotonic() + opts.start_timeout_s
         while not ray.wait([call], timeout=0.2)[0]:
-            if self._killed:
-                raise EngineStartupError("engine core start-up was cancelled")
+            self._check_cancelled()
             if time.monotonic() > deadline:
-                self.kill()
                 raise EngineStartupError(
                     f"engine core ({self.where}) not ready after {opts.start_timeout_s:g} s "
                     f"(core_launcher.start_timeout_s); the cluster has "
@@ -150,11 +174,12 @@ class RayCoreLauncher(CoreLauncher):
         try:
             self.info = ray.get(call)
         except Exception as exc:
-            self.kill()
             raise EngineStartupError(f"engine core ({self.where}) failed to start: "
                                      f"{ray_cause(exc)}") from None
-        self.pid = self.info["pid"]
-        self._run = self.actor.run.remote()
+        with self._lock:
+            self._check_cancelled()
+            self.pid = self.info["pid"]
+            self._run = actor.run.remote()
         logger.info("engine core started: %s%s", self.where,
                     f", CPUs {self.info['cpus']}" if self.info.get("cpus") else "")
         return ModelInfo(**{k: self.info[k] for k in _MODEL_INFO})
@@ -207,13 +232,16 @@ class RayCoreLauncher(CoreLauncher):
             actor, self.actor = self.actor, None
             joined, self._joined = self._joined, False
             auth, self._auth = self._auth, None
-        if actor is not None:
-            try:
-                import ray
-                ray.kill(actor, no_restart=True)
-            except Exception as exc:
-                logger.warning("could not kill the engine core's actor %s: %s", self.name, exc)
-        if auth is not None:
-            auth.stop()
-        if joined:
-            cluster.leave()
+        try:
+            if actor is not None:
+                try:
+                    import ray
+                    ray.kill(actor, no_restart=True)
+                except Exception as exc:
+                    logger.warning("could not kill the engine core's actor %s: %s", self.name,
+                                   exc)
+            if auth is not None:
+                auth.stop()
+        finally:
+            if joined:
+                cluster.leave()

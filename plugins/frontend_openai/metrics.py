@@ -309,10 +309,12 @@ class EngineMetrics:
         return all(p.alive for p in self.parts)
 
     def attach_finished(self, engine: Any) -> None:
-        """Observe the requests ``engine`` ends (per arm for an A/B group)."""
+        """Observe the requests ``engine`` ends (per arm for an A/B group, per replica in
+        vLLM's naming)."""
         if getattr(engine, "replicas", None):
             engine.replica_finished_callbacks.append(
-                lambda rep, states: self.observe_finished(states, rep.arm or None))
+                lambda rep, states: self.observe_finished(states, rep.arm or None,
+                                                          str(rep.index)))
         else:
             engine.finished_callbacks.append(self.observe_finished)
 
@@ -355,46 +357,65 @@ class EngineMetrics:
         self.response_bytes = {stream: response_bytes.labels(model_name, str(stream).lower())
                                for stream in (True, False)}    # both present (at 0) at once
 
+    # vLLM's request histograms, by name: (description, buckets' kind).
+    _VLLM_HISTS = {
+        "ttft": ("vllm:time_to_first_token_seconds",
+                 "Time from arrival to the first generated token.", "lat"),
+        "e2e": ("vllm:e2e_request_latency_seconds",
+                "Time from arrival until the request finished.", "lat"),
+        "queue": ("vllm:request_queue_time_seconds",
+                  "Time from arrival until the engine first scheduled the request.", "lat"),
+        "prefill": ("vllm:request_prefill_time_seconds",
+                    "Time from first scheduled to the first generated token.", "lat"),
+        "decode": ("vllm:request_decode_time_seconds",
+                   "Time from the first generated token to the last.", "lat"),
+        "inference": ("vllm:request_inference_time_seconds",
+                      "Time from first scheduled to the last generated token.", "lat"),
+        "tpot": ("vllm:request_time_per_output_token_seconds",
+                 "Per request: decode time / (generated tokens - 1); 0 for requests of one "
+                 "token.", "tpot"),
+        "itl": ("vllm:inter_token_latency_seconds",
+                "Time between consecutive arrivals of a request's new tokens.", "tpot"),
+        "prompt_tokens": ("vllm:request_prompt_tokens", "Prompt tokens, per finished sample.",
+                          "tokens"),
+        "gen_tokens": ("vllm:request_generation_tokens",
+                       "Generated tokens, per finished sample.", "tokens"),
+        "max_gen_tokens": ("vllm:request_max_num_generation_tokens",
+                           "Generated tokens of the longest of a request's n samples.",
+                           "tokens"),
+        "iteration_tokens": ("vllm:iteration_tokens_total",
+                             "Histogram of number of tokens per engine_step.", "steps"),
+    }
+
     def _init_vllm(self, max_model_len: int, max_step_tokens: int | None) -> None:
-        r, labels, value = self.registry, list(VLLM_LABELS), (self.model_name, VLLM_ENGINE)
-
-        def hist(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*value)
-
-        lat, tokens = _LATENCY_BUCKETS, _token_buckets(max_model_len)
-        self.v_ttft = hist("vllm:time_to_first_token_seconds",
-                           "Time from arrival to the first generated token.", lat)
-        self.v_e2e = hist("vllm:e2e_request_latency_seconds",
-                          "Time from arrival until the request finished.", lat)
-        self.v_queue = hist("vllm:request_queue_time_seconds",
-                            "Time from arrival until the engine first scheduled the request.",
-                            lat)
-        self.v_prefill = hist("vllm:request_prefill_time_seconds",
-                              "Time from first scheduled to the first generated token.", lat)
-        self.v_decode = hist("vllm:request_decode_time_seconds",
-                             "Time from the first generated token to the last.", lat)
-        self.v_inference = hist("vllm:request_inference_time_seconds",
-                                "Time from first scheduled to the last generated token.", lat)
-        self.v_tpot = hist("vllm:request_time_per_output_token_seconds",
-                           "Per request: decode time / (generated tokens - 1); 0 for requests "
-                           "of one token.", _TPOT_BUCKETS)
-        self.v_itl = hist("vllm:inter_token_latency_seconds",
-                          "Time between consecutive arrivals of a request's new tokens.",
-                          _TPOT_BUCKETS)
-        self.v_prompt_tokens = hist("vllm:request_prompt_tokens",
-                                    "Prompt tokens, per finished sample.", tokens)
-        self.v_gen_tokens = hist("vllm:request_generation_tokens",
-                                 "Generated tokens, per finished sample.", tokens)
-        self.v_max_gen_tokens = hist("vllm:request_max_num_generation_tokens",
-                                     "Generated tokens of the longest of a request's n samples.",
-                                     tokens)
+        """vLLM's histograms and counters, labelled (model_name, engine): the engine is the
+        replica (vLLM's data-parallel rank), "0" for one engine."""
+        r, labels = self.registry, list(VLLM_LABELS)
+        buckets = {"lat": _LATENCY_BUCKETS, "tpot": _TPOT_BUCKETS,
+                   "tokens": _token_buckets(max_model_len),
+                   "steps": _iteration_buckets(max_step_tokens)}
+        self._v_hists = {key: Histogram(name, doc, labels, buckets=buckets[kind], registry=r)
+                         for key, (name, doc, kind) in self._VLLM_HISTS.items()}
         self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                  [*labels, "finished_reason"], registry=r)
-        self.iteration_tokens = hist("vllm:iteration_tokens_total",
-                                     "Histogram of number of tokens per engine_step.",
-                                     _iteration_buckets(max_step_tokens))
-        for reason in ("stop", "length", "abort"):  # present (at 0) before the first request
-            self.v_success.labels(*value, reason)
+        self._v_kids: dict[str, dict[str, Any]] = {}
+        for part in self.parts:       # present (at 0) before the first request
+            engine = self._vllm_engine(part)
+            self._vllm(engine)
+            for reason in ("stop", "length", "abort"):
+                self.v_success.labels(self.model_name, engine, reason)
+
+    @staticmethod
+    def _vllm_engine(part: _Part) -> str:
+        return part.labels[0] if part.labels else VLLM_ENGINE
+
+    def _vllm(self, engine: str) -> dict[str, Any]:
+        """vLLM's histograms' children for one engine label."""
+        kids = self._v_kids.get(engine)
+        if kids is None:
+            kids = self._v_kids[engine] = {key: h.labels(self.model_name, engine)
+                                           for key, h in self._v_hists.items()}
+        return kids
 
     # ------------------------------------------------------------------ the StepStats stream
     def on_stats(self, stats: StepStats) -> None:
@@ -405,7 +426,11 @@ class EngineMetrics:
     def _on_part_stats(self, part: _Part, stats: StepStats) -> None:
         part.on_stats(stats)
         if stats.kind == "step":
-            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+            if self.prefix == "vllm":
+                self._vllm(self._vllm_engine(part))["iteration_tokens"].observe(
+                    stats.num_scheduled_tokens)
+            else:
+                self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
     @staticmethod
     def _engine_of(part: _Part) -> Any:
@@ -455,18 +480,19 @@ class EngineMetrics:
     def _counter(self, counter: Any, label: str, arm: str | None) -> Any:
         return counter.labels(self.model_name, label, *([arm or ""] if self.arm_names else []))
 
-    def observe_finished(self, states: list[RequestState], arm: str | None = None) -> None:
+    def observe_finished(self, states: list[RequestState], arm: str | None = None,
+                         replica: str = VLLM_ENGINE) -> None:
         """Requests that ended: finished ones, and aborted ones (counted, not timed: the time
         until a client gave up is not a latency of the server). ``arm``: the A/B arm that
-        served them."""
+        served them; ``replica``: the replica (vLLM's ``engine`` label)."""
         if self.prefix == "vllm":
             for st in states:
                 if st.abort_reason is not None:
                     for s in st.samples:
-                        self.v_success.labels(self.model_name, VLLM_ENGINE,
+                        self.v_success.labels(self.model_name, replica,
                                               s.finish_reason or "abort").inc()
                 else:
-                    self._observe_vllm(st)
+                    self._observe_vllm(st, replica)
             return
         kids = self._for_arm(arm if self.arm_names else None)
         for st in states:
@@ -487,33 +513,33 @@ class EngineMetrics:
             for s in st.samples:
                 self._counter(self._success, s.finish_reason or "unknown", arm).inc()
 
-    def _observe_vllm(self, st: RequestState) -> None:
+    def _observe_vllm(self, st: RequestState, engine: str) -> None:
         """vLLM's per-request histograms from the request's timestamps. Counts are per sample,
         as vLLM counts each of n samples; corellm keeps one set of timestamps per request, so the
         timings are observed once per request (identical to vLLM for n = 1)."""
-        m = st.metrics
+        m, h = st.metrics, self._vllm(engine)
         for s in st.samples:
-            self.v_success.labels(self.model_name, VLLM_ENGINE, s.finish_reason or "unknown").inc()
-            self.v_prompt_tokens.observe(len(st.prompt_token_ids))
-            self.v_gen_tokens.observe(len(s.token_ids))
-        self.v_max_gen_tokens.observe(max(len(s.token_ids) for s in st.samples))
+            self.v_success.labels(self.model_name, engine, s.finish_reason or "unknown").inc()
+            h["prompt_tokens"].observe(len(st.prompt_token_ids))
+            h["gen_tokens"].observe(len(s.token_ids))
+        h["max_gen_tokens"].observe(max(len(s.token_ids) for s in st.samples))
         if m.latency is not None:
-            self.v_e2e.observe(max(m.latency, 0.0))
+            h["e2e"].observe(max(m.latency, 0.0))
         if m.time_to_first_token is not None:
-            self.v_ttft.observe(max(m.time_to_first_token, 0.0))
+            h["ttft"].observe(max(m.time_to_first_token, 0.0))
         sched, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
         if sched is not None:
-            self.v_queue.observe(max(sched - m.arrival_time, 0.0))
+            h["queue"].observe(max(sched - m.arrival_time, 0.0))
         if first is not None and last is not None:
             if sched is not None:
-                self.v_prefill.observe(max(first - sched, 0.0))
-                self.v_inference.observe(max(last - sched, 0.0))
-            self.v_decode.observe(max(last - first, 0.0))
+                h["prefill"].observe(max(first - sched, 0.0))
+                h["inference"].observe(max(last - sched, 0.0))
+            h["decode"].observe(max(last - first, 0.0))
             for gap in m.inter_token_latencies:
-                self.v_itl.observe(gap)
+                h["itl"].observe(gap)
             if len(st.samples) == 1:       # n > 1: tokens of parallel samples interleave
                 k = m.num_generation_tokens
-                self.v_tpot.observe(max(last - first, 0.0) / (k - 1) if k > 1 else 0.0)
+                h["tpot"].observe(max(last - first, 0.0) / (k - 1) if k > 1 else 0.0)
 
     # ------------------------------------------------------------------ response sizes
     def count_response(self, response: Response) -> Response:
