@@ -416,7 +416,11 @@ class PlatformSpec(ComponentSpec):
     ``default_block_size`` (plugin API 1.3): the platform's ``Platform.default_block_size``,
     declared here so that a config is validated without building the platform (building one
     imports torch and its kernels; a run that executes no model, such as the simulator's, never
-    needs it). None: the platform is built to ask it.
+    needs it). None: the platform is built to ask it. ``visible_devices_env`` (plugin API 1.13):
+    the environment variable that limits a process to some of the machine's devices
+    (``CUDA_VISIBLE_DEVICES``), read before the device runtime starts; an engine-core process
+    given ``parallel.device_ids`` sets it, so a data-parallel server's replicas on this machine
+    each have devices of their own. None: devices are not split between processes.
     """
 
     kind: ClassVar[str] = "platform"
@@ -426,6 +430,7 @@ class PlatformSpec(ComponentSpec):
     auto_priority: int | None = None
     interface_version: tuple[int, int] = (1, 0)
     default_block_size: int | None = None
+    visible_devices_env: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -384,3 +384,41 @@ def test_vllm_naming_labels_request_histograms_with_the_replica():
     assert get("vllm:request_success_total", "1", finished_reason="stop") == 1
     assert get("vllm:request_success_total", "0", finished_reason="stop") == 0
     assert get("vllm:request_generation_tokens_sum", "1") == 3
+
+
+def test_replicas_on_a_platform_with_a_device_per_rank_get_devices_of_their_own():
+    """On CUDA a data-parallel server gives each replica on this machine its own block of
+    tensor_parallel_size devices (parallel.device_ids); the engine-core process turns them into
+    CUDA_VISIBLE_DEVICES (as indices into what it sees) before the device runtime starts, so
+    its ranks, cuda:0..tp-1, are that replica's. Replicas whose ranks a launcher or executor of
+    their own places (Ray) get none; nor do CPU ones (they get CPU slices)."""
+    from corellm.config.schema import EngineConfig, ParallelConfig
+    from corellm.engine.core_proc import restrict_devices
+    from corellm.engine.replicas import Arm, device_slices
+    from corellm.errors import ConfigError
+    from corellm.plugins import load_registry
+    from corellm.specs import CoreLauncherOptions, ExecutorOptions, PlatformOptions
+
+    def config(tp: int, platform: str = "cuda", **sections) -> EngineConfig:
+        return EngineConfig(platform=PlatformOptions(name=platform),
+                            parallel=ParallelConfig(tensor_parallel_size=tp), **sections)
+    arms = [Arm("a", config(2), 2), Arm("b", config(1), 1),
+            Arm("c", config(2, executor=ExecutorOptions(name="ray")), 1),
+            Arm("d", config(1, core_launcher=CoreLauncherOptions(name="ray")), 1),
+            Arm("e", config(1, platform="cpu"), 1), Arm("f", config(1), 1)]
+    assert device_slices(arms) == [[0, 1], [2, 3], [4], None, None, None, [5]]
+
+    registry = load_registry()
+    replica = config(2).model_copy(update={"parallel": ParallelConfig(
+        tensor_parallel_size=2, device_ids=[2, 3])})
+    env: dict[str, str] = {}
+    assert restrict_devices(replica, registry, env) == "2,3"
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}           # the server's own view, narrowed
+    assert restrict_devices(replica, registry, env) == "6,7"
+    with pytest.raises(ConfigError, match=r"parallel.device_ids.*sees 2 device\(s\)"):
+        restrict_devices(replica, registry, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    cpu = config(1, platform="cpu").model_copy(update={"parallel": ParallelConfig(
+        device_ids=[1])})
+    assert restrict_devices(cpu, registry, env) is None            # the CPU: nothing hidden
+    assert restrict_devices(config(2), registry, env) is None      # none given

@@ -93,6 +93,22 @@ class ParallelConfig(BaseModel):
     cpu_affinity: list[int] | None = Field(
         None, description="The CPUs the engine-core process (and its workers) may use; a "
                           "data-parallel server gives each CPU replica its share of its own.")
+    device_ids: list[int] | None = Field(
+        None, description="The devices of this machine an engine-core process and its ranks "
+                          "use (indices into those this process sees; rank r on the r-th), on "
+                          "a platform with a device per rank; a data-parallel server gives "
+                          "each replica on this machine its own tensor_parallel_size of them. "
+                          "Applied where a core process starts (the mp core launcher).")
+
+    @field_validator("device_ids")
+    @classmethod
+    def _check_device_ids(cls, value: list[int] | None, info: Any) -> list[int] | None:
+        size = info.data.get("tensor_parallel_size", 1)
+        if value is not None and (len(value) != size or len(set(value)) != len(value)
+                                  or min(value) < 0):
+            raise ValueError(f"expected {size} distinct device indices (one per rank of "
+                             f"tensor_parallel_size {size}), got {value}")
+        return value
 
     @field_validator("init_method")
     @classmethod

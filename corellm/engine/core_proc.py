@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from collections.abc import MutableMapping
 from typing import Any, Callable
 
 import zmq
@@ -353,6 +354,7 @@ def build_engine_core(config: Any, input_addr: str, output_addr: str,
     registry = load_registry(disable=config.plugins.disable)
     engine = None
     try:
+        restrict_devices(config, registry)
         engine = EngineCore(config, registry)
         if engine.clock.is_virtual:
             from corellm.errors import ConfigError
@@ -370,6 +372,26 @@ def build_engine_core(config: Any, input_addr: str, output_addr: str,
             except Exception:        # the start-up's own error is the one to report
                 logger.exception("engine shutdown after a failed start-up failed too")
         raise
+
+
+def restrict_devices(config: Any, registry: Any,
+                     environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """``parallel.device_ids`` as the platform's visible-devices variable
+    (``PlatformSpec.visible_devices_env``), set here before the device runtime starts, so that
+    this process and the ranks it spawns see just those devices: indices into the devices this
+    process sees now (the variable's current list, if set). Returns the value set, or None."""
+    ids = config.parallel.device_ids
+    var = registry.get("platform", config.platform.name).spec.visible_devices_env if ids else None
+    if not var:
+        return None
+    seen = [d.strip() for d in environ.get(var, "").split(",") if d.strip()]
+    if var in environ and max(ids) >= len(seen):
+        from corellm.errors import ConfigError
+        raise ConfigError([("parallel.device_ids", f"{ids}: this process sees {len(seen)} "
+                            f"device(s) ({var}={environ[var]!r})")])
+    value = ",".join(seen[i] for i in ids) if var in environ else ",".join(map(str, ids))
+    environ[var] = value
+    return value
 
 
 def ready_info(engine: Any) -> dict[str, Any]:

@@ -19,7 +19,8 @@ replicas, weight; one arm without an A/B split). It offers what a server uses of
 
 Replicas on the CPU share the machine's cores: each gets its own slice of this process's
 affinity mask (``parallel.cpu_affinity``) unless its config sets one, or its core launcher
-places it elsewhere (``core_launcher: ray``: its actor claims CPUs of its own node).
+places it elsewhere (``core_launcher: ray``: its actor claims CPUs of its own node). Replicas
+on a platform with a device per rank get devices of their own (``parallel.device_ids``).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class Replica:
 
 def cpu_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
     """Each replica's CPUs: this process's affinity mask cut in equal slices, for replicas whose
-    platform shares its device between workers (the CPU) and whose config sets none (else
-    None)."""
+    platform shares its device between workers (the CPU), whose core runs on this machine and
+    whose config sets none (else None)."""
     n = sum(a.replicas for a in arms)
     try:
         cpus = sorted(os.sched_getaffinity(0))
@@ -106,7 +107,8 @@ def cpu_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
     i = 0
     for arm in arms:
         for _ in range(arm.replicas):
-            if _on_cpu(arm.config) and not arm.config.parallel.cpu_affinity and len(cpus) >= n:
+            if _placement(arm.config) == "cpus" and not arm.config.parallel.cpu_affinity \
+                    and len(cpus) >= n:
                 out.append(cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per])
             else:
                 out.append(None)
@@ -114,18 +116,43 @@ def cpu_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
     return out
 
 
-def _on_cpu(config: Any) -> bool:
-    """Whether the config's platform shares its device (the CPU's cores) between workers, and
-    its core launcher runs the cores on this machine (a Ray actor takes CPUs of its own node)."""
+def device_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
+    """Each replica's devices (``parallel.device_ids``): consecutive blocks of
+    ``tensor_parallel_size`` of the devices this process sees, for replicas on a platform with
+    a device per rank whose core (and ranks) run on this machine and whose config sets none
+    (else None): replica 0 on devices 0..tp-1, replica 1 on the next, and so on."""
+    out: list[list[int] | None] = []
+    first = 0
+    for arm in arms:
+        for _ in range(arm.replicas):
+            if _placement(arm.config) == "devices" and arm.config.parallel.device_ids is None:
+                tp = arm.config.parallel.tensor_parallel_size
+                out.append(list(range(first, first + tp)))
+                first += tp
+            else:
+                out.append(None)
+    return out
+
+
+def _placement(config: Any) -> str | None:
+    """What replicas of ``config`` on this machine split between them: "cpus" (a platform that
+    shares its device, the CPU's cores, between workers), "devices" (a device per rank, which
+    the platform can hide from a process), or None (nothing: the core or its ranks run
+    elsewhere, placed by a launcher or executor of their own, or the config is broken, which
+    the replica's own start-up reports)."""
     from corellm.platforms import build_platform
     from corellm.plugins import load_registry
     try:
         registry = load_registry(disable=config.plugins.disable)
-        platform = build_platform(config.platform, registry)
         launcher = registry.get("core_launcher", config.core_launcher.name).spec
-    except Exception:          # the replica's own start-up names the problem
-        return False
-    return bool(platform.shares_devices) and launcher.on_this_machine
+        if not launcher.on_this_machine:
+            return None
+        if registry.get("platform", config.platform.name).spec.visible_devices_env:
+            return None if config.executor.name == "ray" else "devices"
+        platform = build_platform(config.platform, registry)
+    except Exception:
+        return None
+    return "cpus" if platform.shares_devices else None
 
 
 class _Outputs:
@@ -149,16 +176,17 @@ class EngineGroup:
         self.restart = restart
         self.max_restarts = max_restarts
         self._start = start or AsyncLLM.create
-        slices = cpu_slices(self.arms)
+        slices, devices = cpu_slices(self.arms), device_slices(self.arms)
         self.replicas: list[Replica] = []
         for arm in self.arms:
             for rank in range(arm.replicas):
-                config = arm.config
-                cpus = slices[len(self.replicas)]
-                if cpus is not None:
-                    config = config.model_copy(update={"parallel": config.parallel.model_copy(
-                        update={"cpu_affinity": cpus})})
-                self.replicas.append(Replica(len(self.replicas), arm.name, rank, config))
+                config, i = arm.config, len(self.replicas)
+                mine = {k: v for k, v in (("cpu_affinity", slices[i]),
+                                          ("device_ids", devices[i])) if v is not None}
+                if mine:
+                    config = config.model_copy(update={
+                        "parallel": config.parallel.model_copy(update=mine)})
+                self.replicas.append(Replica(i, arm.name, rank, config))
         self.by_arm = {a.name: [r for r in self.replicas if r.arm == a.name] for a in self.arms}
         self.finished_callbacks: list[Callable[[list[RequestState]], None]] = []
         self.replica_finished_callbacks: list[Callable[[Replica, list[RequestState]], None]] = []

@@ -83,6 +83,7 @@ def _make(options: CudaOptions):
 def corellm_platforms() -> Iterator[PlatformSpec]:
     yield PlatformSpec(name="cuda", factory=_make, options=CudaOptions,
                        availability=availability, auto_priority=20, default_block_size=16,
+                       visible_devices_env="CUDA_VISIBLE_DEVICES",
                        summary="NVIDIA GPUs: one device per rank, NCCL, the KV cache sized by "
                                "gpu_memory_utilization, pinned step inputs, CUDA graphs for "
                                "decode steps.")
