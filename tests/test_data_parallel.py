@@ -386,7 +386,8 @@ def test_vllm_naming_labels_request_histograms_with_the_replica():
     assert get("vllm:request_generation_tokens_sum", "1") == 3
 
 
-def test_replicas_on_a_platform_with_a_device_per_rank_get_devices_of_their_own():
+def test_replicas_on_a_platform_with_a_device_per_rank_get_devices_of_their_own(monkeypatch,
+                                                                               caplog):
     """On CUDA a data-parallel server gives each replica on this machine its own block of
     tensor_parallel_size devices (parallel.device_ids); the engine-core process turns them into
     CUDA_VISIBLE_DEVICES (as indices into what it sees) before the device runtime starts, so
@@ -402,11 +403,20 @@ def test_replicas_on_a_platform_with_a_device_per_rank_get_devices_of_their_own(
     def config(tp: int, platform: str = "cuda", **sections) -> EngineConfig:
         return EngineConfig(platform=PlatformOptions(name=platform),
                             parallel=ParallelConfig(tensor_parallel_size=tp), **sections)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")     # 8 GPUs seen
     arms = [Arm("a", config(2), 2), Arm("b", config(1), 1),
             Arm("c", config(2, executor=ExecutorOptions(name="ray")), 1),
             Arm("d", config(1, core_launcher=CoreLauncherOptions(name="ray")), 1),
             Arm("e", config(1, platform="cpu"), 1), Arm("f", config(1), 1)]
     assert device_slices(arms) == [[0, 1], [2, 3], [4], None, None, None, [5]]
+    # devices a config sets by hand are kept by its replica and skipped for the others
+    mine = config(2).model_copy(update={"parallel": ParallelConfig(
+        tensor_parallel_size=2, device_ids=[0, 1])})
+    assert device_slices([Arm("a", config(1), 2), Arm("b", mine, 1)]) == [[2], [3], None]
+    # more than the machine has: none is given any (they share, as one engine's would)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert device_slices([Arm("a", config(2), 2)]) == [None, None]
+    assert "need 4 devices of their own and 3 of the 3" in caplog.text
 
     registry = load_registry()
     replica = config(2).model_copy(update={"parallel": ParallelConfig(

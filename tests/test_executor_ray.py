@@ -131,3 +131,54 @@ def test_engine_cores_on_one_node_claim_different_cpus(tmp_path):
     assert again == first                                    # free again
     for fd in held2 + held3:
         os.close(fd)
+
+
+def test_a_local_cluster_lingers_after_its_last_engine_then_stops(monkeypatch):
+    """A local Ray this process started outlives its last engine by LOCAL_LINGER_S (a replica
+    restarting after its back-off finds it up), then stops; it gives way at once to a cluster
+    an engine names; a joined cluster is never stopped. Ray itself is stubbed: this is the
+    bookkeeping."""
+    import time
+
+    from corellm_plugins.executor_ray import cluster
+    calls: list = []
+
+    class Ray:
+        up = False
+
+        def is_initialized(self) -> bool:
+            return self.up
+
+        def init(self, address=None, **kwargs) -> None:
+            calls.append(("init", address))
+            self.up = True
+
+        def shutdown(self) -> None:
+            calls.append(("shutdown",))
+            self.up = False
+
+    ray = Ray()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "LOCAL_LINGER_S", 0.3)
+    monkeypatch.setattr(cluster, "_users", 0)
+    monkeypatch.setattr(cluster, "_started_here", False)
+    cluster.join(None, "core_launcher.address")
+    cluster.join(None, "executor.address")
+    assert calls == [("init", None)] and cluster.started_here()
+    cluster.leave()
+    cluster.leave()
+    cluster.join(None, "core_launcher.address")           # within the linger: the same one
+    assert calls == [("init", None)]
+    cluster.leave()
+    time.sleep(0.8)
+    assert calls[-1] == ("shutdown",) and not ray.up
+    cluster.join(None, "core_launcher.address")
+    cluster.leave()                                       # lingering, unused ...
+    cluster.join("10.0.0.1:6379", "core_launcher.address")  # ... gives way to a named one
+    assert calls[-2:] == [("shutdown",), ("init", "10.0.0.1:6379")]
+    assert not cluster.started_here()
+    cluster.leave()
+    time.sleep(0.8)
+    assert calls[-1] == ("init", "10.0.0.1:6379")         # a joined cluster is left running
+    monkeypatch.setattr(cluster, "_users", 0)

@@ -117,21 +117,56 @@ def cpu_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
 
 
 def device_slices(arms: Sequence[Arm]) -> list[list[int] | None]:
-    """Each replica's devices (``parallel.device_ids``): consecutive blocks of
-    ``tensor_parallel_size`` of the devices this process sees, for replicas on a platform with
-    a device per rank whose core (and ranks) run on this machine and whose config sets none
-    (else None): replica 0 on devices 0..tp-1, replica 1 on the next, and so on."""
-    out: list[list[int] | None] = []
-    first = 0
+    """Each replica's devices (``parallel.device_ids``), for replicas on a platform with a
+    device per rank whose core (and ranks) run on this machine: blocks of
+    ``tensor_parallel_size`` of the devices this process sees, in order (replica 0 on the
+    first ones), skipping those a config sets by hand (its replicas keep theirs). When they do
+    not fit, none is given any (they share the devices, as before: the log says so). None for
+    the others."""
+    wanted: list[int | None] = []
+    taken: set[int] = set()
+    probe = None
     for arm in arms:
         for _ in range(arm.replicas):
-            if _placement(arm.config) == "devices" and arm.config.parallel.device_ids is None:
-                tp = arm.config.parallel.tensor_parallel_size
-                out.append(list(range(first, first + tp)))
-                first += tp
-            else:
-                out.append(None)
+            if _placement(arm.config) != "devices":
+                wanted.append(None)
+                continue
+            probe = arm.config
+            ids = arm.config.parallel.device_ids
+            taken.update(ids or ())
+            wanted.append(None if ids is not None else arm.config.parallel.tensor_parallel_size)
+    need = sum(w or 0 for w in wanted)
+    if not need:
+        return [None] * len(wanted)
+    count = _visible_devices(probe)
+    free = [d for d in range(count if count is not None else need + len(taken))
+            if d not in taken]
+    if len(free) < need:
+        logger.warning("the replicas need %d devices of their own and %d of the %s this process "
+                       "sees are free (%d set by parallel.device_ids): they share the devices; "
+                       "set parallel.device_ids per arm to place them", need, len(free),
+                       count, len(taken))
+        return [None] * len(wanted)
+    out: list[list[int] | None] = []
+    it = iter(free)
+    for w in wanted:
+        out.append(None if w is None else [next(it) for _ in range(w)])
     return out
+
+
+def _visible_devices(config: Any) -> int | None:
+    """How many devices of ``config``'s platform this process sees: its visible-devices
+    variable's list when set, else the platform's count (None if it cannot say)."""
+    from corellm.platforms import build_platform
+    from corellm.plugins import load_registry
+    try:
+        registry = load_registry(disable=config.plugins.disable)
+        var = registry.get("platform", config.platform.name).spec.visible_devices_env
+        if var and var in os.environ:
+            return len([d for d in os.environ[var].split(",") if d.strip()])
+        return int(build_platform(config.platform, registry).device_count())
+    except Exception:
+        return None
 
 
 def _placement(config: Any) -> str | None:

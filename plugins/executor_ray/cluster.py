@@ -23,6 +23,7 @@ _lock = threading.Lock()
 _users = 0              # engines of this process using the cluster it joined or started
 _started_here = False   # the cluster is a local one this process started (and will stop)
 _linger: threading.Timer | None = None
+_generation = 0         # of the linger timers: only the newest may stop the cluster
 # A local cluster started here outlives its last engine this long (a replica restarting after
 # its back-off, or the next LLM, finds it up), then stops; at exit Ray stops it anyway.
 LOCAL_LINGER_S = 60.0
@@ -41,7 +42,8 @@ def ray_module(key: str) -> Any:
 def join(address: str | None, key: str, log_to_driver: bool = False) -> Any:
     """Connect this process to the cluster at ``address``, else ``$RAY_ADDRESS``, else keep
     the one it is connected to, else start a local one; count one more user of it (``leave``
-    when done). ``key``: the option that named the address, for errors. Returns ``ray``."""
+    when done). ``key``: the option that named the address, for errors. Returns ``ray``.
+    A local cluster left lingering here with no user gives way to a named ``address``."""
     global _users, _started_here
     ray = ray_module(key.rsplit(".", 1)[0] + ".name")
     address = address or os.environ.get("RAY_ADDRESS")
@@ -51,6 +53,9 @@ def join(address: str | None, key: str, log_to_driver: bool = False) -> Any:
                             "a node of the cluster (address 'auto' or HOST:PORT)")])
     with _lock:
         _cancel_linger()
+        if address and _started_here and not _users and ray.is_initialized():
+            ray.shutdown()                 # the lingering local one: not the cluster asked for
+            _started_here = False
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, configure_logging=False,
                      log_to_driver=log_to_driver)
@@ -61,31 +66,38 @@ def join(address: str | None, key: str, log_to_driver: bool = False) -> Any:
     return ray
 
 
+def started_here() -> bool:
+    """Whether the cluster this process uses is a local one it started (no autoscaler)."""
+    return _started_here
+
+
 def leave() -> None:
     """One user fewer; ``LOCAL_LINGER_S`` after the last one, a local cluster this process
     started stops (unless a new user came)."""
-    global _users, _linger
+    global _users, _linger, _generation
     with _lock:
         _users = max(0, _users - 1)
         if _users or not _started_here:
             return
         _cancel_linger()
-        _linger = threading.Timer(LOCAL_LINGER_S, _stop_if_unused)
+        _generation += 1
+        _linger = threading.Timer(LOCAL_LINGER_S, _stop_if_unused, args=(_generation,))
         _linger.daemon = True
         _linger.start()
 
 
 def _cancel_linger() -> None:
-    global _linger
+    global _linger, _generation
     if _linger is not None:
         _linger.cancel()
         _linger = None
+    _generation += 1           # a timer that fired already and waits for the lock: stale
 
 
-def _stop_if_unused() -> None:
+def _stop_if_unused(generation: int) -> None:
     global _started_here
     with _lock:
-        if _users or not _started_here:
+        if generation != _generation or _users or not _started_here:
             return
         _started_here = False
         try:

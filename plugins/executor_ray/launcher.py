@@ -8,9 +8,11 @@ Start-up:
    at free ports, as CURVE servers that admit one key: the one made for this core (ZeroMQ's
    authentication, with a ZAP domain, so that without the authenticator nobody gets in; the
    traffic is encrypted too). The core's keys travel in the actor call, through Ray.
-2. ``start``: join the cluster (``core_launcher.address``, else ``$RAY_ADDRESS``, else the one
-   this process is connected to, else a local one, stopped a while after its last engine is),
-   and refuse at once what the cluster cannot hold.
+   Before that, the first ``bind`` joins the cluster (``core_launcher.address``, else
+   ``$RAY_ADDRESS``, else the one this process is connected to, else a local one, stopped a
+   while after its last engine is), whose address for this node is the one to bind.
+2. ``start``: refuse at once what a local cluster cannot hold (a joined one may grow: an
+   autoscaler; it is told in the log and waited for, up to ``start_timeout_s``).
 3. Create a ``CoreActor`` (``corellm-core-<id>`` in the ``corellm`` namespace) with
    ``cpus_per_replica`` CPUs and ``gpus_per_replica`` GPUs (Ray gives it its own GPUs:
    ``CUDA_VISIBLE_DEVICES``), ``SPREAD`` over the nodes by default, with the driver's
@@ -88,8 +90,15 @@ class RayCoreLauncher(CoreLauncher):
                 f"({info['node_id'][:8]})")
 
     def bind(self, sock: zmq.Socket, which: str) -> None:
-        """On the caller's thread, before ``start``: a CURVE server admitting only the core's
-        key, bound on this node's address at a free port."""
+        """On the caller's thread, before ``start``: join the cluster (the first time), then a
+        CURVE server admitting only the core's key, bound on this node's address in the
+        cluster (Ray's, once joined) at a free port."""
+        if not self._joined:
+            opts = self.options
+            cluster.join(opts.address, "core_launcher.address", opts.log_to_driver)
+            with self._lock:
+                self._joined = True
+                self._check_cancelled()
         import ray
         if self._auth is None:
             from zmq.auth.thread import ThreadAuthenticator
@@ -100,8 +109,8 @@ class RayCoreLauncher(CoreLauncher):
         sock.curve_server = True
         sock.curve_publickey = self.server_key
         sock.curve_secretkey = self._server_secret
-        # A non-empty domain makes the handshake need the authenticator: without it (stopped,
-        # say) nobody gets in, rather than anyone with the server's key.
+        # Enforced: the handshake needs the authenticator's yes; without it (stopped, say)
+        # nobody gets in, rather than anyone with the server's key.
         sock.zap_domain = ZAP_DOMAIN.encode()
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.bind(f"tcp://{ray.util.get_node_ip_address()}:*")
@@ -136,20 +145,21 @@ class RayCoreLauncher(CoreLauncher):
             raise
 
     def _start(self, config: Any, max_outputs_ahead: int | None) -> ModelInfo:
+        import ray
         opts = self.options
-        ray = cluster.join(opts.address, "core_launcher.address", opts.log_to_driver)
-        with self._lock:
-            self._joined = True
-            self._check_cancelled()
+        self._check_cancelled()
         cpus, gpus, claim = self._resources()
         have = ray.cluster_resources()
         wants = {"CPU": cpus, "GPU": gpus, **opts.resources}
         short = {k: v for k, v in wants.items() if v and have.get(k, 0.0) < v}
         if short:
-            raise EngineStartupError(
-                f"the Ray cluster cannot hold an engine core: it needs {short} "
-                f"(core_launcher.cpus_per_replica, gpus_per_replica, resources) and the cluster "
-                f"has {have} in all")
+            why = (f"the Ray cluster cannot hold an engine core: it needs {short} "
+                   f"(core_launcher.cpus_per_replica, gpus_per_replica, resources) and the "
+                   f"cluster has {have} in all")
+            if cluster.started_here():         # a local cluster: nothing will be added
+                raise EngineStartupError(why)
+            logger.warning("%s; waiting up to %g s (core_launcher.start_timeout_s) for it to "
+                           "grow (an autoscaler)", why, opts.start_timeout_s)
         env = cluster.driver_env(opts.env_prefixes)
         with self._lock:
             self._check_cancelled()
