@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ STOP_TIMEOUT_S = 10.0
 KILL_WAIT_S = 5.0
 
 
-class CoreLauncher:
+class CoreLauncher(ABC):
     """Where an engine core runs, and its life: what a ``core_launcher`` plugin's factory
     returns. A client (``SyncMPClient``, ``AsyncMPClient``) makes one per engine core and calls,
     in order:
@@ -75,21 +76,21 @@ class CoreLauncher:
     def where(self) -> str:
         return f"pid {self.pid}"
 
-    def bind(self, sock: zmq.Socket, which: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def bind(self, sock: zmq.Socket, which: str) -> None: ...
 
-    def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, config: EngineConfig, max_outputs_ahead: int | None = None) -> ModelInfo: ...
 
-    def watch(self, on_death: Callable[[str], None]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def watch(self, on_death: Callable[[str], None]) -> None: ...
 
+    @abstractmethod
     def stop(self, send_shutdown: Callable[[float], None] | None,
-             timeout: float = STOP_TIMEOUT_S) -> None:
-        raise NotImplementedError
+             timeout: float = STOP_TIMEOUT_S) -> None: ...
 
-    def kill(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def kill(self) -> None: ...
 
 
 def core_launcher(config: EngineConfig, registry: Registry | None = None) -> CoreLauncher:

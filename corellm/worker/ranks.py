@@ -27,7 +27,16 @@ logger = logging.getLogger(__name__)
 class RankBackend:
     """The ranks as ``RanksExecutor`` drives them: start them (returns the model's info), call a
     method on every rank, send a step and receive rank 0's output, stop them. Failures are
-    ``ExecutorError``s naming the rank; ``stop`` is idempotent and never raises."""
+    ``ExecutorError``s naming the rank; ``stop`` is idempotent and never raises. The base
+    keeps what every backend is made from: the config, the executor's options, the resolved
+    setup, the platform and the number of ranks (``tp``)."""
+
+    def __init__(self, config: Any, options: Any, setup: Any, platform: Any) -> None:
+        self.config = config
+        self.options = options
+        self.setup = setup
+        self.platform = platform
+        self.tp = config.parallel.tensor_parallel_size
 
     def start(self) -> ModelInfo: ...
     def rpc(self, method: str, args: tuple, kwargs: dict, timeout: float | None) -> list: ...

@@ -105,11 +105,7 @@ def _report(conn: Any, rank: int, exc: BaseException) -> None:
 class _SpawnBackend(RankBackend):
     def __init__(self, config: EngineConfig, options: Any, setup: EngineSetup,
                  platform: Platform) -> None:
-        self.config = config
-        self.options = options
-        self.setup = setup
-        self.platform = platform
-        self.tp = config.parallel.tensor_parallel_size
+        super().__init__(config, options, setup, platform)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.plan_spec = self.out_spec = None

@@ -95,11 +95,7 @@ class RayExecutor(RanksExecutor):
 class _RayBackend(RankBackend):
     def __init__(self, config: Any, options: Any, setup: EngineSetup,
                  platform: Platform) -> None:
-        self.config = config
-        self.options = options
-        self.setup = setup
-        self.platform = platform
-        self.tp = config.parallel.tensor_parallel_size
+        super().__init__(config, options, setup, platform)
         self.actors: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
         self.refs: list[Any] = []              # each rank's serve() call
